@@ -1,0 +1,1 @@
+"""Model families: real configs, scale-down rules, seeded checkpoints."""

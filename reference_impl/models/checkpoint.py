@@ -1,0 +1,111 @@
+"""Seeded random checkpoints on the real architecture, written by transformers as safetensors.
+
+The checkpoint is the ground truth of sync #0. It is made once per (config, seed, dtype) and cached
+under `<cache>/checkpoints/<model>-<hash>/`; the hash covers the config dict, the seed and the dtype,
+so a changed scale-down rule makes a new checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference_impl.models.registry import REPO_ROOT, ModelSpec
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_root() -> Path:
+    """Cache folder: `$WSH_CACHE` or `<repo>/.cache`."""
+    return Path(os.environ.get("WSH_CACHE", REPO_ROOT / ".cache"))
+
+
+def config_hash(config: dict[str, Any], seed: int, dtype: str) -> str:
+    """sha256 (first 12 hex digits) of the canonical JSON of config, seed and dtype."""
+    blob = json.dumps({"config": config, "seed": seed, "dtype": dtype}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def hf_config(spec: ModelSpec, dtype: str):
+    """A transformers config object for `spec.config` (architecture from the entry)."""
+    from transformers import AutoConfig
+
+    cfg = dict(spec.config)
+    cfg["architectures"] = [spec.hf_architecture]
+    cfg.pop("transformers_version", None)
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = dtype
+    for sub in ("text_config", "vision_config"):
+        if sub in cfg:
+            cfg[sub] = {**cfg[sub], "dtype": dtype}
+    model_type = cfg.pop("model_type")
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def build_hf_model(spec: ModelSpec, dtype: str, seed: int | None):
+    """A transformers model of `spec` in `dtype`; with `seed`, every tensor is filled deterministically.
+
+    Fill rule (seeded generator, tensors in `named_parameters` order): 1-D tensors (norm weights,
+    biases) 1 + N(0, 0.1) for norms / N(0, 0.02) for biases, others N(0, 0.02). Norms away from 1 make a
+    sync that moves nothing visible in checksums.
+    """
+    import transformers
+
+    cfg = hf_config(spec, dtype)
+    cls = getattr(transformers, spec.hf_architecture)
+    torch_dtype = DTYPES[dtype]
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        model = cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.eval()
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+                if p.ndim == 1 and "norm" in name:
+                    p.copy_((1.0 + 0.1 * noise).to(p.dtype))
+                else:
+                    p.copy_((0.02 * noise).to(p.dtype))
+    return model
+
+
+def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Path | None = None) -> Path:
+    """Write (once) and return the folder of the seeded checkpoint of `spec`.
+
+    The folder holds `config.json` and `model.safetensors` (or shards) as `save_pretrained` writes them.
+    Concurrent callers are safe: the checkpoint is written to a temp folder and renamed.
+    """
+    root = root or cache_root()
+    out = root / "checkpoints" / f"{spec.name}-{dtype}-{config_hash(spec.config, seed, dtype)}"
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = build_hf_model(spec, dtype, seed)
+    model.save_pretrained(tmp, max_shard_size="20GB")
+    (tmp / "wsh_source.json").write_text(json.dumps({"model": spec.name, "seed": seed, "dtype": dtype}))
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return out
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder, by HF name (safetensors, every shard)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out

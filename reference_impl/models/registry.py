@@ -1,0 +1,169 @@
+"""Model entries: a real Hugging Face config plus a scale-down rule, read from `scenarios/models/`.
+
+An entry (`scenarios/models/<name>.yaml`) names a family (`qwen3`, `qwen3_vl`), a real config.json
+copied from the published model (sources in `scenarios/models/SOURCES.md`) and a `scale_down`
+mapping of config overrides (nested for `text_config` / `vision_config`), or null for the real size.
+`ModelSpec.facts()` exposes the numbers scenario validation needs (heads, layers, ...), and
+`check_scale_down_keeps_facts` asserts that a scaled model keeps the architecture's facts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODELS_DIR = REPO_ROOT / "scenarios" / "models"
+
+FAMILIES = ("qwen3", "qwen3_vl")
+
+
+class ModelEntryError(ValueError):
+    """A model entry that cannot be used; the message says what to change."""
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "rope_scaling":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Architecture numbers of the text model (and vision tower) that validation and converters use."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    vision_depth: int = 0
+    vision_hidden: int = 0
+    vision_heads: int = 0
+    deepstack_indexes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model entry with its scale-down applied: `config` is the HF config.json dict to build."""
+
+    name: str
+    family: str
+    hf_architecture: str
+    source_config: dict[str, Any]
+    config: dict[str, Any]
+    scaled: bool
+
+    def text_config(self) -> dict[str, Any]:
+        """The text model's config dict (top level for Qwen3, `text_config` for Qwen3-VL)."""
+        return self.config["text_config"] if self.family == "qwen3_vl" else self.config
+
+    def facts(self) -> ModelFacts:
+        """Numbers read from `config` (see `ModelFacts`)."""
+        t = self.text_config()
+        v = self.config.get("vision_config", {})
+        return ModelFacts(
+            hidden_size=t["hidden_size"],
+            num_layers=t["num_hidden_layers"],
+            num_heads=t["num_attention_heads"],
+            num_kv_heads=t["num_key_value_heads"],
+            head_dim=t.get("head_dim", t["hidden_size"] // t["num_attention_heads"]),
+            ffn_hidden_size=t["intermediate_size"],
+            vocab_size=t["vocab_size"],
+            tied_embeddings=bool(self.config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+            vision_depth=v.get("depth", 0),
+            vision_hidden=v.get("hidden_size", 0),
+            vision_heads=v.get("num_heads", 0),
+            deepstack_indexes=tuple(v.get("deepstack_visual_indexes", ())),
+        )
+
+
+def available_models() -> list[str]:
+    """Names of the entries under `scenarios/models/`."""
+    return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
+
+
+def load_model(name: str, models_dir: Path = MODELS_DIR) -> ModelSpec:
+    """Read entry `name`, apply its scale-down rule.
+
+    Raises:
+        ModelEntryError: unknown name or family, missing config file.
+    """
+    path = models_dir / f"{name}.yaml"
+    if not path.exists():
+        raise ModelEntryError(
+            f"unknown model {name!r}: add scenarios/models/{name}.yaml or use one of {available_models()}"
+        )
+    entry = yaml.safe_load(path.read_text())
+    if entry.get("family") not in FAMILIES:
+        raise ModelEntryError(f"{path.name}: family must be one of {FAMILIES}, got {entry.get('family')!r}")
+    cfg_path = models_dir / entry["config"]
+    if not cfg_path.exists():
+        raise ModelEntryError(f"{path.name}: config file {cfg_path.name} not found beside it")
+    source = json.loads(cfg_path.read_text())
+    rule = entry.get("scale_down")
+    config = _merge(source, rule) if rule else copy.deepcopy(source)
+    if entry["family"] == "qwen3_vl":
+        # The vision tower projects into the text model's width.
+        config["vision_config"]["out_hidden_size"] = config["text_config"]["hidden_size"]
+    return ModelSpec(
+        name=entry["name"],
+        family=entry["family"],
+        hf_architecture=entry["hf_architecture"],
+        source_config=source,
+        config=config,
+        scaled=bool(rule),
+    )
+
+
+def check_scale_down_keeps_facts(spec: ModelSpec) -> list[str]:
+    """Facts of the real architecture that the scaled config lost; empty when all are kept.
+
+    Kept facts: GQA ratio, head_dim >= 32 and in vLLM's CPU attention set, q/k norm (implied by the
+    family), tied embeddings as the real model has them, hidden != heads*head_dim when the real model
+    has it so; for Qwen3-VL also patch/temporal/merge sizes, a square position grid, mRoPE sections
+    in the real proportion summing to head_dim/2, vision depth >= 2 holding every deepstack index.
+    """
+    problems: list[str] = []
+    real = ModelSpec(spec.name, spec.family, spec.hf_architecture, spec.source_config, spec.source_config, False)
+    f, r = spec.facts(), real.facts()
+    if f.num_heads * r.num_kv_heads != r.num_heads * f.num_kv_heads:
+        problems.append(f"GQA ratio {f.num_heads}:{f.num_kv_heads} differs from real {r.num_heads}:{r.num_kv_heads}")
+    if f.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512):
+        problems.append(f"head_dim {f.head_dim} is not one vLLM's CPU attention supports")
+    if f.tied_embeddings != r.tied_embeddings:
+        problems.append(f"tie_word_embeddings {f.tied_embeddings} differs from real {r.tied_embeddings}")
+    if (r.hidden_size == r.num_heads * r.head_dim) != (f.hidden_size == f.num_heads * f.head_dim):
+        problems.append("hidden_size vs heads*head_dim relation differs from the real model")
+    if spec.family == "qwen3_vl":
+        v, rv = spec.config["vision_config"], spec.source_config["vision_config"]
+        for k in ("patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings"):
+            if v[k] != rv[k]:
+                problems.append(f"vision {k} {v[k]} differs from real {rv[k]}")
+        if f.vision_depth < 2:
+            problems.append("vision depth must be >= 2")
+        if len(f.deepstack_indexes) != len(r.deepstack_indexes) or max(f.deepstack_indexes) >= f.vision_depth:
+            problems.append("deepstack indexes must keep their count and lie inside the vision depth")
+        sec = spec.text_config()["rope_scaling"]["mrope_section"]
+        rsec = spec.source_config["text_config"]["rope_scaling"]["mrope_section"]
+        if sum(sec) * 2 != f.head_dim:
+            problems.append(f"mrope_section {sec} must sum to head_dim/2 = {f.head_dim // 2}")
+        if [round(s / sum(sec), 1) for s in sec] != [round(s / sum(rsec), 1) for s in rsec]:
+            problems.append(f"mrope_section {sec} is not in the real proportion {rsec}")
+        ids = [spec.config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                         "vision_end_token_id")]
+        if max(ids) >= f.vocab_size:
+            problems.append(f"special token ids {ids} must lie inside vocab_size {f.vocab_size}")
+    return problems
