@@ -83,7 +83,10 @@ def unpack(
         raise ValueError(f"chunk holds {buf.numel()} bytes but its declared dtypes/shapes need {sum(sizes)}")
     out, off = [], 0
     for n, d, s in zip(sizes, dtypes, shapes, strict=True):
-        out.append(buf[off : off + n].view(d).reshape(tuple(s)))
+        piece = buf[off : off + n]
+        if off % torch.empty((), dtype=d).element_size():
+            piece = piece.clone()  # no padding in the format: a misaligned offset cannot be viewed
+        out.append(piece.view(d).reshape(tuple(s)))
         off += n
     return out
 

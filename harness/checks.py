@@ -1,0 +1,624 @@
+"""Pure checks: one `RunRecord` in, `CheckResult`s and one verdict out.
+
+Every function here reads only the record (no I/O, no processes, no clocks), so a saved
+`records/<scenario>.json` can be re-judged anywhere. Each check answers one question and, when it
+fails, says which sync / chunk / tensor / route was the *first* to go wrong and by how much.
+
+`judge` runs all checks and picks the overall verdict by priority::
+
+    CONFIG_ERROR > DEADLOCK > CRASH > NAME_ERROR > HTTP_ERROR > CHUNK_MISMATCH > COVERAGE_GAP
+    > PARITY_FAIL > PASS
+
+NAME_ERROR outranks HTTP_ERROR because an engine that cannot place a name answers non-200 too.
+
+Which exceptions are *not* crashes (they are judged by the HTTP / name checks instead):
+
+- ``EngineRejected``: the update client's exception when the engine answers non-200.
+- Name-class exceptions: ``KeyError`` (DESIGN.md: "NAME_ERROR (KeyError or any name the engine
+  cannot place)") and exceptions whose text says a parameter name cannot be placed
+  (vLLM's "There is no module or parameter named '...'").
+- Engine-side exceptions when the engine did answer some call with an error status (>= 400): the
+  engine handled the exception and the trainer saw it as that non-200. An engine that died (no
+  response, status 0) stays a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from pydantic import BaseModel, field_validator
+
+from harness.record import VERDICTS, ErrorRecord, HttpCall, RunRecord, SyncRecord
+
+# Overall verdict priority, most severe first; PASS when nothing failed.
+PRIORITY: tuple[str, ...] = (
+    "CONFIG_ERROR",
+    "DEADLOCK",
+    "CRASH",
+    "NAME_ERROR",
+    "HTTP_ERROR",
+    "CHUNK_MISMATCH",
+    "COVERAGE_GAP",
+    "PARITY_FAIL",
+    "PASS",
+)
+
+ENGINE_REJECTED = "EngineRejected"
+NAME_KIND = "name"
+NON_NAME_KINDS: frozenset[str] = frozenset({"shape", "dtype", "bytes"})
+_EXCERPT = 200
+
+
+class CheckResult(BaseModel):
+    """The outcome of one check.
+
+    ``ok`` is True for a pass *and* for a skip (``skipped`` True with ``reason``: nothing to judge,
+    or an earlier failure explains it). When ``ok`` is False, ``message`` is a sentence naming the
+    first offending sync / chunk / tensor / route, and ``verdict_on_fail`` is what it means.
+    """
+
+    name: str
+    ok: bool
+    verdict_on_fail: str
+    message: str = ""
+    skipped: bool = False
+    reason: str = ""
+
+    @field_validator("verdict_on_fail")
+    @classmethod
+    def _known_verdict(cls, value: str) -> str:
+        if value not in VERDICTS:
+            raise ValueError(f"unknown verdict {value!r}; expected one of {', '.join(VERDICTS)}")
+        return value
+
+    @property
+    def failed(self) -> bool:
+        """True when the check ran and found a problem."""
+        return not self.ok and not self.skipped
+
+
+def _passed(name: str, verdict: str) -> CheckResult:
+    return CheckResult(name=name, ok=True, verdict_on_fail=verdict)
+
+
+def _failed(name: str, verdict: str, message: str) -> CheckResult:
+    return CheckResult(name=name, ok=False, verdict_on_fail=verdict, message=message)
+
+
+def _skipped(name: str, verdict: str, reason: str) -> CheckResult:
+    return CheckResult(name=name, ok=True, verdict_on_fail=verdict, skipped=True, reason=reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small text helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_line(text: str) -> str:
+    for line in text.strip().splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _excerpt(text: str | None, limit: int = _EXCERPT) -> str:
+    flat = " ".join((text or "").split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _short(checksum: str | None) -> str:
+    if checksum is None:
+        return "<missing>"
+    return checksum if len(checksum) <= 16 else checksum[:16] + "…"
+
+
+def _where(call: HttpCall) -> str:
+    parts = []
+    if call.sync is not None:
+        parts.append(f"sync {call.sync}")
+    if call.chunk is not None:
+        parts.append(f"chunk {call.chunk}")
+    return " ".join(parts)
+
+
+def _prefix(call: HttpCall) -> str:
+    where = _where(call)
+    return f"{where}: " if where else ""
+
+
+def _status_text(status: int) -> str:
+    return "no response (status 0)" if status == 0 else f"status {status}"
+
+
+def _error_origin(err: ErrorRecord) -> str:
+    if err.rank is not None:
+        return f"rank {err.rank} ({err.where})"
+    return err.where or "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# Name problems in engine answers and exception texts
+# ---------------------------------------------------------------------------------------------
+
+# Explicit "this name cannot be placed" phrasings (vLLM loaders, torch load_state_dict, our engine).
+_NAME_PATTERNS: tuple[re.Pattern[str], ...] = (
+    re.compile(r"no (?:module or )?parameter named\s+['\"]([^'\"]+)['\"]", re.IGNORECASE),
+    re.compile(r"KeyError:\s*['\"]([^'\"]+)['\"]"),
+    re.compile(
+        r"(?:unexpected|unknown|unrecognized|missing|unused)\s+(?:key|parameter|weight|tensor|name)s?"
+        r"(?:\s+named)?\s*[:=(\[]?\s*\[?\s*['\"]([^'\"]+)['\"]",
+        re.IGNORECASE,
+    ),
+    re.compile(
+        r"['\"]([^'\"]+)['\"]\s+(?:is\s+)?not\s+(?:found\s+)?in\s+"
+        r"(?:params_dict|the model|model|state_dict|parameters|engine)",
+        re.IGNORECASE,
+    ),
+)
+# A ValueError / AttributeError / KeyError line quoting a parameter-like dotted name.
+_EXC_LINE = re.compile(r"\b(?:ValueError|AttributeError|KeyError)\b[^\n]*")
+_DOTTED = re.compile(r"['\"]((?:[A-Za-z_][\w]*\.)+[A-Za-z_][\w]*)['\"]")
+_NOT_NAME_WORDS = re.compile(r"\b(?:shape|size|dtype|bytes|mismatch|numel)\b", re.IGNORECASE)
+# "'Qwen3VLModel' object has no attribute 'visual'" (not 'NoneType' / tensor / builtin objects).
+_NO_ATTR = re.compile(r"AttributeError:\s*'(\w+)' object has no attribute '(\w+)'")
+_PLAIN_OBJECTS = frozenset(
+    {
+        "NoneType",
+        "Tensor",
+        "Parameter",
+        "int",
+        "float",
+        "str",
+        "list",
+        "dict",
+        "tuple",
+        "bool",
+        "bytes",
+        "function",
+        "method",
+        "module",
+    }
+)
+_KIND_PAIR = re.compile(r"\"([^\"]+)\"\s*:\s*\"(name|shape|dtype|bytes)\"")
+
+
+def _kind_of_reason(reason: str) -> str:
+    """Classify a free-text rejection reason: 'shape' / 'dtype' / 'bytes', else 'name'."""
+    low = reason.lower()
+    if "dtype" in low:
+        return "dtype"
+    if "shape" in low or "size mismatch" in low or "numel" in low:
+        return "shape"
+    if re.search(r"\bbytes?\b", low):
+        return "bytes"
+    return NAME_KIND
+
+
+def _names_in_text(text: str, loose: bool = True) -> Iterator[tuple[str, str]]:
+    """Yield (name, sentence) for every name problem stated in free text.
+
+    Explicit phrasings always count. With `loose` (engine answers, where vLLM wraps its loader's
+    exception in a 500), so does a ValueError / AttributeError / KeyError line that quotes a
+    parameter-like dotted name, or an AttributeError on a model object; exception records from the
+    trainer use only the explicit phrasings, so an AttributeError in trainer code stays a crash.
+    """
+    for pattern in _NAME_PATTERNS:
+        for match in pattern.finditer(text):
+            yield match.group(1), _first_line(text[match.start() :]) or match.group(0)
+    if not loose:
+        return
+    for match in _EXC_LINE.finditer(text):
+        line = match.group(0)
+        if _NOT_NAME_WORDS.search(line):
+            continue
+        dotted = _DOTTED.search(line)
+        if dotted:
+            yield dotted.group(1), line.strip()
+    for match in _NO_ATTR.finditer(text):
+        if match.group(1) not in _PLAIN_OBJECTS:
+            yield match.group(2), match.group(0)
+
+
+def _strings_in(value: Any) -> Iterator[str]:
+    """Every string inside parsed JSON (so an error text wrapped in JSON reads as plain lines)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings_in(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings_in(item)
+
+
+def _rejections_in_body(body: str | None) -> list[tuple[str, str, str]]:
+    """(name, kind, reason) for each rejection an engine's error body states, in order.
+
+    Understands the embedded engine's JSON ``{"detail": {"error", "rejected", "kinds"}}`` (also when
+    the stored body is truncated and no longer parses) and free text such as vLLM's 500 answers.
+    """
+    if not body:
+        return []
+    detail: Any = None
+    try:
+        parsed = json.loads(body)
+    except (ValueError, TypeError):
+        parsed = None
+    if isinstance(parsed, dict):
+        detail = parsed.get("detail", parsed)
+    if isinstance(detail, dict) and ("rejected" in detail or "kinds" in detail):
+        rejected = detail.get("rejected") or {}
+        kinds = detail.get("kinds") or {}
+        out: list[tuple[str, str, str]] = []
+        for name in list(kinds) + [n for n in rejected if n not in kinds]:
+            reason = str(rejected.get(name, detail.get("error", "")))
+            kind = str(kinds.get(name) or _kind_of_reason(reason))
+            out.append((str(name), kind, reason))
+        return out
+    text = "\n".join(_strings_in(parsed)) if parsed is not None else body
+    pairs = _KIND_PAIR.findall(text)
+    if pairs:  # truncated JSON: recover what the kinds map still shows
+        return [(name, kind, _excerpt(text)) for name, kind in pairs]
+    return [(name, NAME_KIND, sentence) for name, sentence in _names_in_text(text)]
+
+
+def _is_name_error(err: ErrorRecord) -> bool:
+    if err.type == "KeyError":
+        return True
+    return err.type != ENGINE_REJECTED and any(True for _ in _names_in_text(err.message, loose=False))
+
+
+def _engine_answered_error(record: RunRecord) -> bool:
+    return any(call.status >= 400 for call in record.http)
+
+
+def _is_crash(record: RunRecord, err: ErrorRecord) -> bool:
+    """Whether an error is a crash, or is judged by the HTTP / name checks instead."""
+    if err.type == ENGINE_REJECTED or _is_name_error(err):
+        return False
+    return not (err.where == "engine" and _engine_answered_error(record))
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------------
+
+
+def check_config(record: RunRecord) -> CheckResult:
+    """The scenario was valid (CONFIG_ERROR carries the sentence that says what to change)."""
+    name, verdict = "config", "CONFIG_ERROR"
+    if record.config_error:
+        return _failed(name, verdict, f"invalid scenario: {record.config_error}")
+    return _passed(name, verdict)
+
+
+def check_deadlock(record: RunRecord) -> CheckResult:
+    """The run made progress until its end (the watchdog did not fire)."""
+    name, verdict = "deadlock", "DEADLOCK"
+    if not record.deadlock:
+        return _passed(name, verdict)
+    where = "before the first sync"
+    if record.syncs:
+        last = record.syncs[-1]
+        where = (
+            f"in sync {last.index} after {last.chunks_sent}/{last.chunks_planned} chunks sent, "
+            f"{last.chunks_received} received"
+        )
+    stacks = f"; stacks saved: {', '.join(record.stacks)}" if record.stacks else "; no stacks saved"
+    return _failed(name, verdict, f"no progress before the deadline {where}{stacks}")
+
+
+def check_crash(record: RunRecord) -> CheckResult:
+    """No exception other than engine rejections and name problems (those have their own checks)."""
+    name, verdict = "crash", "CRASH"
+    crashes = [err for err in record.errors if _is_crash(record, err)]
+    if not crashes:
+        return _passed(name, verdict)
+    first = crashes[0]
+    more = f" (+{len(crashes) - 1} more)" if len(crashes) > 1 else ""
+    text = _first_line(first.message) or "<no message>"
+    return _failed(name, verdict, f"{_error_origin(first)} raised {first.type}: {text}{more}")
+
+
+def check_http_status(record: RunRecord) -> CheckResult:
+    """Every call to the engine answered 200 (and no EngineRejected went unrecorded)."""
+    name, verdict = "http_status", "HTTP_ERROR"
+    bad = [call for call in record.http if call.status != 200]
+    if bad:
+        first = bad[0]
+        more = f" (+{len(bad) - 1} more non-200)" if len(bad) > 1 else ""
+        body = f": {_excerpt(first.error)}" if first.error else ""
+        return _failed(
+            name, verdict, f"{_prefix(first)}{first.route} answered {_status_text(first.status)}{body}{more}"
+        )
+    rejected = [err for err in record.errors if err.type == ENGINE_REJECTED]
+    if rejected:
+        first = rejected[0]
+        return _failed(
+            name,
+            verdict,
+            f"{_error_origin(first)}: engine rejected a call not in the HTTP log: {_excerpt(first.message)}",
+        )
+    return _passed(name, verdict)
+
+
+def _name_problems(record: RunRecord) -> Iterator[str]:
+    """Messages for every name problem in the record, first offender first."""
+    kinds_by_sync: dict[int | None, dict[str, str]] = {}
+    for call in record.http:
+        if call.status == 200:
+            continue
+        for key, kind, reason in _rejections_in_body(call.error):
+            kinds_by_sync.setdefault(call.sync, {})[key] = kind
+            if kind == NAME_KIND:
+                yield (
+                    f"{_prefix(call)}engine cannot place name '{key}' "
+                    f"({call.route} {_status_text(call.status)}: {_excerpt(reason, 160)})"
+                )
+    for sync in record.syncs:
+        known = kinds_by_sync.get(sync.index, {})
+        for key, reason in sync.names_rejected.items():
+            kind = known.get(key) or _kind_of_reason(reason)
+            if kind == NAME_KIND:
+                yield f"sync {sync.index}: engine rejected name '{key}': {_excerpt(reason, 160)}"
+    for err in record.errors:
+        if err.type == ENGINE_REJECTED:
+            for key, kind, reason in _rejections_in_body(err.message):
+                if kind == NAME_KIND:
+                    yield f"{_error_origin(err)}: engine cannot place name '{key}': {_excerpt(reason, 160)}"
+        elif _is_name_error(err):
+            found = next(_names_in_text(err.message, loose=False), None)
+            key = found[0] if found else _first_line(err.message).strip("'\"")
+            yield (
+                f"{_error_origin(err)} raised {err.type} on name '{key}': "
+                f"{_excerpt(_first_line(err.message), 160)}"
+            )
+    yield from _silently_ignored(record)
+
+
+def _silently_ignored(record: RunRecord) -> Iterator[str]:
+    """Names sent in an all-200 sync that the engine neither accepted nor rejected."""
+    for sync in record.syncs:
+        if not sync.names_accepted:
+            continue  # the engine did not report acceptances; coverage judges this sync
+        calls = [call for call in record.http if call.sync == sync.index]
+        if any(call.status != 200 for call in calls):
+            continue
+        accepted = set(sync.names_accepted) | set(sync.names_rejected)
+        missing = [key for key in sync.names_sent if key not in accepted]
+        if missing:
+            more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+            yield (f"sync {sync.index}: engine answered 200 but silently ignored name '{missing[0]}'{more}")
+
+
+def check_names(record: RunRecord) -> CheckResult:
+    """Every name the trainer sent could be placed by the engine."""
+    name, verdict = "names", "NAME_ERROR"
+    first = next(_name_problems(record), None)
+    return _failed(name, verdict, first) if first else _passed(name, verdict)
+
+
+def _chunk_problem(sync: SyncRecord) -> str | None:
+    planned, sent, received = sync.chunks_planned, sync.chunks_sent, sync.chunks_received
+    if planned == sent == received == len(sync.chunks):
+        lost = next((c for c in sync.chunks if not (c.sent and c.received)), None)
+        if lost is None:
+            return None
+        state = "not sent" if not lost.sent else "sent but not received"
+        return f"sync {sync.index} chunk {lost.index}: {state} ({len(lost.names)} names, {lost.bytes} bytes)"
+    first = next((c for c in sync.chunks if not c.sent), None) if sent < planned else None
+    if first is None and received < planned:
+        first = next((c for c in sync.chunks if not c.received), None)
+    where = f"sync {sync.index}" + (f" chunk {first.index}" if first is not None else "")
+    return (
+        f"{where}: planned {planned} chunks, sent {sent}, received {received}, "
+        f"{len(sync.chunks)} in the plan record"
+    )
+
+
+def check_chunks(record: RunRecord) -> CheckResult:
+    """Per sync: chunks planned == sent == received, and every planned chunk is in the record."""
+    name, verdict = "chunks", "CHUNK_MISMATCH"
+    if not record.syncs:
+        return _skipped(name, verdict, "no sync recorded")
+    for sync in record.syncs:
+        problem = _chunk_problem(sync)
+        if problem:
+            return _failed(name, verdict, problem)
+    return _passed(name, verdict)
+
+
+def check_coverage(record: RunRecord) -> CheckResult:
+    """Per sync: every engine slot updated exactly once (and every known slot present)."""
+    name, verdict = "coverage", "COVERAGE_GAP"
+    if not record.syncs:
+        return _skipped(name, verdict, "no sync recorded")
+    if not record.engine_slots and not any(s.engine_update_counts for s in record.syncs):
+        return _skipped(name, verdict, "no engine slots or update counts recorded")
+    for sync in record.syncs:
+        counts = sync.engine_update_counts
+        slots = list(record.engine_slots) + [k for k in counts if k not in set(record.engine_slots)]
+        bad = [(slot, counts.get(slot, 0)) for slot in slots if counts.get(slot, 0) != 1]
+        if bad:
+            slot, count = bad[0]
+            more = f" (+{len(bad) - 1} more slots)" if len(bad) > 1 else ""
+            times = "never updated" if count == 0 else f"updated {count} times"
+            return _failed(
+                name, verdict, f"sync {sync.index}: engine slot '{slot}' {times}, expected exactly once{more}"
+            )
+    return _passed(name, verdict)
+
+
+def _first_difference(
+    expected: dict[str, str], actual: dict[str, str], expected_label: str, actual_label: str
+) -> str | None:
+    """Sentence naming the first name whose checksums differ (or that one side lacks), with a count."""
+    differing: list[str] = []
+    for key in list(expected) + [k for k in actual if k not in expected]:
+        if expected.get(key) != actual.get(key):
+            differing.append(key)
+    if not differing:
+        return None
+    key = differing[0]
+    total = len(set(expected) | set(actual))
+    count = f"{len(differing)} of {total} tensors differ"
+    if key not in actual:
+        return f"'{key}' in {expected_label} but missing from {actual_label} ({count})"
+    if key not in expected:
+        return f"'{key}' on {actual_label} but not in {expected_label} ({count})"
+    return (
+        f"'{key}' {actual_label} checksum {_short(actual[key])} != "
+        f"{expected_label} {_short(expected[key])} ({count})"
+    )
+
+
+def check_parity_sync0(record: RunRecord) -> CheckResult:
+    """After sync 0 the engine holds the checkpoint's tensors bit for bit (same names, same sums)."""
+    name, verdict = "parity_sync0", "PARITY_FAIL"
+    sync0 = next((s for s in record.syncs if s.index == 0), None)
+    if sync0 is None:
+        return _skipped(name, verdict, "no sync 0 recorded")
+    if not sync0.engine_checksums and not record.checkpoint_checksums:
+        return _failed(name, verdict, "sync 0: no checksums recorded, parity with the checkpoint unshown")
+    diff = _first_difference(record.checkpoint_checksums, sync0.engine_checksums, "checkpoint", "engine")
+    return _failed(name, verdict, f"sync 0: {diff}") if diff else _passed(name, verdict)
+
+
+def check_parity_sent(record: RunRecord) -> CheckResult:
+    """After syncs >= 1 the engine holds exactly what the trainer sent, for every name sent."""
+    name, verdict = "parity_sent", "PARITY_FAIL"
+    later = [s for s in record.syncs if s.index >= 1]
+    if not later:
+        return _skipped(name, verdict, "no sync after sync 0 recorded")
+    for sync in later:
+        if not sync.sent_checksums:
+            if sync.names_sent or sync.chunks_sent:
+                return _failed(name, verdict, f"sync {sync.index}: no sent checksums recorded")
+            continue
+        engine = {k: sync.engine_checksums[k] for k in sync.sent_checksums if k in sync.engine_checksums}
+        diff = _first_difference(sync.sent_checksums, engine, "sent", "engine")
+        if diff:
+            return _failed(name, verdict, f"sync {sync.index}: {diff}")
+    return _passed(name, verdict)
+
+
+def check_parity_cross_mode(record: RunRecord) -> CheckResult:
+    """Raw and bridge exports of the same trainer state agree name for name, bit for bit."""
+    name, verdict = "parity_cross_mode", "PARITY_FAIL"
+    maps = record.cross_mode_checksums
+    missing = [mode for mode in ("raw", "bridge") if mode not in maps]
+    if missing:
+        return _skipped(name, verdict, f"no cross-mode checksums for {' and '.join(missing)}")
+    diff = _first_difference(maps["raw"], maps["bridge"], "raw export", "bridge export")
+    return _failed(name, verdict, f"raw vs bridge: {diff}") if diff else _passed(name, verdict)
+
+
+def check_requested_mode(record: RunRecord) -> CheckResult:
+    """Every sync ran the export mode the scenario asked for (else it did not test what it claims)."""
+    name, verdict = "requested_mode", "PARITY_FAIL"
+    requested = record.requested_mode or str(record.scenario.get("mode") or "")
+    if not requested:
+        return _skipped(name, verdict, "no requested mode recorded")
+    for sync in record.syncs:
+        if sync.mode != requested:
+            return _failed(
+                name,
+                verdict,
+                f"requested mode {requested} but {sync.mode or '<none>'} ran (sync {sync.index})",
+            )
+    return _passed(name, verdict)
+
+
+# Failures that explain syncs missing or unfinished (so syncs_ran does not add a CRASH of its own).
+_EXPLAINING: tuple[Callable[[RunRecord], CheckResult], ...] = (
+    check_config,
+    check_deadlock,
+    check_crash,
+    check_names,
+    check_http_status,
+    check_chunks,
+)
+
+
+def check_syncs_ran(record: RunRecord) -> CheckResult:
+    """At least one sync (and as many as the scenario asks) ran, and every sync finished."""
+    name, verdict = "syncs_ran", "CRASH"
+    problem: str | None = None
+    wanted = _as_int(record.scenario.get("syncs"))
+    if not record.syncs:
+        problem = "no sync recorded"
+    elif wanted and len(record.syncs) < wanted:
+        problem = f"{len(record.syncs)} of {wanted} syncs recorded (last: sync {record.syncs[-1].index})"
+    else:
+        unfinished = next((s for s in record.syncs if not s.finished), None)
+        if unfinished is not None:
+            problem = (
+                f"sync {unfinished.index} did not finish (no 200 from /finish_weight_update) "
+                "and no error explains it"
+            )
+    if problem is None:
+        return _passed(name, verdict)
+    for check in _EXPLAINING:
+        earlier = check(record)
+        if earlier.failed:
+            return _skipped(name, verdict, f"{problem}; explained by {earlier.verdict_on_fail}")
+    return _failed(name, verdict, problem)
+
+
+def _as_int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
+    check_config,
+    check_deadlock,
+    check_crash,
+    check_http_status,
+    check_names,
+    check_chunks,
+    check_coverage,
+    check_parity_sync0,
+    check_parity_sent,
+    check_parity_cross_mode,
+    check_requested_mode,
+    check_syncs_ran,
+)
+
+
+def overall_verdict(results: Iterable[CheckResult]) -> str:
+    """The most severe failing verdict by `PRIORITY`, or PASS."""
+    failing = {result.verdict_on_fail for result in results if result.failed}
+    return next((verdict for verdict in PRIORITY if verdict in failing), "PASS")
+
+
+def first_failure(results: Iterable[CheckResult], verdict: str) -> CheckResult | None:
+    """The first failing check whose verdict is `verdict` (the one that decided the run)."""
+    return next((r for r in results if r.failed and r.verdict_on_fail == verdict), None)
+
+
+def judge(record: RunRecord) -> tuple[str, list[CheckResult]]:
+    """Run every check on the record; return the overall verdict and all results."""
+    results = [check(record) for check in CHECKS]
+    return overall_verdict(results), results
+
+
+def judged(record: RunRecord) -> RunRecord:
+    """A copy of the record with `verdict` and `checks` filled in from `judge` (record unchanged)."""
+    verdict, results = judge(record)
+    return record.model_copy(update={"verdict": verdict, "checks": [r.model_dump() for r in results]})
+
+
+def expected_verdict(record: RunRecord) -> str:
+    """The verdict the scenario expects (``expect:``), PASS by default."""
+    return str(record.scenario.get("expect") or "PASS")
+
+
+def expectation_met(record: RunRecord, verdict: str) -> bool:
+    """Whether `verdict` is the one the scenario expects."""
+    return verdict == expected_verdict(record)

@@ -1,0 +1,88 @@
+"""Matplotlib figures of a run's summary table (Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # after matplotlib.use: the backend must be chosen first
+import pandas as pd
+
+MODES: tuple[str, ...] = ("raw", "bridge")
+MODE_COLORS: dict[str, str] = {"raw": "#4C72B0", "bridge": "#DD8452"}
+GROUP_KEYS: tuple[str, ...] = ("model", "tp", "pp", "ep", "colocate")
+
+
+def _group_label(model: str, tp: object, pp: object, ep: object, colocate: object) -> str:
+    place = "colocate" if bool(colocate) else "non-colocate"
+    return f"{model}\nTP{tp} PP{pp} EP{ep}\n{place}"
+
+
+def steady_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Steady-state seconds per layout group (rows) and mode (columns: raw, bridge); NaN if absent.
+
+    Several rows of one group and mode (e.g. tags) are combined by their median.
+    """
+    if df.empty or "steady_s" not in df:
+        return pd.DataFrame(columns=list(MODES))
+    data = df.copy()
+    for key in GROUP_KEYS:
+        if key not in data:
+            data[key] = "" if key == "model" else 1
+    data["steady_s"] = pd.to_numeric(data["steady_s"], errors="coerce")
+    table = data.groupby([*GROUP_KEYS, "mode"], sort=True)["steady_s"].median().unstack("mode")
+    return table.reindex(columns=list(MODES))
+
+
+def plot_steady_update_time(df: pd.DataFrame, out_path: Path | str) -> Path:
+    """Grouped bars of steady-state update time (s) per layout, raw beside bridge; writes a PNG.
+
+    Missing values are drawn as no bar with an "n/a" mark; an empty table gives a figure that says
+    so, so callers always get a file.
+    """
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = steady_table(df)
+    width = max(6.0, 1.6 * len(table) + 2.0)
+    fig, ax = plt.subplots(figsize=(width, 4.8))
+    try:
+        if table.empty:
+            ax.text(0.5, 0.5, "no steady-state data", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+        else:
+            labels = [_group_label(*key) for key in table.index]
+            finite = [v for v in table.to_numpy().ravel() if not math.isnan(float(v))]
+            top = max(finite) if finite else 1.0
+            bar_w = 0.38
+            for i, mode in enumerate(MODES):
+                offsets = [x + (i - 0.5) * bar_w for x in range(len(table))]
+                values = [float(v) for v in table[mode]]
+                heights = [0.0 if math.isnan(v) else v for v in values]
+                bars = ax.bar(offsets, heights, bar_w, label=mode, color=MODE_COLORS[mode])
+                for bar, value in zip(bars, values, strict=True):
+                    text = "n/a" if math.isnan(value) else f"{value:.3g}"
+                    ax.annotate(
+                        text,
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        xytext=(0, 2),
+                        textcoords="offset points",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
+            ax.set_xticks(range(len(table)), labels, fontsize=7)
+            ax.set_ylim(0, top * 1.18 if top > 0 else 1.0)
+            ax.legend(title="export mode")
+        ax.set_xlabel("scenario (model, TP/PP/EP layout, placement)")
+        ax.set_ylabel("steady-state update time (s)")
+        ax.set_title("Weight-sync steady-state update time: raw vs bridge")
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out, dpi=120)
+    finally:
+        plt.close(fig)
+    return out

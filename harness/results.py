@@ -1,0 +1,331 @@
+"""Run records -> one pandas table -> summary.csv / summary.parquet / summary.md (+ env.json).
+
+One row per record (scenario). Times come from the record's syncs: ``first_s`` is sync 0's wall time
+(engine starts from dummy weights), ``steady_s`` the median over the finished syncs >= 1, and each
+phase column (``gather_s`` ...) the median of that phase over the same syncs. ``steady_gbps`` is
+``bytes_per_sync / steady_s / 1e9``. The verdict is re-derived from the record by `harness.checks`.
+
+``summary.md`` holds the table a PR author pastes (Model | TP | EP | PP | colocate | mode | first (s)
+| steady (s) | GB/s | 200s per route | chunks | verdict) and a list of every row that did not PASS.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.checks import expected_verdict, first_failure, judge
+from harness.record import PHASES, RunRecord, SyncRecord
+
+PHASE_COLUMNS: tuple[str, ...] = tuple(f"{phase}_s" for phase in PHASES)
+
+COLUMNS: tuple[str, ...] = (
+    "scenario",
+    "model",
+    "tp",
+    "ep",
+    "pp",
+    "colocate",
+    "mode",
+    "engine",
+    "tags",
+    "syncs",
+    "bytes_per_sync",
+    "chunks",
+    "first_s",
+    "steady_s",
+    "steady_gbps",
+    *PHASE_COLUMNS,
+    "http_200",
+    "verdict",
+    "expected",
+    "expect_met",
+    "message",
+)
+
+MARKDOWN_HEADER: tuple[str, ...] = (
+    "Model",
+    "TP",
+    "EP",
+    "PP",
+    "colocate",
+    "mode",
+    "first (s)",
+    "steady (s)",
+    "GB/s",
+    "200s per route",
+    "chunks",
+    "verdict",
+)
+
+# Short labels for the engine routes, in the order they are shown.
+ROUTE_LABELS: dict[str, str] = {
+    "/init_weight_transfer_engine": "init",
+    "/start_weight_update": "start",
+    "/update_weights": "update",
+    "/finish_weight_update": "finish",
+    "/weight_checker": "checker",
+}
+
+ENV_PACKAGES: tuple[str, ...] = ("torch", "transformers", "megatron-core", "megatron-bridge", "ray", "vllm")
+
+_NAN = float("nan")
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else _NAN
+
+
+def _steady_syncs(record: RunRecord) -> list[SyncRecord]:
+    return [s for s in record.syncs if s.index >= 1 and s.finished]
+
+
+def _route_label(route: str) -> str:
+    path = "/" + route.strip().split()[-1].lstrip("/") if route.strip() else route
+    return ROUTE_LABELS.get(path, path.lstrip("/"))
+
+
+def http_200_summary(record: RunRecord) -> str:
+    """'start 5/5 · update 40/40 · finish 5/5': 200 answers over calls, per route."""
+    totals: dict[str, list[int]] = {}
+    for call in record.http:
+        counts = totals.setdefault(_route_label(call.route), [0, 0])
+        counts[0] += call.status == 200
+        counts[1] += 1
+    order = list(ROUTE_LABELS.values())
+    labels = sorted(totals, key=lambda k: (order.index(k) if k in order else len(order), k))
+    return " · ".join(f"{label} {totals[label][0]}/{totals[label][1]}" for label in labels)
+
+
+def record_row(record: RunRecord) -> dict[str, Any]:
+    """The summary row of one record (see `COLUMNS`)."""
+    sc = record.scenario
+    verdict, results = judge(record)
+    deciding = first_failure(results, verdict)
+    if deciding is None:  # PASS: still show the first failing check, if any
+        deciding = next((r for r in results if r.failed), None)
+
+    steady = _steady_syncs(record)
+    sync0 = next((s for s in record.syncs if s.index == 0), None)
+    first_s = sync0.total_s if sync0 is not None and sync0.finished else _NAN
+    steady_s = _median([s.total_s for s in steady])
+    sized = steady or [s for s in record.syncs if s.finished] or record.syncs
+    bytes_per_sync = int(statistics.median([s.bytes for s in sized])) if sized else 0
+    gbps = bytes_per_sync / steady_s / 1e9 if steady_s and not math.isnan(steady_s) else _NAN
+    last = record.syncs[-1] if record.syncs else None
+    chunks = (last.chunks_planned or len(last.chunks)) if last is not None else 0
+
+    row: dict[str, Any] = {
+        "scenario": record.scenario_id or str(sc.get("id", "")),
+        "model": str(sc.get("model", "")),
+        "tp": int(sc.get("tp", 1) or 1),
+        "ep": int(sc.get("ep", 1) or 1),
+        "pp": int(sc.get("pp", 1) or 1),
+        "colocate": bool(sc.get("colocate", False)),
+        "mode": str(sc.get("mode") or record.requested_mode or ""),
+        "engine": str(sc.get("engine", "")),
+        "tags": ",".join(str(t) for t in sc.get("tags", []) or []),
+        "syncs": len(record.syncs),
+        "bytes_per_sync": bytes_per_sync,
+        "chunks": int(chunks),
+        "first_s": first_s,
+        "steady_s": steady_s,
+        "steady_gbps": gbps,
+    }
+    for phase, column in zip(PHASES, PHASE_COLUMNS, strict=True):
+        row[column] = _median([s.phases[phase] for s in steady if phase in s.phases])
+    expected = expected_verdict(record)
+    row.update(
+        http_200=http_200_summary(record),
+        verdict=verdict,
+        expected=expected,
+        expect_met=verdict == expected,
+        message=deciding.message if deciding is not None else "",
+    )
+    return row
+
+
+def summarize(records: Iterable[RunRecord]) -> pd.DataFrame:
+    """One row per record, columns `COLUMNS` (an empty frame with those columns for no records)."""
+    rows = [record_row(record) for record in records]
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt_float(value: Any, digits: int) -> str:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "—"
+    return "—" if math.isnan(number) else f"{number:.{digits}f}"
+
+
+def _cell(value: Any) -> str:
+    text = "" if value is None else str(value)
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub pipe table (no tabulate needed); cells are escaped and padded to column width."""
+    cells = [[_cell(c) for c in header]] + [[_cell(c) for c in row] for row in rows]
+    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(len(header))]
+
+    def line(values: Sequence[str]) -> str:
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + " |"
+
+    out = [line(cells[0]), "| " + " | ".join("-" * w for w in widths) + " |"]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def _verdict_cell(row: Mapping[str, Any]) -> str:
+    verdict, expected = str(row.get("verdict", "")), str(row.get("expected", "PASS") or "PASS")
+    if expected == "PASS":
+        return verdict
+    return f"{verdict} (expected)" if verdict == expected else f"{verdict} (expected {expected})"
+
+
+def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
+    """The pasteable table's rows, in `MARKDOWN_HEADER` order."""
+    rows = []
+    for row in df.to_dict(orient="records"):
+        rows.append(
+            [
+                row["model"],
+                row["tp"],
+                row["ep"],
+                row["pp"],
+                "yes" if row["colocate"] else "no",
+                row["mode"],
+                _fmt_float(row["first_s"], 3),
+                _fmt_float(row["steady_s"], 3),
+                _fmt_float(row["steady_gbps"], 2),
+                row["http_200"] or "—",
+                row["chunks"],
+                _verdict_cell(row),
+            ]
+        )
+    return rows
+
+
+def _env_line(env: Mapping[str, Any] | str | None) -> str:
+    if env is None or isinstance(env, str):
+        return env or ""
+    parts = [f"python {env.get('python', '?')}"]
+    parts += [f"{pkg} {ver}" for pkg, ver in (env.get("packages") or {}).items() if ver]
+    devices = env.get("cuda_devices") or []
+    parts.append(f"{len(devices)}× {devices[0]}" if devices else "CPU only")
+    if env.get("hostname"):
+        parts.append(f"host {env['hostname']}")
+    return " · ".join(str(p) for p in parts)
+
+
+def summary_markdown(
+    df: pd.DataFrame, run_id: str | None = None, env: Mapping[str, Any] | str | None = None
+) -> str:
+    """summary.md's text: title, run id and env line, the pasteable table, then non-PASS rows."""
+    lines = ["# Weight-sync harness results", ""]
+    if run_id:
+        lines.append(f"Run `{run_id}`")
+    env_text = _env_line(env)
+    if env_text:
+        lines.append(f"Env: {env_text}")
+    if run_id or env_text:
+        lines.append("")
+    lines += [markdown_table(MARKDOWN_HEADER, summary_table_rows(df)), ""]
+    lines += ["## Not passing", ""]
+    failing = df[df["verdict"] != "PASS"] if len(df) else df
+    if not len(failing):
+        lines.append("Every scenario passed.")
+    for row in failing.to_dict(orient="records"):
+        status = "as expected" if row["expect_met"] else f"UNEXPECTED, expected {row['expected']}"
+        message = _cell(row["message"]) or "(no message)"
+        lines.append(f"- `{row['scenario']}`: **{row['verdict']}** ({status}) — {message}")
+    unexpected_pass = df[(df["verdict"] == "PASS") & ~df["expect_met"].astype(bool)] if len(df) else df
+    for row in unexpected_pass.to_dict(orient="records"):
+        lines.append(f"- `{row['scenario']}`: **PASS** (UNEXPECTED, expected {row['expected']})")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(
+    df: pd.DataFrame,
+    out_dir: Path | str,
+    run_id: str | None = None,
+    env: Mapping[str, Any] | str | None = None,
+) -> dict[str, Path]:
+    """Write summary.csv, summary.parquet and summary.md into `out_dir`; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "csv": out / "summary.csv",
+        "parquet": out / "summary.parquet",
+        "md": out / "summary.md",
+    }
+    df.to_csv(paths["csv"], index=False)
+    df.to_parquet(paths["parquet"], index=False)
+    paths["md"].write_text(summary_markdown(df, run_id=run_id, env=env))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------------
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_devices() -> list[str]:
+    """Names of visible CUDA devices, via torch when it is installed (never fails)."""
+    if _version("torch") is None:
+        return []
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # a broken driver must not break a results write
+        return []
+
+
+def collect_env() -> dict[str, Any]:
+    """Versions, host and devices of this machine, as plain data."""
+    return {
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "packages": {pkg: _version(pkg) for pkg in ENV_PACKAGES},
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_devices": _cuda_devices(),
+    }
+
+
+def write_env(out_dir: Path | str) -> dict[str, Any]:
+    """Write env.json into `out_dir` and return what was written."""
+    env = collect_env()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "env.json").write_text(json.dumps(env, indent=1) + "\n")
+    return env

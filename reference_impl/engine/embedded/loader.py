@@ -1,0 +1,269 @@
+"""The embedded engine's strict weight loader over a transformers model.
+
+The engine holds the checkpoint's architecture (built from its `config.json`) filled with its own
+seeded dummy weights, so a sync that moves nothing cannot pass (DESIGN.md step 4). Its *slots* are
+the engine parameters in vLLM terms: one `(vllm_param_name, shard_id)` per HF tensor of the model's
+own deduplicated `named_parameters()` (see `vllm_names`); a tied `lm_head.weight` is not a slot.
+
+`EngineLoader.load` is stricter than vLLM's `load_weights`: it validates a whole chunk first and
+rejects it atomically (nothing copied) when any name cannot be placed, any shape differs from its
+slot's, or any dtype differs from the engine's parameter dtype. vLLM raises on unknown names
+(`KeyError`/`ValueError` in `qwen2.py`/`utils.py` `AutoWeightsLoader`) but silently skips a tied
+`lm_head.weight` and casts other dtypes with only a warning; we report both (DESIGN.md "Verdicts").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from reference_impl.checksum import tensor_checksum
+from reference_impl.engine.embedded.vllm_names import (
+    MODEL_TYPE_FAMILY,
+    VllmTarget,
+    family_names,
+    hf_to_vllm,
+    is_vllm_param,
+)
+from reference_impl.models.checkpoint import build_hf_model
+from reference_impl.models.registry import ModelSpec
+from reference_impl.transport.wire import DTYPE_NAMES, dtype_name
+
+KINDS: tuple[str, ...] = ("name", "shape", "dtype")
+
+
+class LoadRejected(Exception):
+    """A chunk the loader refused as a whole; nothing of it was loaded.
+
+    Attributes:
+        rejected: HF name -> reason (one sentence saying what was expected).
+        kinds: HF name -> "name" | "shape" | "dtype".
+    """
+
+    def __init__(self, rejected: dict[str, str], kinds: dict[str, str]) -> None:
+        self.rejected = dict(rejected)
+        self.kinds = dict(kinds)
+        first = next(iter(self.rejected))
+        more = f" (and {len(self.rejected) - 1} more rejected tensors)" if len(self.rejected) > 1 else ""
+        super().__init__(f"{first}: {self.rejected[first]}{more}; nothing of this chunk was loaded")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One engine parameter slot: HF tensor `hf_name` placed at `target` (vLLM name, shard)."""
+
+    hf_name: str
+    target: VllmTarget
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def checkpoint_dtype(config: dict) -> str:
+    """The dtype name a checkpoint's `config.json` declares ("dtype" or legacy "torch_dtype"; float32)."""
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def build_engine_model(checkpoint: Path, seed: int) -> tuple[torch.nn.Module, str]:
+    """The transformers model of checkpoint folder `checkpoint`, filled by seed `seed`; and its family.
+
+    Uses the checkpoint maker's own fill rule (`build_hf_model`) on the folder's `config.json`, in the
+    checkpoint's dtype.
+
+    Raises:
+        FileNotFoundError: no config.json in `checkpoint`.
+        ValueError: a model_type without a vLLM name table, or `seed` equal to the seed the checkpoint
+            was made with (the engine would start with the checkpoint's weights).
+    """
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    family = MODEL_TYPE_FAMILY.get(config.get("model_type", ""))
+    if family is None:
+        raise ValueError(
+            f"model_type {config.get('model_type')!r} has no vLLM name table; "
+            f"known: {sorted(MODEL_TYPE_FAMILY)}"
+        )
+    source = Path(checkpoint) / "wsh_source.json"
+    if source.exists() and json.loads(source.read_text()).get("seed") == seed:
+        raise ValueError(
+            f"engine seed {seed} equals the checkpoint's seed: pick another so the engine starts from "
+            "different (dummy) weights"
+        )
+    spec = ModelSpec(
+        name=Path(checkpoint).name,
+        family=family,
+        hf_architecture=config["architectures"][0],
+        source_config=config,
+        config=config,
+        scaled=False,
+    )
+    return build_hf_model(spec, checkpoint_dtype(config), seed), family
+
+
+class EngineLoader:
+    """Strict chunk loader and checksummer over one transformers model.
+
+    Args:
+        model: the transformers model whose parameters are the engine's weights.
+        family: its family key in `vllm_names.FAMILY_NAMES`.
+
+    Raises:
+        RuntimeError: a parameter of `model` maps to no vLLM parameter, or two map to one slot (the
+            name table is out of date with transformers).
+    """
+
+    def __init__(self, model: torch.nn.Module, family: str) -> None:
+        self.model = model
+        self.family = family
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())  # deduplicated
+        state = model.state_dict(keep_vars=True)
+        # Names save_pretrained would write an alias for (the same Parameter under a second name).
+        self.tied: dict[str, str] = {
+            n: family_names(family).tied_aliases.get(n, "another parameter")
+            for n, t in state.items()
+            if isinstance(t, torch.nn.Parameter) and n not in self.params
+        }
+        self.slots: dict[str, Slot] = {}
+        seen: dict[VllmTarget, str] = {}
+        for hf_name, p in self.params.items():
+            target = hf_to_vllm(family, hf_name)
+            if not is_vllm_param(family, target.name):
+                raise RuntimeError(f"{hf_name} maps to {target.name}, which is not a {family} vLLM parameter")
+            if target in seen:
+                raise RuntimeError(f"{hf_name} and {seen[target]} both map to slot {target.slot}")
+            seen[target] = hf_name
+            self.slots[hf_name] = Slot(hf_name, target, tuple(p.shape), p.dtype)
+        self.counts: dict[str, int] = {}
+        self.reset_counts()
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Path, seed: int) -> EngineLoader:
+        """A loader over `checkpoint`'s architecture with dummy weights of `seed` (`build_engine_model`)."""
+        model, family = build_engine_model(checkpoint, seed)
+        return cls(model, family)
+
+    def slot_strings(self) -> list[str]:
+        """Every slot as `vllm_name[shard]` (or `vllm_name`), in the model's parameter order."""
+        return [s.target.slot for s in self.slots.values()]
+
+    def reset_counts(self) -> None:
+        """Set every slot's update count to 0 (at the start of an update session)."""
+        self.counts = dict.fromkeys(self.slot_strings(), 0)
+
+    def validate(
+        self, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """Check a chunk's declared metadata against the slots; loads nothing.
+
+        Returns:
+            (rejected, kinds): HF name -> reason and HF name -> "name" | "shape" | "dtype"; both empty
+            when every tensor can be placed. A name is judged once, by its first failing check.
+        """
+        rejected: dict[str, str] = {}
+        kinds: dict[str, str] = {}
+
+        def reject(name: str, kind: str, reason: str) -> None:
+            if name not in rejected:
+                rejected[name], kinds[name] = reason, kind
+
+        if not len(names) == len(dtype_names) == len(shapes):
+            raise ValueError(
+                f"update_info lists differ in length: {len(names)} names, {len(dtype_names)} dtype_names, "
+                f"{len(shapes)} shapes; send one dtype name and one shape per name"
+            )
+        for name, dname, shape in zip(names, dtype_names, shapes, strict=True):
+            slot = self.slots.get(name)
+            if name in self.tied:
+                reject(
+                    name,
+                    "name",
+                    f"tied to {self.tied[name]} (tie_word_embeddings) so it is not an engine parameter; "
+                    "vLLM would skip it silently; do not send it, send the embedding only",
+                )
+            elif slot is None:
+                reject(
+                    name,
+                    "name",
+                    f"not a {self.family} checkpoint parameter of this engine (maps to vLLM name "
+                    f"{hf_to_vllm(self.family, name).name}, which the engine has no slot for); send HF "
+                    "checkpoint names",
+                )
+            elif dname not in DTYPE_NAMES:
+                reject(name, "dtype", f"unknown dtype name {dname!r}; expected {dtype_name(slot.dtype)!r}")
+            elif DTYPE_NAMES[dname] != slot.dtype:
+                reject(
+                    name,
+                    "dtype",
+                    f"declared dtype {dname} but the engine parameter {slot.target.slot} is "
+                    f"{dtype_name(slot.dtype)}; send {dtype_name(slot.dtype)}",
+                )
+            elif tuple(int(d) for d in shape) != slot.shape:
+                reject(
+                    name,
+                    "shape",
+                    f"shape {list(shape)} but the engine slot {slot.target.slot} expects {list(slot.shape)}",
+                )
+        return rejected, kinds
+
+    def load(
+        self,
+        names: Sequence[str],
+        dtype_names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        tensors: Sequence[torch.Tensor],
+    ) -> None:
+        """Validate one chunk as a whole, then copy every tensor into its parameter and count the slot.
+
+        Args:
+            names: HF checkpoint names, in chunk order.
+            dtype_names: declared dtypes ("float32", "bfloat16", ...), one per name.
+            shapes: declared shapes, one per name.
+            tensors: the received tensors, one per name (their real dtype/shape is checked too).
+
+        Raises:
+            LoadRejected: any tensor cannot be placed; nothing was loaded.
+            ValueError: the four lists differ in length.
+        """
+        rejected, kinds = self.validate(names, dtype_names, shapes)
+        if len(tensors) != len(names):
+            raise ValueError(f"{len(tensors)} tensors for {len(names)} names")
+        for name, t in zip(names, tensors, strict=True):
+            slot = self.slots.get(name)
+            if slot is None or name in rejected:
+                continue
+            if t.dtype != slot.dtype:
+                rejected[name], kinds[name] = (
+                    f"received {dtype_name(t.dtype)} data but the engine parameter is "
+                    f"{dtype_name(slot.dtype)}",
+                    "dtype",
+                )
+            elif tuple(t.shape) != slot.shape:
+                rejected[name], kinds[name] = (
+                    f"received shape {list(t.shape)} but the engine slot expects {list(slot.shape)}",
+                    "shape",
+                )
+        if rejected:
+            raise LoadRejected(rejected, kinds)
+        with torch.no_grad():
+            for name, t in zip(names, tensors, strict=True):
+                self.params[name].copy_(t)
+                self.counts[self.slots[name].target.slot] += 1
+
+    def checksums(self) -> dict[str, str]:
+        """HF name -> `tensor_checksum` of each tensor save_pretrained would write (tied aliases excluded)."""
+        return {n: tensor_checksum(t) for n, t in self.model.state_dict().items() if n not in self.tied}
+
+    def reset_weights(self) -> None:
+        """Zero every parameter (vLLM `/weight_checker {"action": "reset"}`)."""
+        with torch.no_grad():
+            for p in self.params.values():
+                p.zero_()
+
+    def total_bytes(self) -> int:
+        """Bytes of all slots (what one full sync moves)."""
+        return sum(
+            math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in self.slots.values()
+        )

@@ -1,0 +1,198 @@
+"""Hugging Face checkpoint name -> the vLLM parameter (and shard) it loads into, per model family.
+
+The embedded engine holds a transformers model, but it speaks about its parameters the way vLLM does:
+an engine *slot* is one HF tensor placed into one vLLM parameter, at a shard id when vLLM fuses several
+HF tensors into one parameter. The rules are data (tables below); `hf_to_vllm` is the one small engine
+that applies them, in vLLM's order:
+
+1. Prefix renames (`PrefixRename`), at most one applies: vLLM's `WeightsMapper(orig_to_new_prefix=...)`
+   (`vllm/model_executor/models/utils.py`), used by Qwen3-VL's `hf_to_vllm_mapper`
+   (`vllm/model_executor/models/qwen3_vl.py`).
+2. Stacked (fused) parameters (`StackedRule`), at most one applies, and only to names under the rule's
+   scope (the module whose `load_weights` holds the mapping): `stacked_params_mapping` in
+   `Qwen2Model.load_weights` (`vllm/model_executor/models/qwen2.py`; `Qwen3Model` subclasses it in
+   `qwen3.py`): q_proj/k_proj/v_proj -> qkv_proj shards "q"/"k"/"v", gate_proj/up_proj -> gate_up_proj
+   shards 0/1. Newer vLLM spells the same rules as `WeightsMapper(orig_to_new_stacked=...)` on
+   `Qwen2Model.hf_to_vllm_mapper`.
+
+Tied embeddings: with `tie_word_embeddings`, vLLM's `lm_head` shares `embed_tokens`' Parameter
+(`ParallelLMHead.tie_weights`, `qwen3.py` / `qwen2.py`), so `lm_head.weight` is not a parameter of its
+own and vLLM skips the name silently (`AutoWeightsLoader(skip_prefixes=["lm_head."])`). `TIED_ALIASES`
+lists those names so the strict loader can reject them instead (DESIGN.md, "Verdicts": a name an engine
+would silently ignore is a NAME_ERROR).
+
+`VLLM_PARAMS` holds, per family, patterns of every parameter name vLLM's model has
+(`named_parameters()` of `Qwen3ForCausalLM` / `Qwen3VLForConditionalGeneration`), so the loader can
+check that each slot it builds targets a parameter vLLM really has.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+ShardId = str | int | None
+
+
+class VllmTarget(NamedTuple):
+    """Where one HF tensor loads in vLLM: parameter `name` and `shard` (None: the whole parameter)."""
+
+    name: str
+    shard: ShardId
+
+    @property
+    def slot(self) -> str:
+        """The slot string used in records and `/finish_weight_update`: `name[shard]` or `name`."""
+        return self.name if self.shard is None else f"{self.name}[{self.shard}]"
+
+
+@dataclass(frozen=True)
+class PrefixRename:
+    """HF names starting with `hf` start with `vllm` instead (vLLM `WeightsMapper.orig_to_new_prefix`)."""
+
+    hf: str
+    vllm: str
+
+
+@dataclass(frozen=True)
+class StackedRule:
+    """Within `scope` (a vLLM name prefix), `.{hf_part}.` becomes `.{vllm_part}.` at shard `shard`.
+
+    One row of vLLM's `stacked_params_mapping = [(param_name, shard_name, shard_id), ...]`.
+    """
+
+    scope: str
+    hf_part: str
+    vllm_part: str
+    shard: str | int
+
+
+@dataclass(frozen=True)
+class FamilyNames:
+    """All name rules of one model family; see the module docstring for the vLLM sources."""
+
+    family: str
+    renames: tuple[PrefixRename, ...]
+    stacked: tuple[StackedRule, ...]
+    tied_aliases: dict[str, str]  # HF alias -> HF owner, when tie_word_embeddings
+    vllm_params: tuple[str, ...]  # regexes (full match) of every vLLM parameter name
+    source: str  # vLLM files these facts come from
+
+
+def _stacked(scope: str) -> tuple[StackedRule, ...]:
+    """`stacked_params_mapping` of `Qwen2Model.load_weights` (`vllm/model_executor/models/qwen2.py`)."""
+    rows = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+    return tuple(StackedRule(scope, hf_part, vllm_part, shard) for vllm_part, hf_part, shard in rows)
+
+
+# Parameters of vLLM's Qwen3 decoder below its `model.` prefix (`Qwen2Model` with `Qwen3Attention`'s
+# q_norm/k_norm; `qkv_proj` has a bias only with `attention_bias`): `vllm/model_executor/models/qwen3.py`,
+# `qwen2.py`.
+_QWEN3_DECODER = (
+    r"embed_tokens\.weight",
+    r"layers\.\d+\.self_attn\.qkv_proj\.(weight|bias)",
+    r"layers\.\d+\.self_attn\.o_proj\.weight",
+    r"layers\.\d+\.self_attn\.[qk]_norm\.weight",
+    r"layers\.\d+\.mlp\.gate_up_proj\.weight",
+    r"layers\.\d+\.mlp\.down_proj\.weight",
+    r"layers\.\d+\.(input|post_attention)_layernorm\.weight",
+    r"norm\.weight",
+)
+
+# Parameters of vLLM's `Qwen3_VisionTransformer` below `visual.` (`vllm/model_executor/models/qwen3_vl.py`;
+# the attention block is `Qwen2_5_VisionAttention` of `qwen2_5_vl.py`). `attn.qkv` is one
+# QKVParallelLinear that takes the checkpoint's already fused qkv tensor whole (shard None); the
+# vision rotary embedding's inv_freq is computed, never loaded.
+_QWEN3_VL_VISION = (
+    r"patch_embed\.proj\.(weight|bias)",
+    r"pos_embed\.weight",
+    r"blocks\.\d+\.norm[12]\.(weight|bias)",
+    r"blocks\.\d+\.attn\.(qkv|proj)\.(weight|bias)",
+    r"blocks\.\d+\.mlp\.linear_fc[12]\.(weight|bias)",
+    r"merger\.(norm|linear_fc1|linear_fc2)\.(weight|bias)",
+    r"deepstack_merger_list\.\d+\.(norm|linear_fc1|linear_fc2)\.(weight|bias)",
+)
+
+
+def _under(prefix: str, patterns: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(re.escape(prefix) + p for p in patterns)
+
+
+FAMILY_NAMES: dict[str, FamilyNames] = {
+    "qwen3": FamilyNames(
+        family="qwen3",
+        renames=(),  # Qwen3ForCausalLM's vLLM module tree has the HF names
+        stacked=_stacked("model."),
+        tied_aliases={"lm_head.weight": "model.embed_tokens.weight"},
+        vllm_params=(*_under("model.", _QWEN3_DECODER), r"lm_head\.weight"),
+        source="vllm/model_executor/models/qwen3.py, qwen2.py",
+    ),
+    "qwen3_vl": FamilyNames(
+        family="qwen3_vl",
+        # Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (vllm/model_executor/models/qwen3_vl.py).
+        renames=(
+            PrefixRename("model.visual.", "visual."),
+            PrefixRename("lm_head.", "language_model.lm_head."),
+            PrefixRename("model.language_model.", "language_model.model."),
+        ),
+        # The language model is Qwen3LLMForCausalLM (a Qwen3ForCausalLM) at `language_model.`.
+        stacked=_stacked("language_model.model."),
+        tied_aliases={"lm_head.weight": "model.language_model.embed_tokens.weight"},
+        vllm_params=(
+            *_under("language_model.model.", _QWEN3_DECODER),
+            r"language_model\.lm_head\.weight",
+            *_under("visual.", _QWEN3_VL_VISION),
+        ),
+        source="vllm/model_executor/models/qwen3_vl.py, qwen3.py, qwen2.py, qwen2_5_vl.py",
+    ),
+}
+
+# transformers `config.model_type` -> family key of FAMILY_NAMES.
+MODEL_TYPE_FAMILY: dict[str, str] = {"qwen3": "qwen3", "qwen3_vl": "qwen3_vl"}
+
+
+def family_names(family: str) -> FamilyNames:
+    """The rule table of `family`.
+
+    Raises:
+        KeyError: an unknown family (the message lists the known ones).
+    """
+    try:
+        return FAMILY_NAMES[family]
+    except KeyError:
+        raise KeyError(f"no vLLM name table for family {family!r}; known: {sorted(FAMILY_NAMES)}") from None
+
+
+def hf_to_vllm(family: str, hf_name: str) -> VllmTarget:
+    """The vLLM parameter and shard that HF tensor `hf_name` loads into, by `family`'s rules.
+
+    Purely syntactic: it does not say whether the target exists (see `is_vllm_param` and the loader).
+    Example: ("qwen3_vl", "model.language_model.layers.3.self_attn.k_proj.weight") ->
+    VllmTarget("language_model.model.layers.3.self_attn.qkv_proj.weight", "k").
+
+    Raises:
+        KeyError: an unknown family.
+    """
+    table = family_names(family)
+    name = hf_name
+    for rule in table.renames:
+        if name.startswith(rule.hf):
+            name = rule.vllm + name[len(rule.hf) :]
+            break
+    for st in table.stacked:
+        part = f".{st.hf_part}."
+        if name.startswith(st.scope) and part in name:
+            return VllmTarget(name.replace(part, f".{st.vllm_part}.", 1), st.shard)
+    return VllmTarget(name, None)
+
+
+def is_vllm_param(family: str, vllm_name: str) -> bool:
+    """Whether `vllm_name` is a parameter name vLLM's model of `family` has (`FamilyNames.vllm_params`)."""
+    return any(re.fullmatch(p, vllm_name) for p in family_names(family).vllm_params)

@@ -1,0 +1,76 @@
+"""Build the Megatron model through Megatron-Bridge's provider (local layer spec) and load a checkpoint.
+
+Calls (Megatron-Bridge 0.6.2): `AutoBridge.from_hf_pretrained(path, torch_dtype=...)`,
+`bridge.to_megatron_provider(load_weights=False)`, parallel sizes set on the provider,
+`provider.finalize()`, `provider.provide_distributed_model(wrap_with_ddp=False, ...)`,
+`bridge.load_hf_weights(model, path)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference_impl.models.checkpoint import DTYPES
+from reference_impl.trainer.cpu_shims import apply_cpu_shims
+
+_FUSIONS_OFF = (
+    "gradient_accumulation_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+)
+
+
+@dataclass
+class TrainerModel:
+    """The Megatron model chunks of this rank and the bridge that built them."""
+
+    bridge: Any  # megatron.bridge.AutoBridge
+    chunks: list[torch.nn.Module]  # one per virtual stage (always one here)
+    config: Any  # the provider (a TransformerConfig)
+    family: str
+
+
+def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str) -> TrainerModel:
+    """Build this rank's Megatron model shard for TP x PP and load `checkpoint` into it.
+
+    Megatron's parallel state must already be initialised (`parallel.init_model_parallel`).
+    `dtype` is a name from `checkpoint.DTYPES`; parameters are created in it on CPU (or the current
+    CUDA device). The model is put in eval mode (dropout 0; MoE with TP needs it, STACK.md).
+    """
+    apply_cpu_shims()
+    from megatron.bridge import AutoBridge
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch_dtype = DTYPES[dtype]
+    bridge = AutoBridge.from_hf_pretrained(str(checkpoint), torch_dtype=torch_dtype)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.params_dtype = torch_dtype
+    provider.pipeline_dtype = torch_dtype
+    provider.bf16 = torch_dtype == torch.bfloat16
+    provider.fp16 = torch_dtype == torch.float16
+    provider.sequence_parallel = False
+    provider.use_cpu_initialization = not torch.cuda.is_available()
+    for name in _FUSIONS_OFF:
+        if hasattr(provider, name):
+            setattr(provider, name, False)
+    if family == "qwen3":
+        provider.transformer_layer_spec = get_gpt_layer_local_spec(
+            num_experts=None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        )
+    provider.finalize()
+    chunks = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=not torch.cuda.is_available()
+    )
+    bridge.load_hf_weights(chunks, str(checkpoint))
+    for c in chunks:
+        c.eval()
+    return TrainerModel(bridge=bridge, chunks=list(chunks), config=provider, family=family)

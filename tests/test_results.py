@@ -1,0 +1,194 @@
+"""Unit tests of `harness.results` and `harness.plots` on two hand-built records."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.plots import plot_steady_update_time, steady_table
+from harness.record import PHASES, ChunkRecord, HttpCall, RunRecord, SyncRecord
+from harness.results import (
+    COLUMNS,
+    MARKDOWN_HEADER,
+    http_200_summary,
+    markdown_table,
+    summarize,
+    write_env,
+    write_summary,
+)
+
+NAMES = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+
+
+def make_record(mode: str, totals: list[float], nbytes: int, transfer: list[float]) -> RunRecord:
+    """A passing record with one sync per entry of `totals` (2 chunks, 3 names each)."""
+    sums = {name: f"c-{i}" for i, name in enumerate(NAMES)}
+    http = []
+    syncs = []
+    for s, (total, tr) in enumerate(zip(totals, transfer, strict=True)):
+        http.append(HttpCall(route="/start_weight_update", status=200, ms=1.0, sync=s))
+        http += [HttpCall(route="/update_weights", status=200, ms=2.0, sync=s, chunk=c) for c in (0, 1)]
+        http.append(HttpCall(route="/finish_weight_update", status=200, ms=1.0, sync=s))
+        syncs.append(
+            SyncRecord(
+                index=s,
+                weight_version=s,
+                mode=mode,
+                chunks_planned=2,
+                chunks_sent=2,
+                chunks_received=2,
+                chunks=[
+                    ChunkRecord(index=0, names=NAMES[:2], bytes=nbytes // 2, sent=True, received=True),
+                    ChunkRecord(index=1, names=NAMES[2:], bytes=nbytes // 2, sent=True, received=True),
+                ],
+                bytes=nbytes,
+                phases={"gather": 0.01 * (s + 1), "convert": 0.02, "transfer": tr, "load": 0.03},
+                total_s=total,
+                names_sent=list(NAMES),
+                sent_checksums=dict(sums),
+                engine_checksums=dict(sums),
+                engine_update_counts=dict.fromkeys(NAMES, 1),
+                finished=True,
+            )
+        )
+    sid = f"qwen3-vl/tp2-pp2/noncolocate/{mode}"
+    return RunRecord(
+        scenario_id=sid,
+        scenario={
+            "id": sid,
+            "model": "qwen3-vl",
+            "tp": 2,
+            "pp": 2,
+            "ep": 1,
+            "etp": 1,
+            "colocate": False,
+            "mode": mode,
+            "engine": "embedded",
+            "syncs": len(totals),
+            "bucket_bytes": nbytes // 2,
+            "dtype": "float32",
+            "seed": 0,
+            "tags": ["cpu"],
+            "expect": "PASS",
+            "fault": None,
+        },
+        http=http,
+        syncs=syncs,
+        requested_mode=mode,
+        checkpoint_checksums=dict(sums),
+        engine_slots=list(NAMES),
+    )
+
+
+@pytest.fixture
+def records() -> list[RunRecord]:
+    raw = make_record("raw", [2.0, 0.5, 0.7, 0.6], 3_000_000_000, [0.9, 0.2, 0.4, 0.3])
+    bridge = make_record("bridge", [3.0, 1.5, 1.0], 3_000_000_000, [1.0, 0.8, 0.6])
+    bridge.syncs[2].engine_checksums[NAMES[1]] = "stale"  # -> PARITY_FAIL
+    return [raw, bridge]
+
+
+def test_summarize_numbers_by_hand(records: list[RunRecord]) -> None:
+    df = summarize(records)
+    assert list(df.columns) == list(COLUMNS)
+    assert len(df) == 2
+    raw, bridge = df.iloc[0], df.iloc[1]
+    assert raw["first_s"] == pytest.approx(2.0)
+    assert raw["steady_s"] == pytest.approx(0.6)  # median(0.5, 0.7, 0.6)
+    assert raw["steady_gbps"] == pytest.approx(3.0 / 0.6)  # 3e9 bytes / 0.6 s / 1e9
+    assert raw["transfer_s"] == pytest.approx(0.3)  # median(0.2, 0.4, 0.3)
+    assert raw["gather_s"] == pytest.approx(0.03)  # median(0.02, 0.03, 0.04)
+    assert bridge["first_s"] == pytest.approx(3.0)
+    assert bridge["steady_s"] == pytest.approx(1.25)  # median(1.5, 1.0)
+    assert bridge["steady_gbps"] == pytest.approx(3.0 / 1.25)
+    assert raw["bytes_per_sync"] == 3_000_000_000 and raw["chunks"] == 2 and raw["syncs"] == 4
+    assert raw["http_200"] == "start 4/4 · update 8/8 · finish 4/4"
+    assert (raw["tp"], raw["ep"], raw["pp"], raw["colocate"]) == (2, 1, 2, False)
+    assert raw["verdict"] == "PASS" and raw["expect_met"] and raw["message"] == ""
+    assert bridge["verdict"] == "PARITY_FAIL" and not bridge["expect_met"]
+    assert f"'{NAMES[1]}'" in bridge["message"] and bridge["message"].startswith("sync 2")
+    assert set(PHASES) == {c.removesuffix("_s") for c in COLUMNS if c.removesuffix("_s") in PHASES}
+
+
+def test_http_200_counts_non_200(records: list[RunRecord]) -> None:
+    rec = records[0]
+    rec.http[1].status = 400
+    assert http_200_summary(rec) == "start 4/4 · update 7/8 · finish 4/4"
+
+
+def test_unfinished_sync_gives_nan_not_error() -> None:
+    rec = make_record("raw", [2.0], 1000, [0.5])
+    rec.syncs[0].finished = False
+    row = summarize([rec]).iloc[0]
+    assert math.isnan(row["first_s"]) and math.isnan(row["steady_s"]) and math.isnan(row["steady_gbps"])
+    assert row["verdict"] == "CRASH"
+
+
+def test_write_summary(tmp_path: Path, records: list[RunRecord]) -> None:
+    df = summarize(records)
+    env = write_env(tmp_path)
+    paths = write_summary(df, tmp_path, run_id="20250101-abc", env=env)
+    for key in ("csv", "parquet", "md"):
+        assert paths[key].exists() and paths[key].stat().st_size > 0
+    assert len(pd.read_csv(paths["csv"])) == 2
+    assert list(pd.read_parquet(paths["parquet"]).columns) == list(COLUMNS)
+
+    md = paths["md"].read_text()
+    assert md.startswith("# ")
+    assert "20250101-abc" in md and "python " in md
+    header = "| " + " | ".join(MARKDOWN_HEADER) + " |"
+    lines = md.splitlines()
+    header_lines = [line for line in lines if line.replace(" ", "") == header.replace(" ", "")]
+    assert len(header_lines) == 1
+    start = lines.index(header_lines[0])
+    table = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    assert len(table) == 2
+    cells = [c.strip() for c in table[0].strip("|").split("|")]
+    assert cells == [
+        "qwen3-vl", "2", "1", "2", "no", "raw", "2.000", "0.600", "5.00",
+        "start 4/4 · update 8/8 · finish 4/4", "2", "PASS",
+    ]  # fmt: skip
+    assert "PARITY_FAIL" in table[1]
+    failing = md.split("## Not passing", 1)[1]
+    assert "qwen3-vl/tp2-pp2/noncolocate/bridge" in failing and NAMES[1] in failing
+    assert "noncolocate/raw" not in failing
+
+
+def test_write_env(tmp_path: Path) -> None:
+    env = write_env(tmp_path)
+    saved = json.loads((tmp_path / "env.json").read_text())
+    assert saved == env
+    for key in ("python", "platform", "hostname", "cpu_count", "packages", "cuda_devices"):
+        assert key in saved
+    assert {"torch", "transformers", "megatron-core", "megatron-bridge", "ray"} <= set(saved["packages"])
+
+
+def test_markdown_table_escapes_pipes() -> None:
+    text = markdown_table(["a", "b"], [["x|y", None]])
+    assert text.splitlines()[2] == "| x\\|y |     |"
+
+
+def test_plot_written(tmp_path: Path, records: list[RunRecord]) -> None:
+    df = summarize(records)
+    out = plot_steady_update_time(df, tmp_path / "plots" / "steady.png")
+    assert out.exists() and out.stat().st_size > 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_handles_nan_and_missing_mode(tmp_path: Path, records: list[RunRecord]) -> None:
+    df = summarize(records[:1])
+    df.loc[0, "steady_s"] = float("nan")
+    table = steady_table(df)
+    assert list(table.columns) == ["raw", "bridge"] and table.isna().all().all()
+    out = plot_steady_update_time(df, tmp_path / "nan.png")
+    assert out.stat().st_size > 0
+    empty = plot_steady_update_time(summarize([]), tmp_path / "empty.png")
+    assert empty.stat().st_size > 0
