@@ -238,7 +238,9 @@ def _rejections_in_body(body: str | None) -> list[tuple[str, str, str]]:
     """(name, kind, reason) for each rejection an engine's error body states, in order.
 
     Understands the embedded engine's JSON ``{"detail": {"error", "rejected", "kinds"}}`` (also when
-    the stored body is truncated and no longer parses) and free text such as vLLM's 500 answers.
+    the stored body is truncated and no longer parses; kinds "request" / "session" are not name
+    problems) and free text such as vLLM's 500 answers or the embedded engine's 500 (empty
+    rejected/kinds, the exception text and traceback in the JSON), read like vLLM's.
     """
     if not body:
         return []
@@ -249,7 +251,7 @@ def _rejections_in_body(body: str | None) -> list[tuple[str, str, str]]:
         parsed = None
     if isinstance(parsed, dict):
         detail = parsed.get("detail", parsed)
-    if isinstance(detail, dict) and ("rejected" in detail or "kinds" in detail):
+    if isinstance(detail, dict) and (detail.get("rejected") or detail.get("kinds")):
         rejected = detail.get("rejected") or {}
         kinds = detail.get("kinds") or {}
         out: list[tuple[str, str, str]] = []

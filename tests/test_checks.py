@@ -473,3 +473,29 @@ def test_vllm_attribute_error_on_model_is_name_error(record: RunRecord) -> None:
     reject_chunk(record, sync=0, chunk=0, status=500, body=body)
     verdict, message = verdict_of(record)
     assert verdict == "NAME_ERROR" and "'visual'" in message
+
+
+def test_embedded_request_and_session_kinds_are_http_errors(record: RunRecord) -> None:
+    reject_chunk(record, sync=0, chunk=0, status=409, body=embedded_body({"session": "session"}))
+    assert verdict_of(record)[0] == "HTTP_ERROR"
+    other = make_record()
+    reject_chunk(
+        other, sync=0, chunk=0, status=400, body=embedded_body({"body.update_info.names": "request"})
+    )
+    assert verdict_of(other)[0] == "HTTP_ERROR"
+
+
+def test_embedded_500_with_keyerror_traceback_is_name_error(record: RunRecord) -> None:
+    body = json.dumps(
+        {
+            "detail": {
+                "error": f"KeyError in /update_weights: '{VISION}'",
+                "rejected": {},
+                "kinds": {},
+                "traceback": f"Traceback (most recent call last):\n  ...\nKeyError: '{VISION}'\n",
+            }
+        }
+    )
+    reject_chunk(record, sync=0, chunk=0, status=500, body=body)
+    verdict, message = verdict_of(record)
+    assert verdict == "NAME_ERROR" and VISION in message

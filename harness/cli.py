@@ -1,0 +1,116 @@
+"""`python -m harness ...`: run a scenario matrix and write its results.
+
+    python -m harness run --matrix cpu [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
+    python -m harness list --matrix cpu [--filter EXPR]
+
+`run` exits 0 when every scenario's verdict is the one it expects (PASS unless it says `expect:`),
+1 otherwise, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from harness.record import RunRecord
+from harness.scenario import load_matrix, select, validate
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m harness", description="Weight-sync harness")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "list"):
+        p = sub.add_parser(name)
+        p.add_argument("--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path")
+        p.add_argument("--filter", default=None,
+                       help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex")
+    run = sub.choices["run"]
+    run.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
+    run.add_argument("--run-id", default=None, help="folder name under --results-dir (default: a timestamp)")
+    run.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    return ap
+
+
+def _write_outputs(records: list[RunRecord], out: Path, run_id: str, env: dict) -> None:
+    from harness.plots import plot_steady_update_time
+    from harness.results import summarize, write_summary
+
+    df = summarize(records)
+    write_summary(df, out, run_id=run_id, env=env)
+    plot_steady_update_time(df, out / "plots" / "steady_update_time.png")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print the selected scenario ids and whether each validates."""
+    for sc in select(load_matrix(args.matrix), args.filter):
+        problem = validate(sc)
+        print(f"{sc.id:60s} {'OK' if problem is None else 'CONFIG_ERROR: ' + problem}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the selected scenarios; write records, summaries and plots as each scenario ends."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from harness.results import write_env
+    from harness.runner import Runner, ensure_ray
+
+    console = Console(stderr=True)
+    scenarios = select(load_matrix(args.matrix), args.filter)
+    if not scenarios:
+        console.print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}")
+        return 2
+    run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
+    out = args.results_dir / run_id
+    out.mkdir(parents=True, exist_ok=True)
+    env = write_env(out)
+    records: list[RunRecord] = []
+    t0 = time.perf_counter()
+    runner: Runner | None = None
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console) as progress:
+            task = progress.add_task("starting Ray", total=len(scenarios))
+            needs_ray = any(validate(sc) is None for sc in scenarios)
+            if needs_ray:
+                ensure_ray(args.ray_address)
+
+            def on_record(rec: RunRecord) -> None:
+                records.append(rec)
+                _write_outputs(records, out, run_id, env)
+                expect = rec.scenario.get("expect", "PASS")
+                style = "green" if rec.verdict == expect else "red"
+                progress.console.print(f"[{style}]{rec.verdict:14s}[/] {rec.scenario_id}")
+                progress.advance(task)
+
+            runner = Runner(out_dir=out, run_id=run_id, on_record=on_record)
+            for sc in scenarios:
+                progress.update(task, description=sc.id)
+                runner.run_scenario(sc)
+    finally:
+        if runner is not None:
+            runner.close()
+    wall = time.perf_counter() - t0
+    bad = [r for r in records if r.verdict != r.scenario.get("expect", "PASS")]
+    console.print(f"{len(records)} scenarios in {wall:.0f} s, {len(bad)} unexpected; results in {out}")
+    console.print(f"summary: {out / 'summary.md'}")
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m harness`."""
+    args = _parser().parse_args(argv)
+    try:
+        return {"run": cmd_run, "list": cmd_list}[args.cmd](args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Runs scenarios: Ray placement, lifecycle, deadlines, cleanup; fills one `RunRecord` per scenario.
+
+Placement (non-colocate): one placement group per trainer world, one bundle per trainer rank, and a
+separate bundle for the engine actor, which owns the engine server process. Trainer actors (one per
+rank, `reference_impl.trainer.worker.TrainerWorker`) are reused across scenarios of the same world
+size; a scenario that crashes or passes its deadline gets its processes killed and the next scenario
+gets fresh ones. Every record is written as soon as its scenario ends.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from harness.checks import judged
+from harness.record import ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
+from harness.scenario import Scenario, validate
+from reference_impl.checksum import tensor_checksum
+from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
+from reference_impl.models.registry import load_model
+from reference_impl.transport.client import UpdateClient
+
+SETUP_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Start (or join, with `address`) Ray once per driver process, without the dashboard."""
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+    else:
+        ray.init(num_cpus=16, include_dashboard=False, runtime_env=env, log_to_driver=False,
+                 configure_logging=False)
+
+
+@ray.remote(num_cpus=1)
+class EngineActor:
+    """Owns one engine server process (started in `start`, ended in `stop`)."""
+
+    def __init__(self) -> None:
+        self.proc = None
+
+    def start(self, checkpoint: str, seed: int, log_path: str) -> str:
+        from reference_impl.engine.embedded.launcher import EngineProcess
+
+        self.proc = EngineProcess(checkpoint, seed, log_path)
+        return self.proc.start()
+
+    def pid(self) -> int | None:
+        return self.proc.pid() if self.proc else None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+@dataclass
+class TrainerPool:
+    """Trainer actors of one world size, in one placement group (bundle i = rank i, last = engine)."""
+
+    world_size: int
+    pg: PlacementGroup
+    actors: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, world_size: int) -> TrainerPool:
+        """Place `world_size` trainer ranks plus an engine bundle and start the rank actors."""
+        from reference_impl.trainer.worker import TrainerWorker
+
+        pg = placement_group([{"CPU": 1}] * (world_size + 1), strategy="PACK")
+        ray.get(pg.ready(), timeout=120)
+        port = free_port()
+        worker_cls = ray.remote(num_cpus=1)(TrainerWorker)
+        actors = [
+            worker_cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+            ).remote(r, world_size, "127.0.0.1", port)
+            for r in range(world_size)
+        ]
+        return cls(world_size=world_size, pg=pg, actors=actors)
+
+    def engine_strategy(self) -> PlacementGroupSchedulingStrategy:
+        """Scheduling for the engine actor: its own bundle (non-colocate)."""
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.world_size)
+
+    def kill(self) -> None:
+        """End every rank process and free the placement group."""
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        remove_placement_group(self.pg)
+
+
+class ScenarioFailed(Exception):
+    """Raised inside `run_scenario` to stop a scenario early; its errors are already recorded."""
+
+
+def _error_from(exc: BaseException, rank: int | None, where: str) -> ErrorRecord:
+    cause = getattr(exc, "cause", None) or exc
+    return ErrorRecord(
+        where=where, rank=rank, type=type(cause).__name__, message=str(cause)[:4000],
+        traceback="".join(traceback.format_exception(exc))[-8000:],
+    )
+
+
+@dataclass
+class Runner:
+    """Runs scenarios one after another into `out_dir` (records/, logs/)."""
+
+    out_dir: Path
+    run_id: str
+    on_record: Callable[[RunRecord], None] | None = None
+    pools: dict[int, TrainerPool] = field(default_factory=dict)
+
+    def pool(self, world_size: int) -> TrainerPool:
+        """The reusable pool for `world_size` (created on first use)."""
+        if world_size not in self.pools:
+            self.pools[world_size] = TrainerPool.create(world_size)
+        return self.pools[world_size]
+
+    def drop_pool(self, world_size: int) -> None:
+        """Kill a pool whose processes may be in a bad state."""
+        pool = self.pools.pop(world_size, None)
+        if pool is not None:
+            pool.kill()
+
+    def close(self) -> None:
+        """Kill every pool."""
+        for ws in list(self.pools):
+            self.drop_pool(ws)
+
+    def _get(self, refs: list[Any], timeout: float, record: RunRecord, what: str) -> list[Any]:
+        """ray.get every ref; errors and timeouts are recorded, then ScenarioFailed is raised."""
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            record.deadlock = True
+            record.notes.append(f"{what}: no progress within {timeout:.0f} s")
+            raise ScenarioFailed(what) from None
+        except ray.exceptions.RayError as e:
+            # Find which rank failed: the first ref whose get raises.
+            for i, ref in enumerate(refs):
+                try:
+                    ray.get(ref, timeout=1)
+                except Exception as inner:  # noqa: BLE001
+                    record.errors.append(_error_from(inner, i, "trainer"))
+                    break
+            else:
+                record.errors.append(_error_from(e, None, "trainer"))
+            raise ScenarioFailed(what) from e
+
+    def run_scenario(self, sc: Scenario) -> RunRecord:
+        """Validate, run and judge one scenario; the record is written before returning."""
+        record = RunRecord(scenario_id=sc.id, scenario=sc.as_dict(), run_id=self.run_id,
+                           started_at=time.time(), requested_mode=sc.mode)
+        problem = validate(sc)
+        if problem:
+            record.config_error = problem
+            return self._finish(record)
+        engine = None
+        healthy = False
+        try:
+            spec = load_model(sc.model)
+            record.tied_embeddings = spec.facts().tied_embeddings
+            ckpt = make_checkpoint(spec, sc.seed, sc.dtype)
+            record.checkpoint_checksums = {n: tensor_checksum(t) for n, t in read_checkpoint(ckpt).items()}
+            ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+            deadline = sc.deadline_s or 120.0 + ckpt_bytes / 20e6
+            pool = self.pool(sc.world_size)
+            log_path = self.out_dir / "logs" / (sc.id.replace("/", "__") + ".engine.log")
+            engine = EngineActor.options(scheduling_strategy=pool.engine_strategy()).remote()
+            setup_refs = [a.setup.remote(sc.as_dict(), str(ckpt)) for a in pool.actors]
+            url = self._get([engine.start.remote(str(ckpt), sc.engine_seed, str(log_path))], 300, record,
+                            "engine start")[0]
+            self._get(setup_refs, SETUP_TIMEOUT_S, record, "trainer setup")
+            checker = UpdateClient(url)
+            record.engine_slots = checker.slots()
+            connect = [a.connect_engine.remote(url) for a in pool.actors]
+            for calls in self._get(connect, deadline, record, "connect engine"):
+                record.http.extend(HttpCall(**c) for c in calls)
+            for i in range(sc.syncs):
+                if i > 0:
+                    self._get([a.perturb.remote(i, sc.seed) for a in pool.actors], deadline, record, f"perturb {i}")
+                refs = [a.sync.remote(i, i, sc.mode, sc.bucket_bytes) for a in pool.actors]
+                per_rank = self._get(refs, deadline, record, f"sync {i}")
+                sync = self._merge_sync(i, per_rank, record)
+                sync.engine_checksums = checker.checksums()
+                record.syncs.append(sync)
+            for mode in ("raw", "bridge"):
+                sums = self._get([a.export_checksums.remote(mode) for a in pool.actors], deadline, record,
+                                 f"export {mode}")
+                record.cross_mode_checksums[mode] = sums[0]
+            record.http.extend(HttpCall(**c) for c in checker.calls)
+            checker.close()
+            healthy = True
+        except ScenarioFailed:
+            pass
+        except Exception as e:  # noqa: BLE001  (anything else is a runner-side crash, recorded)
+            record.errors.append(_error_from(e, None, "runner"))
+        finally:
+            if engine is not None:
+                try:
+                    ray.get(engine.stop.remote(), timeout=30)
+                except Exception:  # noqa: BLE001
+                    pass
+                ray.kill(engine, no_restart=True)
+            if not healthy:
+                self.drop_pool(sc.world_size)
+        return self._finish(record)
+
+    @staticmethod
+    def _merge_sync(index: int, per_rank: list[dict[str, Any]], record: RunRecord) -> SyncRecord:
+        sender = per_rank[0]
+        record.http.extend(HttpCall(**c) for c in sender["http"])
+        phases = {k: max(r["phases"].get(k, 0.0) for r in per_rank) for k in ("gather", "convert")}
+        phases.update({k: sender["phases"].get(k, 0.0) for k in ("transfer", "load")})
+        chunks = [ChunkRecord(**c) for c in sender["chunks"]]
+        return SyncRecord(
+            index=index, weight_version=index, mode=sender["mode"],
+            chunks_planned=sender["chunks_planned"], chunks_sent=sum(c.sent for c in chunks),
+            chunks_received=sum(c.received for c in chunks), chunks=chunks, bytes=sender["bytes"],
+            phases=phases, total_s=max(r["total_s"] for r in per_rank),
+            names_sent=sender["names_sent"], names_accepted=sender["names_accepted"],
+            names_rejected=sender["names_rejected"], sent_checksums=sender["sent_checksums"],
+            engine_update_counts=sender["engine_update_counts"], finished=sender["finished"],
+        )
+
+    def _finish(self, record: RunRecord) -> RunRecord:
+        record.ended_at = time.time()
+        record = judged(record)
+        record.save(self.out_dir / "records" / (record.scenario_id.replace("/", "__") + ".json"))
+        if self.on_record:
+            self.on_record(record)
+        return record

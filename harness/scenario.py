@@ -1,0 +1,177 @@
+"""Scenarios: schema, validation, matrix expansion and filters.
+
+A matrix file (`scenarios/<name>.yaml`) is a list of entries. An entry is one scenario, or several
+when some of its fields are lists (`tp: [1, 2]` expands to one scenario per value; the product over
+all list-valued axes). Every scenario gets a stable id that reads like a path:
+`<model>/tp<T>-pp<P>[-ep<E>]/<noncolocate|colocate>/<raw|bridge>[/<suffix>]`.
+
+Validation happens before any process starts: a scenario that cannot run (TP does not divide the
+heads, PP larger than the layers, an unknown model or mode, ...) gets a `config_error` sentence that
+says what to change, and is recorded as CONFIG_ERROR without launching anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from reference_impl.models.registry import ModelEntryError, load_model
+
+SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
+
+AXES = ("model", "tp", "pp", "ep", "colocate", "mode", "bucket_bytes")
+DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB
+
+
+class Scenario(BaseModel):
+    """One scenario: the model x parallel layout x placement x export mode, and how to run it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    colocate: bool = False
+    mode: str = "raw"  # raw | bridge
+    engine: str = "embedded"
+    syncs: int = Field(default=5, ge=1)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    dtype: str = "float32"
+    seed: int = 1234
+    engine_seed: int = 4321
+    tags: list[str] = Field(default_factory=list)
+    expect: str = "PASS"
+    fault: str | None = None
+    suffix: str = ""  # distinguishes scenarios that share model/layout/placement/mode
+    deadline_s: float | None = None  # per-sync deadline; None = from bytes and a margin
+    description: str = ""
+
+    @property
+    def id(self) -> str:
+        """Stable id, e.g. `qwen3-vl/tp2-pp2/noncolocate/bridge`."""
+        layout = f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+        placement = "colocate" if self.colocate else "noncolocate"
+        parts = [self.model, layout, placement, self.mode] + ([self.suffix] if self.suffix else [])
+        return "/".join(parts)
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks: TP x PP (EP folds into the same ranks)."""
+        return self.tp * self.pp
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict with the id (what a record stores)."""
+        return {"id": self.id, **self.model_dump()}
+
+
+def validate(sc: Scenario) -> str | None:
+    """None when `sc` can run; else one sentence saying what to change."""
+    if sc.mode not in ("raw", "bridge"):
+        return f"mode {sc.mode!r} is unknown: use raw or bridge"
+    if sc.engine != "embedded":
+        return f"engine {sc.engine!r} is not available yet: use engine: embedded"
+    if sc.colocate:
+        return "colocate mode is not available yet: set colocate: false"
+    if sc.dtype not in ("float32", "bfloat16"):
+        return f"dtype {sc.dtype!r} is not supported: use float32 or bfloat16"
+    if min(sc.tp, sc.pp, sc.ep, sc.etp) < 1:
+        return "tp, pp, ep and etp must be >= 1"
+    if sc.ep > 1 or sc.etp > 1:
+        return f"ep {sc.ep} / etp {sc.etp} needs a mixture-of-experts model; {sc.model} is dense: set ep: 1, etp: 1"
+    if sc.bucket_bytes < 1:
+        return f"bucket_bytes must be >= 1 (got {sc.bucket_bytes})"
+    try:
+        spec = load_model(sc.model)
+    except ModelEntryError as e:
+        return str(e)
+    f = spec.facts()
+    if f.num_heads % sc.tp or f.num_kv_heads % sc.tp:
+        return (
+            f"TP {sc.tp} does not divide {sc.model}'s {f.num_heads} attention heads and {f.num_kv_heads} "
+            f"KV heads: pick a TP that divides both (e.g. {_divisors_of_both(f.num_heads, f.num_kv_heads)})"
+        )
+    if f.vision_heads and f.vision_heads % sc.tp:
+        return f"TP {sc.tp} does not divide {sc.model}'s {f.vision_heads} vision heads: pick a TP that divides it"
+    if sc.pp > f.num_layers:
+        return f"PP {sc.pp} is larger than {sc.model}'s {f.num_layers} layers: use PP <= {f.num_layers}"
+    if f.num_layers % sc.pp:
+        return f"PP {sc.pp} does not divide {sc.model}'s {f.num_layers} layers: use a PP that divides it"
+    if f.deepstack_indexes and sc.pp > 1 and f.num_layers // sc.pp < len(f.deepstack_indexes):
+        return (
+            f"at PP {sc.pp} the first stage of {sc.model} holds {f.num_layers // sc.pp} text layers but the vision "
+            f"tower feeds {len(f.deepstack_indexes)} deepstack layers into it: lower PP or add text layers"
+        )
+    if sc.fault is not None:
+        return f"fault {sc.fault!r} is unknown: no faults are registered yet"
+    return None
+
+
+def _divisors_of_both(a: int, b: int) -> list[int]:
+    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+
+
+def expand(entry: dict[str, Any]) -> list[Scenario]:
+    """One matrix entry -> scenarios (product over list-valued axes in `AXES`)."""
+    axes = {k: v for k, v in entry.items() if k in AXES and isinstance(v, list)}
+    fixed = {k: v for k, v in entry.items() if k not in axes}
+    out = []
+    for values in itertools.product(*axes.values()):
+        out.append(Scenario(**fixed, **dict(zip(axes.keys(), values, strict=True))))
+    return out
+
+
+def load_matrix(name_or_path: str) -> list[Scenario]:
+    """Scenarios of a matrix: a name under `scenarios/` (`cpu` -> scenarios/cpu.yaml) or a path.
+
+    Raises:
+        FileNotFoundError: no such matrix (the message lists the available ones).
+        ValueError: two scenarios share an id.
+    """
+    path = Path(name_or_path)
+    if not path.exists():
+        path = SCENARIOS_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        names = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"no matrix {name_or_path!r}: use one of {names} or a path to a YAML file")
+    entries = yaml.safe_load(path.read_text()) or []
+    scenarios = [sc for e in entries for sc in expand(e)]
+    ids = [s.id for s in scenarios]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ValueError(f"{path.name}: scenario ids appear twice, add a suffix: {dupes}")
+    return scenarios
+
+
+def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
+    """Filter scenarios by an expression: space-separated terms, all must hold.
+
+    A term is `key=value` (scenario field, e.g. `tp=2`, `mode=bridge`, `model=qwen3-vl`), `tag:NAME`,
+    `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
+    """
+    if not expr:
+        return scenarios
+    out = []
+    for sc in scenarios:
+        d = sc.as_dict()
+        ok = True
+        for term in expr.split():
+            neg = term.startswith("!")
+            t = term[1:] if neg else term
+            if t.startswith("tag:"):
+                hit = t[4:] in sc.tags
+            elif "=" in t:
+                k, v = t.split("=", 1)
+                hit = str(d.get(k)).lower() == v.lower()
+            else:
+                hit = re.search(t, sc.id) is not None
+            ok = ok and (hit != neg)
+        if ok:
+            out.append(sc)
+    return out

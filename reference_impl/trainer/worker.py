@@ -1,0 +1,160 @@
+"""One trainer rank: the object the runner places as a Ray actor (one per rank).
+
+Lifecycle per scenario: `setup` (Megatron parallel state, model built and loaded from the
+checkpoint) -> `connect_engine` (sender only: the transfer group) -> `sync` x N with `perturb`
+between them -> `export_checksums` (raw and bridge on the same state) -> `teardown`. The process and
+its default process group are reused across scenarios of the same world size.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+import traceback
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reference_impl.checksum import tensor_checksum
+from reference_impl.export.stream import export, layout_facts
+from reference_impl.models.registry import load_model
+from reference_impl.trainer.model import TrainerModel, build_model
+from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
+from reference_impl.trainer.params import iter_global_params
+from reference_impl.transport.client import UpdateClient
+from reference_impl.transport.noncolocate import SENDER, run_sync
+from reference_impl.transport.wire import TransferGroup, host_store, join_transfer_group
+
+
+class TrainerWorker:
+    """One trainer rank (see module doc). Methods return plain data (dicts) for the runner."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        torch.set_num_threads(1)
+        self.rank, self.world_size = rank, world_size
+        init_distributed(rank, world_size, master_addr, master_port)
+        self.model: TrainerModel | None = None
+        self.layout: RankLayout | None = None
+        self.client: UpdateClient | None = None
+        self.group: TransferGroup | None = None
+        self.scenario: dict[str, Any] = {}
+
+    def pid(self) -> int:
+        """OS process id (for stack dumps and cleanup)."""
+        return os.getpid()
+
+    def setup(self, scenario: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+        """Build and load the model for `scenario` (keys model, tp, pp, dtype). Returns timings."""
+        self.teardown()
+        t0 = time.perf_counter()
+        self.scenario = scenario
+        self.spec = load_model(scenario["model"])
+        self.facts = layout_facts(self.spec)
+        self.layout = init_model_parallel(scenario["tp"], scenario["pp"])
+        self.model = build_model(Path(checkpoint), self.spec.family, scenario["tp"], scenario["pp"], scenario["dtype"])
+        return {"rank": self.rank, "build_s": time.perf_counter() - t0, "layout": asdict(self.layout)}
+
+    def connect_engine(self, base_url: str, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+        """Sender only: create the transfer group with the engine through /init_weight_transfer_engine.
+
+        Returns the HTTP calls made. The HTTP call blocks until the engine joined, so it runs in a
+        thread while this rank joins the group as rank 0.
+        """
+        if self.rank != SENDER:
+            return []
+        self.client = UpdateClient(base_url)
+        store = host_store(timeout_s=timeout_s)
+        init_info = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": store.port,
+                     "rank_offset": 1, "world_size": 2}
+        errors: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                assert self.client is not None
+                self.client.init_transfer(init_info)
+            except BaseException as e:  # noqa: BLE001  (re-raised below in the caller's thread)
+                errors.append(e)
+
+        th = threading.Thread(target=call, daemon=True)
+        th.start()
+        self.group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=timeout_s, store=store)
+        th.join()
+        if errors:
+            raise errors[0]
+        return self._drain_calls()
+
+    def _drain_calls(self) -> list[dict[str, Any]]:
+        if self.client is None:
+            return []
+        calls, self.client.calls = self.client.calls, []
+        return calls
+
+    def sync(self, index: int, weight_version: int, mode: str, bucket_bytes: int) -> dict[str, Any]:
+        """Export (`mode`) and send one sync. Returns this rank's `SyncResult` as a dict plus its calls."""
+        assert self.model is not None and self.layout is not None
+        t0 = time.perf_counter()
+        owned, phases = export(mode, self.model, self.layout, self.facts)
+        t_export = time.perf_counter() - t0
+        res, plan = run_sync(
+            owned=owned, rank=self.rank, world_size=self.world_size, bucket_bytes=bucket_bytes,
+            sync_index=index, weight_version=weight_version, client=self.client, group=self.group,
+        )
+        res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
+        res.total_s += t_export
+        out = asdict(res)
+        out["chunks_planned"] = len(plan)
+        out["mode"] = mode
+        out["http"] = self._drain_calls()
+        return out
+
+    def perturb(self, step: int, seed: int) -> None:
+        """Deterministic weight change standing in for a training step: p += 1e-3 * N(0, 1).
+
+        The noise is seeded by (seed, step, global name) and, for TP-sharded parameters, the TP rank,
+        so replicated parameters stay identical across TP ranks.
+        """
+        assert self.model is not None and self.layout is not None
+        with torch.no_grad():
+            for name, p in iter_global_params(self.model.chunks):
+                tp_rank = self.layout.tp_rank if getattr(p, "tensor_model_parallel", False) else 0
+                g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{step}:{name}:{tp_rank}".encode()))
+                p.add_((1e-3 * torch.randn(p.shape, generator=g)).to(p.dtype))
+
+    def export_checksums(self, mode: str) -> dict[str, str]:
+        """Checksums of every HF tensor `mode` exports from the current state (complete on the sender)."""
+        assert self.model is not None and self.layout is not None
+        owned, _ = export(mode, self.model, self.layout, self.facts)
+        mine = {n: tensor_checksum(t) for n, t in owned}
+        if self.world_size == 1:
+            return mine
+        everyone: list[dict[str, str] | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        merged: dict[str, str] = {}
+        for d in everyone:
+            merged.update(d or {})
+        return merged if self.rank == SENDER else {}
+
+    def teardown(self) -> None:
+        """Drop the model, the engine client and the transfer group; keep the default group."""
+        if self.client is not None:
+            self.client.close()
+        self.client = None
+        self.group = None
+        self.model = None
+        destroy_model_parallel()
+        gc.collect()
+
+    def ping(self) -> str:
+        """Liveness probe."""
+        return "ok"
+
+    @staticmethod
+    def format_exc() -> str:
+        """The current exception's traceback (helper for error records)."""
+        return traceback.format_exc()

@@ -1,0 +1,85 @@
+"""The update-session client: vLLM's RLHF routes over HTTP (httpx), every call recorded.
+
+A sync is one session: `start()`, `update(...)` once per chunk, `finish(version)`. Each call appends
+a `harness.record.HttpCall`-shaped dict to `self.calls` (route, status, ms, sync, chunk, error). A
+non-200 answer raises `EngineRejected` carrying the status and body; a connection failure raises it
+with status 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+
+class EngineRejected(RuntimeError):
+    """The engine answered a route with a non-200 status (or did not answer: status 0)."""
+
+    def __init__(self, route: str, status: int, body: str) -> None:
+        super().__init__(f"{route} -> {status}: {body[:500]}")
+        self.route, self.status, self.body = route, status, body
+
+    def rejected_names(self) -> dict[str, str]:
+        """HF name -> reason, from an embedded-engine 4xx body ({"detail": {"rejected": ...}})."""
+        try:
+            detail = json.loads(self.body).get("detail", {})
+        except (ValueError, AttributeError):
+            return {}
+        return dict(detail.get("rejected", {})) if isinstance(detail, dict) else {}
+
+
+class UpdateClient:
+    """Client of one engine's weight-update routes (base_url like http://127.0.0.1:PORT)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url
+        self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
+        self.calls: list[dict[str, Any]] = []
+
+    def _post(self, route: str, body: dict[str, Any], sync: int | None = None, chunk: int | None = None) -> Any:
+        t0 = time.perf_counter()
+        try:
+            resp = self.http.post(route, json=body)
+            status, text = resp.status_code, resp.text
+        except httpx.HTTPError as e:
+            status, text = 0, f"{type(e).__name__}: {e}"
+        ms = (time.perf_counter() - t0) * 1e3
+        self.calls.append(
+            {"route": route, "status": status, "ms": ms, "sync": sync, "chunk": chunk,
+             "error": None if status == 200 else text[:4000]}
+        )
+        if status != 200:
+            raise EngineRejected(route, status, text)
+        return json.loads(text) if text else {}
+
+    def init_transfer(self, init_info: dict[str, Any]) -> Any:
+        """POST /init_weight_transfer_engine {"init_info": ...} (blocks until the engine joined)."""
+        return self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start(self, sync: int, weight_version: int | None = None) -> Any:
+        """POST /start_weight_update."""
+        body = {} if weight_version is None else {"weight_version": weight_version}
+        return self._post("/start_weight_update", body, sync=sync)
+
+    def update(self, update_info: dict[str, Any], sync: int, chunk: int) -> Any:
+        """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, ...}}."""
+        return self._post("/update_weights", {"update_info": update_info}, sync=sync, chunk=chunk)
+
+    def finish(self, sync: int, weight_version: int) -> Any:
+        """POST /finish_weight_update {"weight_version"}."""
+        return self._post("/finish_weight_update", {"weight_version": weight_version}, sync=sync)
+
+    def checksums(self) -> dict[str, str]:
+        """POST /weight_checker {"action": "checksum"} -> HF name -> checksum."""
+        return self._post("/weight_checker", {"action": "checksum"})["checksums"]
+
+    def slots(self) -> list[str]:
+        """POST /weight_checker {"action": "slots"} -> every engine parameter slot."""
+        return self._post("/weight_checker", {"action": "slots"})["slots"]
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self.http.close()
