@@ -62,7 +62,12 @@ def tp_gather(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: 
     shard = param.detach().contiguous()
     parts = [torch.empty_like(shard) for _ in range(tp_size)]
     dist.all_gather(parts, shard, group=tp_group)
+    return combine_shards(parts, dim, stride)
+
+
+def combine_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Full tensor from TP shards in rank order (see `tp_gather` for the stride rule)."""
     if stride == 1:
         return torch.cat(parts, dim=dim)
     blocks = [p.chunk(stride, dim=dim) for p in parts]
-    return torch.cat([blocks[r][j] for j in range(stride) for r in range(tp_size)], dim=dim)
+    return torch.cat([blocks[r][j] for j in range(stride) for r in range(len(parts))], dim=dim)

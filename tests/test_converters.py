@@ -1,0 +1,122 @@
+"""Raw converter layouts against hand-derived examples (no Megatron model needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference_impl.export.raw import TABLES
+from reference_impl.export.raw.rules import (
+    LayoutFacts,
+    UnmappedName,
+    convert,
+    merge_vision_qkv,
+    split_gate_up,
+    split_qkv,
+)
+from reference_impl.trainer.params import combine_shards, global_name
+
+FACTS = LayoutFacts(num_heads=4, num_kv_heads=2, head_dim=2, vocab_size=6, tied_embeddings=True,
+                    vision_heads=2, vision_head_dim=2)
+
+
+def rows(*labels: float) -> torch.Tensor:
+    """A [len, 1] tensor whose row i holds labels[i] (to read layouts by eye)."""
+    return torch.tensor(labels, dtype=torch.float32).reshape(-1, 1)
+
+
+def test_split_qkv_by_query_group_with_head_dim() -> None:
+    # 4 q heads, 2 kv groups, head_dim 2: Megatron rows per group g = [q(2 heads x 2), k_g(2), v_g(2)].
+    # Label = 100*kind + 10*head + row-in-head, kind q=1 k=2 v=3.
+    megatron = rows(
+        110, 111, 120, 121, 210, 211, 310, 311,  # group 0: q heads 1,2 (labelled 1x,2x), k0, v0
+        130, 131, 140, 141, 220, 221, 320, 321,  # group 1: q heads 3,4, k1, v1
+    )
+    q, k, v = split_qkv(megatron, FACTS)
+    assert q.flatten().tolist() == [110, 111, 120, 121, 130, 131, 140, 141]
+    assert k.flatten().tolist() == [210, 211, 220, 221]
+    assert v.flatten().tolist() == [310, 311, 320, 321]
+
+
+def test_gate_up_split_after_stride_two_gather() -> None:
+    # TP=2: rank r holds [gate_r; up_r]. Gathered with stride 2 -> [gate_0; gate_1; up_0; up_1].
+    shard0 = rows(1, 2, 10, 20)  # gate rows 1,2 ; up rows 10,20
+    shard1 = rows(3, 4, 30, 40)
+    full = combine_shards([shard0, shard1], dim=0, stride=2)
+    assert full.flatten().tolist() == [1, 2, 3, 4, 10, 20, 30, 40]
+    gate, up = split_gate_up(full, FACTS)
+    assert gate.flatten().tolist() == [1, 2, 3, 4]
+    assert up.flatten().tolist() == [10, 20, 30, 40]
+
+
+def test_row_parallel_gather_concatenates_columns() -> None:
+    a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]])
+    assert combine_shards([a, b], dim=1).tolist() == [[1, 2, 3, 4]]
+
+
+def test_vision_qkv_regrouped_from_per_head_to_q_k_v() -> None:
+    # Megatron vision: per head [q_h, k_h, v_h] (head_dim 2); HF attn.qkv: [q all; k all; v all].
+    megatron = rows(10, 11, 20, 21, 30, 31, 12, 13, 22, 23, 32, 33)
+    (hf,) = merge_vision_qkv(megatron, FACTS)
+    assert hf.flatten().tolist() == [10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32, 33]
+    bias = torch.tensor([10.0, 11, 20, 21, 30, 31, 12, 13, 22, 23, 32, 33])
+    (hf_bias,) = merge_vision_qkv(bias, FACTS)
+    assert hf_bias.tolist() == [10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32, 33]
+
+
+@pytest.mark.parametrize(
+    ("family", "megatron", "expected"),
+    [
+        ("qwen3", "decoder.layers.3.pre_mlp_layernorm.weight", ["model.layers.3.post_attention_layernorm.weight"]),
+        ("qwen3", "decoder.layers.0.self_attention.q_layernorm.weight", ["model.layers.0.self_attn.q_norm.weight"]),
+        ("qwen3", "decoder.final_layernorm.weight", ["model.norm.weight"]),
+        ("qwen3_vl", "vision_model.decoder.layers.1.self_attention.linear_proj.weight",
+         ["model.visual.blocks.1.attn.proj.weight"]),
+        ("qwen3_vl", "vision_model.decoder.layers.0.input_layernorm.bias", ["model.visual.blocks.0.norm1.bias"]),
+        ("qwen3_vl", "vision_model.decoder.layers.2.pre_mlp_layernorm.weight", ["model.visual.blocks.2.norm2.weight"]),
+        ("qwen3_vl", "vision_model.merger.patch_norm.weight", ["model.visual.merger.norm.weight"]),
+        ("qwen3_vl", "vision_model.decoder.deepstack_merger_list.2.patch_norm.bias",
+         ["model.visual.deepstack_merger_list.2.norm.bias"]),
+        ("qwen3_vl", "vision_model.decoder.deepstack_merger_list.0.linear_fc2.weight",
+         ["model.visual.deepstack_merger_list.0.linear_fc2.weight"]),
+        ("qwen3_vl", "vision_model.patch_embed.proj.weight", ["model.visual.patch_embed.proj.weight"]),
+        ("qwen3_vl", "vision_model.pos_embed.weight", ["model.visual.pos_embed.weight"]),
+        ("qwen3_vl", "language_model.decoder.layers.5.mlp.linear_fc1.weight",
+         ["model.language_model.layers.5.mlp.gate_proj.weight", "model.language_model.layers.5.mlp.up_proj.weight"]),
+        ("qwen3_vl", "language_model.embedding.word_embeddings.weight", ["model.language_model.embed_tokens.weight"]),
+    ],
+)
+def test_table_names(family: str, megatron: str, expected: list[str]) -> None:
+    t = torch.zeros(8, 1)
+    assert [n for n, _ in convert(megatron, t, TABLES[family], FACTS)] == expected
+
+
+def test_tied_output_layer_sends_nothing_untied_sends_lm_head() -> None:
+    w = torch.arange(8.0).reshape(8, 1)  # padded vocab 8 > real 6
+    assert convert("output_layer.weight", w, TABLES["qwen3"], FACTS) == []
+    untied = LayoutFacts(**{**FACTS.__dict__, "tied_embeddings": False})
+    ((name, t),) = convert("language_model.output_layer.weight", w, TABLES["qwen3_vl"], untied)
+    assert name == "lm_head.weight" and t.flatten().tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_unmapped_name_is_named() -> None:
+    with pytest.raises(UnmappedName, match="decoder.layers.0.mystery.weight"):
+        convert("decoder.layers.0.mystery.weight", torch.zeros(1), TABLES["qwen3"], FACTS)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, number: int) -> None:
+        super().__init__()
+        self.layer_number = number
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+
+def test_pp_layer_offset_from_layer_number() -> None:
+    # Second of two stages of 4 layers: local layers 0,1 are global 2,3 (layer_number is 1-based).
+    from reference_impl.trainer.params import iter_global_params
+
+    stage = torch.nn.Module()
+    stage.decoder = torch.nn.Module()
+    stage.decoder.layers = torch.nn.ModuleList([_Layer(3), _Layer(4)])
+    assert [n for n, _ in iter_global_params([stage])] == ["decoder.layers.2.w", "decoder.layers.3.w"]
+    assert global_name("embedding.word_embeddings.weight", {}) == "embedding.word_embeddings.weight"

@@ -1,0 +1,69 @@
+"""Scenario validation, matrix expansion and filters; model entries keep the real architecture's facts."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.scenario import Scenario, expand, load_matrix, select, validate
+from reference_impl.models.registry import available_models, check_scale_down_keeps_facts, load_model
+
+
+def test_cpu_matrix_holds_the_promised_rows() -> None:
+    scenarios = load_matrix("cpu")
+    small = select(scenarios, "!tag:full-size")
+    ids = {s.id for s in small}
+    for model in ("qwen3", "qwen3-vl"):
+        for tp in (1, 2):
+            for pp in (1, 2):
+                for mode in ("raw", "bridge"):
+                    assert f"{model}/tp{tp}-pp{pp}/noncolocate/{mode}" in ids
+    full = select(scenarios, "tag:full-size")
+    assert {s.id for s in full} == {"qwen3-0.6b/tp2-pp1/noncolocate/raw", "qwen3-0.6b/tp2-pp1/noncolocate/bridge"}
+    assert all(validate(s) is None for s in scenarios)
+
+
+def test_expand_is_a_product_over_list_axes() -> None:
+    out = expand({"model": "qwen3", "tp": [1, 2], "mode": ["raw", "bridge"], "syncs": 3})
+    assert sorted(s.id for s in out) == sorted(
+        ["qwen3/tp1-pp1/noncolocate/raw", "qwen3/tp1-pp1/noncolocate/bridge",
+         "qwen3/tp2-pp1/noncolocate/raw", "qwen3/tp2-pp1/noncolocate/bridge"]
+    )
+    assert all(s.syncs == 3 for s in out)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"model": "qwen3", "tp": 3}, "TP 3 does not divide qwen3's 4 attention heads and 2 KV heads"),
+        ({"model": "qwen3", "pp": 8}, "PP 8 is larger than qwen3's 4 layers"),
+        ({"model": "qwen3", "pp": 3}, "PP 3 does not divide qwen3's 4 layers"),
+        ({"model": "qwen3-vl", "pp": 3}, "first stage of qwen3-vl holds 2 text layers but the vision tower feeds 3"),
+        ({"model": "qwen3-vl", "pp": 4}, "PP 4 does not divide qwen3-vl's 6 layers"),
+        ({"model": "qwen3", "mode": "mbridge"}, "mode 'mbridge' is unknown: use raw or bridge"),
+        ({"model": "nope"}, "unknown model 'nope'"),
+        ({"model": "qwen3", "ep": 2}, "needs a mixture-of-experts model"),
+    ],
+)
+def test_impossible_scenarios_say_what_to_change(fields: dict, says: str) -> None:
+    problem = validate(Scenario(**fields))
+    assert problem is not None and says in problem
+
+
+def test_filters() -> None:
+    scenarios = load_matrix("cpu")
+    assert {s.id for s in select(scenarios, "model=qwen3 tp=2 pp=2")} == {
+        "qwen3/tp2-pp2/noncolocate/raw", "qwen3/tp2-pp2/noncolocate/bridge"}
+    assert all(s.mode == "bridge" for s in select(scenarios, "mode=bridge"))
+    assert len(select(scenarios, "qwen3-vl/.*/raw")) == 4
+
+
+@pytest.mark.parametrize("name", available_models())
+def test_model_entries_keep_the_real_facts(name: str) -> None:
+    assert check_scale_down_keeps_facts(load_model(name)) == []
+
+
+def test_scale_down_that_breaks_gqa_is_caught() -> None:
+    spec = load_model("qwen3")
+    broken = type(spec)(spec.name, spec.family, spec.hf_architecture, spec.source_config,
+                        {**spec.config, "num_key_value_heads": 4}, True)
+    assert any("GQA ratio" in p for p in check_scale_down_keeps_facts(broken))
