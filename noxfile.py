@@ -19,8 +19,13 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
 
+def _runs(exe: str | None) -> bool:
+    # A pyenv shim is on PATH even when that version is not active; it then fails when run.
+    return bool(exe) and subprocess.run([exe, "-c", "pass"], capture_output=True).returncode == 0
+
+
 def _make_python312_findable() -> None:
-    if shutil.which(f"python{PYTHON}"):
+    if _runs(shutil.which(f"python{PYTHON}")):
         return
     roots = [os.environ.get("PYENV_ROOT", ""), str(Path.home() / ".pyenv")]
     if shutil.which("pyenv"):

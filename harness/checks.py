@@ -374,10 +374,7 @@ def _name_problems(record: RunRecord) -> Iterator[str]:
         elif _is_name_error(err):
             found = next(_names_in_text(err.message, loose=False), None)
             key = found[0] if found else _first_line(err.message).strip("'\"")
-            yield (
-                f"{_error_origin(err)} raised {err.type} on name '{key}': "
-                f"{_excerpt(_first_line(err.message), 160)}"
-            )
+            yield (f"{_error_origin(err)} raised {err.type} on name '{key}': {_excerpt(_first_line(err.message), 160)}")
     yield from _silently_ignored(record)
 
 
@@ -415,10 +412,7 @@ def _chunk_problem(sync: SyncRecord) -> str | None:
     if first is None and received < planned:
         first = next((c for c in sync.chunks if not c.received), None)
     where = f"sync {sync.index}" + (f" chunk {first.index}" if first is not None else "")
-    return (
-        f"{where}: planned {planned} chunks, sent {sent}, received {received}, "
-        f"{len(sync.chunks)} in the plan record"
-    )
+    return f"{where}: planned {planned} chunks, sent {sent}, received {received}, {len(sync.chunks)} in the plan record"
 
 
 def check_chunks(record: RunRecord) -> CheckResult:
@@ -472,8 +466,7 @@ def _first_difference(
     if key not in expected:
         return f"'{key}' on {actual_label} but not in {expected_label} ({count})"
     return (
-        f"'{key}' {actual_label} checksum {_short(actual[key])} != "
-        f"{expected_label} {_short(expected[key])} ({count})"
+        f"'{key}' {actual_label} checksum {_short(actual[key])} != {expected_label} {_short(expected[key])} ({count})"
     )
 
 
@@ -558,8 +551,7 @@ def check_syncs_ran(record: RunRecord) -> CheckResult:
         unfinished = next((s for s in record.syncs if not s.finished), None)
         if unfinished is not None:
             problem = (
-                f"sync {unfinished.index} did not finish (no 200 from /finish_weight_update) "
-                "and no error explains it"
+                f"sync {unfinished.index} did not finish (no 200 from /finish_weight_update) and no error explains it"
             )
     if problem is None:
         return _passed(name, verdict)

@@ -26,8 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("run", "list"):
         p = sub.add_parser(name)
         p.add_argument("--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path")
-        p.add_argument("--filter", default=None,
-                       help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex")
+        p.add_argument(
+            "--filter",
+            default=None,
+            help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex",
+        )
     run = sub.choices["run"]
     run.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
     run.add_argument("--run-id", default=None, help="folder name under --results-dir (default: a timestamp)")
@@ -73,8 +76,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     runner: Runner | None = None
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
             task = progress.add_task("starting Ray", total=len(scenarios))
             needs_ray = any(validate(sc) is None for sc in scenarios)
             if needs_ray:

@@ -235,9 +235,7 @@ def _env_line(env: Mapping[str, Any] | str | None) -> str:
     return " · ".join(str(p) for p in parts)
 
 
-def summary_markdown(
-    df: pd.DataFrame, run_id: str | None = None, env: Mapping[str, Any] | str | None = None
-) -> str:
+def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[str, Any] | str | None = None) -> str:
     """summary.md's text: title, run id and env line, the pasteable table, then non-PASS rows."""
     lines = ["# Weight-sync harness results", ""]
     if run_id:

@@ -9,6 +9,7 @@ gets fresh ones. Every record is written as soon as its scenario ends.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import traceback
@@ -47,8 +48,7 @@ def ensure_ray(address: str | None = None) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
-        ray.init(num_cpus=16, include_dashboard=False, runtime_env=env, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(num_cpus=16, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False)
 
 
 @ray.remote(num_cpus=1)
@@ -116,7 +116,10 @@ class ScenarioFailed(Exception):
 def _error_from(exc: BaseException, rank: int | None, where: str) -> ErrorRecord:
     cause = getattr(exc, "cause", None) or exc
     return ErrorRecord(
-        where=where, rank=rank, type=type(cause).__name__, message=str(cause)[:4000],
+        where=where,
+        rank=rank,
+        type=type(cause).__name__,
+        message=str(cause)[:4000],
         traceback="".join(traceback.format_exception(exc))[-8000:],
     )
 
@@ -160,7 +163,7 @@ class Runner:
             for i, ref in enumerate(refs):
                 try:
                     ray.get(ref, timeout=1)
-                except Exception as inner:  # noqa: BLE001
+                except Exception as inner:
                     record.errors.append(_error_from(inner, i, "trainer"))
                     break
             else:
@@ -169,8 +172,9 @@ class Runner:
 
     def run_scenario(self, sc: Scenario) -> RunRecord:
         """Validate, run and judge one scenario; the record is written before returning."""
-        record = RunRecord(scenario_id=sc.id, scenario=sc.as_dict(), run_id=self.run_id,
-                           started_at=time.time(), requested_mode=sc.mode)
+        record = RunRecord(
+            scenario_id=sc.id, scenario=sc.as_dict(), run_id=self.run_id, started_at=time.time(), requested_mode=sc.mode
+        )
         problem = validate(sc)
         if problem:
             record.config_error = problem
@@ -188,8 +192,9 @@ class Runner:
             log_path = self.out_dir / "logs" / (sc.id.replace("/", "__") + ".engine.log")
             engine = EngineActor.options(scheduling_strategy=pool.engine_strategy()).remote()
             setup_refs = [a.setup.remote(sc.as_dict(), str(ckpt)) for a in pool.actors]
-            url = self._get([engine.start.remote(str(ckpt), sc.engine_seed, str(log_path))], 300, record,
-                            "engine start")[0]
+            url = self._get(
+                [engine.start.remote(str(ckpt), sc.engine_seed, str(log_path))], 300, record, "engine start"
+            )[0]
             self._get(setup_refs, SETUP_TIMEOUT_S, record, "trainer setup")
             checker = UpdateClient(url)
             record.engine_slots = checker.slots()
@@ -205,22 +210,21 @@ class Runner:
                 sync.engine_checksums = checker.checksums()
                 record.syncs.append(sync)
             for mode in ("raw", "bridge"):
-                sums = self._get([a.export_checksums.remote(mode) for a in pool.actors], deadline, record,
-                                 f"export {mode}")
+                sums = self._get(
+                    [a.export_checksums.remote(mode) for a in pool.actors], deadline, record, f"export {mode}"
+                )
                 record.cross_mode_checksums[mode] = sums[0]
             record.http.extend(HttpCall(**c) for c in checker.calls)
             checker.close()
             healthy = True
         except ScenarioFailed:
             pass
-        except Exception as e:  # noqa: BLE001  (anything else is a runner-side crash, recorded)
+        except Exception as e:
             record.errors.append(_error_from(e, None, "runner"))
         finally:
             if engine is not None:
-                try:
+                with contextlib.suppress(Exception):
                     ray.get(engine.stop.remote(), timeout=30)
-                except Exception:  # noqa: BLE001
-                    pass
                 ray.kill(engine, no_restart=True)
             if not healthy:
                 self.drop_pool(sc.world_size)
@@ -234,13 +238,22 @@ class Runner:
         phases.update({k: sender["phases"].get(k, 0.0) for k in ("transfer", "load")})
         chunks = [ChunkRecord(**c) for c in sender["chunks"]]
         return SyncRecord(
-            index=index, weight_version=index, mode=sender["mode"],
-            chunks_planned=sender["chunks_planned"], chunks_sent=sum(c.sent for c in chunks),
-            chunks_received=sum(c.received for c in chunks), chunks=chunks, bytes=sender["bytes"],
-            phases=phases, total_s=max(r["total_s"] for r in per_rank),
-            names_sent=sender["names_sent"], names_accepted=sender["names_accepted"],
-            names_rejected=sender["names_rejected"], sent_checksums=sender["sent_checksums"],
-            engine_update_counts=sender["engine_update_counts"], finished=sender["finished"],
+            index=index,
+            weight_version=index,
+            mode=sender["mode"],
+            chunks_planned=sender["chunks_planned"],
+            chunks_sent=sum(c.sent for c in chunks),
+            chunks_received=sum(c.received for c in chunks),
+            chunks=chunks,
+            bytes=sender["bytes"],
+            phases=phases,
+            total_s=max(r["total_s"] for r in per_rank),
+            names_sent=sender["names_sent"],
+            names_accepted=sender["names_accepted"],
+            names_rejected=sender["names_rejected"],
+            sent_checksums=sender["sent_checksums"],
+            engine_update_counts=sender["engine_update_counts"],
+            finished=sender["finished"],
         )
 
     def _finish(self, record: RunRecord) -> RunRecord:

@@ -125,9 +125,7 @@ def reject_chunk(record: RunRecord, sync: int, chunk: int, status: int, body: st
     s.finished = False
     record.syncs = record.syncs[: sync + 1]
     record.errors.append(
-        ErrorRecord(
-            where="trainer", rank=0, type="EngineRejected", message=f"engine answered {status}: {body}"
-        )
+        ErrorRecord(where="trainer", rank=0, type="EngineRejected", message=f"engine answered {status}: {body}")
     )
 
 
@@ -167,9 +165,7 @@ def test_record_round_trips_through_json(record: RunRecord) -> None:
 
 
 def test_config_error(record: RunRecord) -> None:
-    bad = RunRecord(
-        scenario_id="x", scenario={"id": "x", "syncs": 2}, config_error="PP=3 does not divide 28 layers"
-    )
+    bad = RunRecord(scenario_id="x", scenario={"id": "x", "syncs": 2}, config_error="PP=3 does not divide 28 layers")
     verdict, message = verdict_of(bad)
     assert verdict == "CONFIG_ERROR"
     assert "PP=3 does not divide 28 layers" in message
@@ -237,9 +233,7 @@ def test_embedded_name_rejection_is_name_error(record: RunRecord) -> None:
 
 
 def test_embedded_dtype_rejection_is_http_error(record: RunRecord) -> None:
-    reject_chunk(
-        record, sync=0, chunk=0, status=400, body=embedded_body({"x": "dtype"}, "bfloat16 != float32")
-    )
+    reject_chunk(record, sync=0, chunk=0, status=400, body=embedded_body({"x": "dtype"}, "bfloat16 != float32"))
     verdict, message = verdict_of(record)
     assert verdict == "HTTP_ERROR"
     assert "400" in message and '"x"' in message
@@ -303,18 +297,14 @@ def test_trainer_keyerror_is_name_error(record: RunRecord) -> None:
 
 def test_trainer_attribute_error_stays_crash(record: RunRecord) -> None:
     record.errors.append(
-        ErrorRecord(
-            where="trainer", rank=0, type="AttributeError", message="'NoneType' object has no attribute 'x'"
-        )
+        ErrorRecord(where="trainer", rank=0, type="AttributeError", message="'NoneType' object has no attribute 'x'")
     )
     assert verdict_of(record)[0] == "CRASH"
 
 
 def test_engine_error_behind_a_400_is_not_a_crash(record: RunRecord) -> None:
     reject_chunk(record, sync=0, chunk=0, status=400, body=embedded_body({"x": "bytes"}))
-    record.errors.append(
-        ErrorRecord(where="engine", type="ValueError", message="chunk has 12 bytes, header 16")
-    )
+    record.errors.append(ErrorRecord(where="engine", type="ValueError", message="chunk has 12 bytes, header 16"))
     assert verdict_of(record)[0] == "HTTP_ERROR"
 
 
@@ -455,21 +445,14 @@ def test_http_check_reports_unlogged_rejection(record: RunRecord) -> None:
 
 
 def test_vllm_json_wrapped_500_is_name_error(record: RunRecord) -> None:
-    text = (
-        f"Call to collective_rpc method failed\nValueError: There is no module or parameter named '{VISION}'"
-    )
-    reject_chunk(
-        record, sync=0, chunk=1, status=500, body=json.dumps({"error": {"message": text, "code": 500}})
-    )
+    text = f"Call to collective_rpc method failed\nValueError: There is no module or parameter named '{VISION}'"
+    reject_chunk(record, sync=0, chunk=1, status=500, body=json.dumps({"error": {"message": text, "code": 500}}))
     verdict, message = verdict_of(record)
     assert verdict == "NAME_ERROR" and f"'{VISION}'" in message and "sync 0 chunk 1" in message
 
 
 def test_vllm_attribute_error_on_model_is_name_error(record: RunRecord) -> None:
-    body = (
-        "Call to collective_rpc method failed\n"
-        "AttributeError: 'Qwen3VLModel' object has no attribute 'visual'"
-    )
+    body = "Call to collective_rpc method failed\nAttributeError: 'Qwen3VLModel' object has no attribute 'visual'"
     reject_chunk(record, sync=0, chunk=0, status=500, body=body)
     verdict, message = verdict_of(record)
     assert verdict == "NAME_ERROR" and "'visual'" in message
@@ -479,9 +462,7 @@ def test_embedded_request_and_session_kinds_are_http_errors(record: RunRecord) -
     reject_chunk(record, sync=0, chunk=0, status=409, body=embedded_body({"session": "session"}))
     assert verdict_of(record)[0] == "HTTP_ERROR"
     other = make_record()
-    reject_chunk(
-        other, sync=0, chunk=0, status=400, body=embedded_body({"body.update_info.names": "request"})
-    )
+    reject_chunk(other, sync=0, chunk=0, status=400, body=embedded_body({"body.update_info.names": "request"}))
     assert verdict_of(other)[0] == "HTTP_ERROR"
 
 

@@ -16,8 +16,9 @@ from reference_impl.export.raw.rules import (
 )
 from reference_impl.trainer.params import combine_shards, global_name
 
-FACTS = LayoutFacts(num_heads=4, num_kv_heads=2, head_dim=2, vocab_size=6, tied_embeddings=True,
-                    vision_heads=2, vision_head_dim=2)
+FACTS = LayoutFacts(
+    num_heads=4, num_kv_heads=2, head_dim=2, vocab_size=6, tied_embeddings=True, vision_heads=2, vision_head_dim=2
+)
 
 
 def rows(*labels: float) -> torch.Tensor:
@@ -29,8 +30,22 @@ def test_split_qkv_by_query_group_with_head_dim() -> None:
     # 4 q heads, 2 kv groups, head_dim 2: Megatron rows per group g = [q(2 heads x 2), k_g(2), v_g(2)].
     # Label = 100*kind + 10*head + row-in-head, kind q=1 k=2 v=3.
     megatron = rows(
-        110, 111, 120, 121, 210, 211, 310, 311,  # group 0: q heads 1,2 (labelled 1x,2x), k0, v0
-        130, 131, 140, 141, 220, 221, 320, 321,  # group 1: q heads 3,4, k1, v1
+        110,
+        111,
+        120,
+        121,
+        210,
+        211,
+        310,
+        311,  # group 0: q heads 1,2 (labelled 1x,2x), k0, v0
+        130,
+        131,
+        140,
+        141,
+        220,
+        221,
+        320,
+        321,  # group 1: q heads 3,4, k1, v1
     )
     q, k, v = split_qkv(megatron, FACTS)
     assert q.flatten().tolist() == [110, 111, 120, 121, 130, 131, 140, 141]
@@ -70,19 +85,31 @@ def test_vision_qkv_regrouped_from_per_head_to_q_k_v() -> None:
         ("qwen3", "decoder.layers.3.pre_mlp_layernorm.weight", ["model.layers.3.post_attention_layernorm.weight"]),
         ("qwen3", "decoder.layers.0.self_attention.q_layernorm.weight", ["model.layers.0.self_attn.q_norm.weight"]),
         ("qwen3", "decoder.final_layernorm.weight", ["model.norm.weight"]),
-        ("qwen3_vl", "vision_model.decoder.layers.1.self_attention.linear_proj.weight",
-         ["model.visual.blocks.1.attn.proj.weight"]),
+        (
+            "qwen3_vl",
+            "vision_model.decoder.layers.1.self_attention.linear_proj.weight",
+            ["model.visual.blocks.1.attn.proj.weight"],
+        ),
         ("qwen3_vl", "vision_model.decoder.layers.0.input_layernorm.bias", ["model.visual.blocks.0.norm1.bias"]),
         ("qwen3_vl", "vision_model.decoder.layers.2.pre_mlp_layernorm.weight", ["model.visual.blocks.2.norm2.weight"]),
         ("qwen3_vl", "vision_model.merger.patch_norm.weight", ["model.visual.merger.norm.weight"]),
-        ("qwen3_vl", "vision_model.decoder.deepstack_merger_list.2.patch_norm.bias",
-         ["model.visual.deepstack_merger_list.2.norm.bias"]),
-        ("qwen3_vl", "vision_model.decoder.deepstack_merger_list.0.linear_fc2.weight",
-         ["model.visual.deepstack_merger_list.0.linear_fc2.weight"]),
+        (
+            "qwen3_vl",
+            "vision_model.decoder.deepstack_merger_list.2.patch_norm.bias",
+            ["model.visual.deepstack_merger_list.2.norm.bias"],
+        ),
+        (
+            "qwen3_vl",
+            "vision_model.decoder.deepstack_merger_list.0.linear_fc2.weight",
+            ["model.visual.deepstack_merger_list.0.linear_fc2.weight"],
+        ),
         ("qwen3_vl", "vision_model.patch_embed.proj.weight", ["model.visual.patch_embed.proj.weight"]),
         ("qwen3_vl", "vision_model.pos_embed.weight", ["model.visual.pos_embed.weight"]),
-        ("qwen3_vl", "language_model.decoder.layers.5.mlp.linear_fc1.weight",
-         ["model.language_model.layers.5.mlp.gate_proj.weight", "model.language_model.layers.5.mlp.up_proj.weight"]),
+        (
+            "qwen3_vl",
+            "language_model.decoder.layers.5.mlp.linear_fc1.weight",
+            ["model.language_model.layers.5.mlp.gate_proj.weight", "model.language_model.layers.5.mlp.up_proj.weight"],
+        ),
         ("qwen3_vl", "language_model.embedding.word_embeddings.weight", ["model.language_model.embed_tokens.weight"]),
     ],
 )
@@ -100,7 +127,7 @@ def test_tied_output_layer_sends_nothing_untied_sends_lm_head() -> None:
 
 
 def test_unmapped_name_is_named() -> None:
-    with pytest.raises(UnmappedName, match="decoder.layers.0.mystery.weight"):
+    with pytest.raises(UnmappedName, match=r"decoder\.layers\.0\.mystery\.weight"):
         convert("decoder.layers.0.mystery.weight", torch.zeros(1), TABLES["qwen3"], FACTS)
 
 

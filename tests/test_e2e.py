@@ -50,8 +50,12 @@ def test_scenario_passes_and_engine_matches_independent_truth(runner, sc: Scenar
         assert s.engine_checksums == s.sent_checksums
         assert s.engine_checksums != truth  # the perturbation moved every sync after #0
     assert rec.cross_mode_checksums["raw"] == rec.cross_mode_checksums["bridge"]
-    assert {c.route for c in rec.http} >= {"/init_weight_transfer_engine", "/start_weight_update",
-                                           "/update_weights", "/finish_weight_update"}
+    assert {c.route for c in rec.http} >= {
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+    }
     assert all(c.status == 200 for c in rec.http)
     on_disk = json.loads((runner.out_dir / "records" / (sc.id.replace("/", "__") + ".json")).read_text())
     assert on_disk["verdict"] == "PASS"
@@ -61,9 +65,21 @@ def test_impossible_scenario_is_config_error_and_launches_nothing(tmp_path: Path
     matrix = tmp_path / "bad.yaml"
     matrix.write_text("- model: qwen3\n  tp: 3\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "harness", "run", "--matrix", str(matrix), "--results-dir", str(tmp_path),
-         "--run-id", "bad"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "run",
+            "--matrix",
+            str(matrix),
+            "--results-dir",
+            str(tmp_path),
+            "--run-id",
+            "bad",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stderr
     rec = json.loads((tmp_path / "bad" / "records" / "qwen3__tp3-pp1__noncolocate__raw.json").read_text())

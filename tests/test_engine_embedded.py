@@ -257,10 +257,7 @@ def test_name_table(family: str, hf: str, expected: tuple[str, str | int | None]
 
 
 def test_slot_strings_and_unknown_names() -> None:
-    assert (
-        VllmTarget("model.layers.0.mlp.gate_up_proj.weight", 0).slot
-        == "model.layers.0.mlp.gate_up_proj.weight[0]"
-    )
+    assert VllmTarget("model.layers.0.mlp.gate_up_proj.weight", 0).slot == "model.layers.0.mlp.gate_up_proj.weight[0]"
     assert VllmTarget("model.norm.weight", None).slot == "model.norm.weight"
     # A stacked rule only applies inside its scope (the vision tower has no q_proj in vLLM).
     assert hf_to_vllm("qwen3_vl", "model.visual.blocks.0.attn.q_proj.weight").shard is None

@@ -34,7 +34,7 @@ def test_one_tensor_per_chunk_and_whole_model(bucket: int, expected_chunks: int)
 
 
 def test_plan_keeps_owner_order_and_reports_owners() -> None:
-    tensors = metas(10, 10, owner=0) + [TensorMeta("s1", (10,), "uint8", 10, 2)]
+    tensors = [*metas(10, 10, owner=0), TensorMeta("s1", (10,), "uint8", 10, 2)]
     plan = plan_chunks(tensors, bucket_bytes=25)
     assert [c.owners() for c in plan] == [{0}, {2}]
 

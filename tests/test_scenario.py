@@ -25,8 +25,12 @@ def test_cpu_matrix_holds_the_promised_rows() -> None:
 def test_expand_is_a_product_over_list_axes() -> None:
     out = expand({"model": "qwen3", "tp": [1, 2], "mode": ["raw", "bridge"], "syncs": 3})
     assert sorted(s.id for s in out) == sorted(
-        ["qwen3/tp1-pp1/noncolocate/raw", "qwen3/tp1-pp1/noncolocate/bridge",
-         "qwen3/tp2-pp1/noncolocate/raw", "qwen3/tp2-pp1/noncolocate/bridge"]
+        [
+            "qwen3/tp1-pp1/noncolocate/raw",
+            "qwen3/tp1-pp1/noncolocate/bridge",
+            "qwen3/tp2-pp1/noncolocate/raw",
+            "qwen3/tp2-pp1/noncolocate/bridge",
+        ]
     )
     assert all(s.syncs == 3 for s in out)
 
@@ -52,7 +56,9 @@ def test_impossible_scenarios_say_what_to_change(fields: dict, says: str) -> Non
 def test_filters() -> None:
     scenarios = load_matrix("cpu")
     assert {s.id for s in select(scenarios, "model=qwen3 tp=2 pp=2")} == {
-        "qwen3/tp2-pp2/noncolocate/raw", "qwen3/tp2-pp2/noncolocate/bridge"}
+        "qwen3/tp2-pp2/noncolocate/raw",
+        "qwen3/tp2-pp2/noncolocate/bridge",
+    }
     assert all(s.mode == "bridge" for s in select(scenarios, "mode=bridge"))
     assert len(select(scenarios, "qwen3-vl/.*/raw")) == 4
 
@@ -64,6 +70,12 @@ def test_model_entries_keep_the_real_facts(name: str) -> None:
 
 def test_scale_down_that_breaks_gqa_is_caught() -> None:
     spec = load_model("qwen3")
-    broken = type(spec)(spec.name, spec.family, spec.hf_architecture, spec.source_config,
-                        {**spec.config, "num_key_value_heads": 4}, True)
+    broken = type(spec)(
+        spec.name,
+        spec.family,
+        spec.hf_architecture,
+        spec.source_config,
+        {**spec.config, "num_key_value_heads": 4},
+        True,
+    )
     assert any("GQA ratio" in p for p in check_scale_down_keeps_facts(broken))

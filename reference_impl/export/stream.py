@@ -72,9 +72,7 @@ def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[Owned, dict[
     return owned, {"gather": 0.0, "convert": time.perf_counter() - t0}
 
 
-def export(
-    mode: str, model: TrainerModel, layout: RankLayout, facts: LayoutFacts
-) -> tuple[Owned, dict[str, float]]:
+def export(mode: str, model: TrainerModel, layout: RankLayout, facts: LayoutFacts) -> tuple[Owned, dict[str, float]]:
     """Dispatch on `mode` ("raw" | "bridge").
 
     Raises:

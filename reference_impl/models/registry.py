@@ -162,8 +162,9 @@ def check_scale_down_keeps_facts(spec: ModelSpec) -> list[str]:
             problems.append(f"mrope_section {sec} must sum to head_dim/2 = {f.head_dim // 2}")
         if [round(s / sum(sec), 1) for s in sec] != [round(s / sum(rsec), 1) for s in rsec]:
             problems.append(f"mrope_section {sec} is not in the real proportion {rsec}")
-        ids = [spec.config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                         "vision_end_token_id")]
+        ids = [
+            spec.config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        ]
         if max(ids) >= f.vocab_size:
             problems.append(f"special token ids {ids} must lie inside vocab_size {f.vocab_size}")
     return problems

@@ -34,6 +34,7 @@ def shim_transformer_engine_import() -> None:
 
     def _module(name: str) -> types.ModuleType:
         mod = types.ModuleType(name)
+
         def _getattr(attr: str) -> type:
             if attr.startswith("__"):
                 raise AttributeError(attr)
@@ -48,16 +49,24 @@ def shim_transformer_engine_import() -> None:
     # megatron-core and megatron.training are imported first, with TE absent, so they pick their local
     # layers; only the megatron.bridge import (whose package __init__ pulls in lora_layers) sees the
     # stand-in, which is removed again right after.
-    for dep in ("megatron.core", "megatron.training", "megatron.core.models.gpt.gpt_layer_specs",
-                "megatron.core.models.vision.vit_layer_specs", "megatron.core.transformer.moe.moe_utils"):
+    for dep in (
+        "megatron.core",
+        "megatron.training",
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "megatron.core.models.vision.vit_layer_specs",
+        "megatron.core.transformer.moe.moe_utils",
+    ):
         importlib.import_module(dep)
 
     te = _module("transformer_engine")
     te_pt = _module("transformer_engine.pytorch")
     te.pytorch = te_pt  # type: ignore[attr-defined]
     te_pt.ops = _module("transformer_engine.pytorch.ops")  # type: ignore[attr-defined]
-    stand_ins = {"transformer_engine": te, "transformer_engine.pytorch": te_pt,
-                 "transformer_engine.pytorch.ops": te_pt.ops}  # type: ignore[attr-defined]
+    stand_ins = {
+        "transformer_engine": te,
+        "transformer_engine.pytorch": te_pt,
+        "transformer_engine.pytorch.ops": te_pt.ops,
+    }  # type: ignore[attr-defined]
     sys.modules.update(stand_ins)
     try:
         importlib.import_module("megatron.bridge")

@@ -44,9 +44,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def init_model_parallel(tp: int, pp: int, ep: int = 1) -> RankLayout:

@@ -41,8 +41,13 @@ def global_name(local_name: str, offsets: dict[str, int]) -> str:
 
 
 def iter_global_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(global Megatron name, local parameter) for every parameter of this rank's model chunks."""
+    """(global Megatron name, local parameter) for every parameter of this rank's model chunks.
+
+    Wrappers (`Float16Module` in bf16/fp16, DDP) are looked through: names never carry `module.`.
+    """
     for chunk in chunks:
+        while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+            chunk = chunk.module
         offsets = layer_offsets(chunk)
         for name, p in chunk.named_parameters():
             yield global_name(name, offsets), p

@@ -70,15 +70,20 @@ class TrainerWorker:
             return []
         self.client = UpdateClient(base_url)
         store = host_store(timeout_s=timeout_s)
-        init_info = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": store.port,
-                     "rank_offset": 1, "world_size": 2}
+        init_info = {
+            "backend": "gloo",
+            "master_address": "127.0.0.1",
+            "master_port": store.port,
+            "rank_offset": 1,
+            "world_size": 2,
+        }
         errors: list[BaseException] = []
 
         def call() -> None:
             try:
                 assert self.client is not None
                 self.client.init_transfer(init_info)
-            except BaseException as e:  # noqa: BLE001  (re-raised below in the caller's thread)
+            except BaseException as e:
                 errors.append(e)
 
         th = threading.Thread(target=call, daemon=True)
@@ -102,8 +107,14 @@ class TrainerWorker:
         owned, phases = export(mode, self.model, self.layout, self.facts)
         t_export = time.perf_counter() - t0
         res, plan = run_sync(
-            owned=owned, rank=self.rank, world_size=self.world_size, bucket_bytes=bucket_bytes,
-            sync_index=index, weight_version=weight_version, client=self.client, group=self.group,
+            owned=owned,
+            rank=self.rank,
+            world_size=self.world_size,
+            bucket_bytes=bucket_bytes,
+            sync_index=index,
+            weight_version=weight_version,
+            client=self.client,
+            group=self.group,
         )
         res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
         res.total_s += t_export

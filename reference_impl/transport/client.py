@@ -48,8 +48,14 @@ class UpdateClient:
             status, text = 0, f"{type(e).__name__}: {e}"
         ms = (time.perf_counter() - t0) * 1e3
         self.calls.append(
-            {"route": route, "status": status, "ms": ms, "sync": sync, "chunk": chunk,
-             "error": None if status == 200 else text[:4000]}
+            {
+                "route": route,
+                "status": status,
+                "ms": ms,
+                "sync": sync,
+                "chunk": chunk,
+                "error": None if status == 200 else text[:4000],
+            }
         )
         if status != 200:
             raise EngineRejected(route, status, text)

@@ -14,6 +14,7 @@ A rejected chunk is recorded and the loop goes on (every rank keeps the same sch
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,9 +50,7 @@ class SyncResult:
 
 def gather_metadata(owned: list[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[TensorMeta]:
     """Every rank's owned tensors as `TensorMeta`, ordered by owner rank then export order."""
-    mine = [
-        TensorMeta(n, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank) for n, t in owned
-    ]
+    mine = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank) for n, t in owned]
     if world_size == 1:
         return mine
     everyone: list[list[TensorMeta] | None] = [None] * world_size
@@ -111,10 +110,9 @@ def run_sync(
     assert client is not None and group is not None, "the sender needs the engine client and transfer group"
     t_recv = t_sum = t_load = 0.0
     t_loop0 = time.perf_counter()
-    try:
+    # A rejected start is recorded in client.calls; the chunk schedule still runs so every rank stays in step.
+    with contextlib.suppress(EngineRejected):
         client.start(sync_index, weight_version)
-    except EngineRejected:
-        pass  # recorded in client.calls; the chunk schedule still runs so every rank stays in step
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-http")
     try:
         for chunk in plan:

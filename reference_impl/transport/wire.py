@@ -70,9 +70,7 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> to
     return buf
 
 
-def unpack(
-    buf: torch.Tensor, dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
-) -> list[torch.Tensor]:
+def unpack(buf: torch.Tensor, dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Split a packed uint8 buffer into tensors (views into `buf`) of the declared dtypes and shapes.
 
     Raises:

@@ -40,9 +40,23 @@ class EngineProcess:
         port_file = Path(tempfile.mkdtemp(prefix="wsh-engine-")) / "port"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115  (kept open for the child's lifetime)
-        cmd = [sys.executable, "-m", "reference_impl.engine.embedded.server", "--checkpoint", self.checkpoint,
-               "--seed", str(self.seed), "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
-               "--threads", str(self.threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "reference_impl.engine.embedded.server",
+            "--checkpoint",
+            self.checkpoint,
+            "--seed",
+            str(self.seed),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--threads",
+            str(self.threads),
+        ]
         env = {**os.environ, "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": str(self.threads)}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s

@@ -83,8 +83,7 @@ def build_engine_model(checkpoint: Path, seed: int) -> tuple[torch.nn.Module, st
     family = MODEL_TYPE_FAMILY.get(config.get("model_type", ""))
     if family is None:
         raise ValueError(
-            f"model_type {config.get('model_type')!r} has no vLLM name table; "
-            f"known: {sorted(MODEL_TYPE_FAMILY)}"
+            f"model_type {config.get('model_type')!r} has no vLLM name table; known: {sorted(MODEL_TYPE_FAMILY)}"
         )
     source = Path(checkpoint) / "wsh_source.json"
     if source.exists() and json.loads(source.read_text()).get("seed") == seed:
@@ -236,8 +235,7 @@ class EngineLoader:
                 continue
             if t.dtype != slot.dtype:
                 rejected[name], kinds[name] = (
-                    f"received {dtype_name(t.dtype)} data but the engine parameter is "
-                    f"{dtype_name(slot.dtype)}",
+                    f"received {dtype_name(t.dtype)} data but the engine parameter is {dtype_name(slot.dtype)}",
                     "dtype",
                 )
             elif tuple(t.shape) != slot.shape:
@@ -264,6 +262,4 @@ class EngineLoader:
 
     def total_bytes(self) -> int:
         """Bytes of all slots (what one full sync moves)."""
-        return sum(
-            math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in self.slots.values()
-        )
+        return sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in self.slots.values())

@@ -196,8 +196,7 @@ def create_app(loader: EngineLoader) -> FastAPI:
             if st.session_open:
                 raise _http_error(
                     400,
-                    "start_weight_update called while an update session is open; "
-                    "POST /finish_weight_update first",
+                    "start_weight_update called while an update session is open; POST /finish_weight_update first",
                 )
             st.session_open = True
             st.session_load_s = 0.0

@@ -16,8 +16,11 @@ RULES: list[Rule] = [
     Rule(LAYER + "input_layernorm.weight", HF_LAYER + "input_layernorm.weight", copy),
     Rule(
         LAYER + "self_attention.linear_qkv.weight",
-        [HF_LAYER + "self_attn.q_proj.weight", HF_LAYER + "self_attn.k_proj.weight",
-         HF_LAYER + "self_attn.v_proj.weight"],
+        [
+            HF_LAYER + "self_attn.q_proj.weight",
+            HF_LAYER + "self_attn.k_proj.weight",
+            HF_LAYER + "self_attn.v_proj.weight",
+        ],
         split_qkv,
     ),
     Rule(LAYER + "self_attention.linear_proj.weight", HF_LAYER + "self_attn.o_proj.weight", copy),
