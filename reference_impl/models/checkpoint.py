@@ -79,6 +79,28 @@ def build_hf_model(spec: ModelSpec, dtype: str, seed: int | None):
     return model
 
 
+RELEASED_FUSED_EXPERTS = ("qwen3_vl_moe",)
+_FUSED_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def to_released_expert_layout(folder: Path) -> None:
+    """Rewrite Qwen3-VL-MoE fused expert tensors in `folder` into the released checkpoints' layout.
+
+    transformers 5.12.1 `save_pretrained` writes its in-memory layout, `mlp.experts.gate_up_proj`
+    [E, 2*moe_inter, hidden] and `mlp.experts.down_proj` [E, hidden, moe_inter]; the published
+    Qwen3-VL-30B-A3B checkpoints (and vLLM's `qwen3_vl_moe.py`, which transposes unconditionally) use
+    [E, hidden, 2*moe_inter] (gate first along the last dim) and [E, moe_inter, hidden]. transformers
+    loads either. The maker writes the released layout so the ground truth matches what vLLM loads.
+    """
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(f)
+        changed = {n: t.transpose(1, 2).contiguous() for n, t in tensors.items() if n.endswith(_FUSED_EXPERT_SUFFIXES)}
+        if changed:
+            save_file({**tensors, **changed}, f, metadata={"format": "pt"})
+
+
 def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Path | None = None) -> Path:
     """Write (once) and return the folder of the seeded checkpoint of `spec`.
 
@@ -93,6 +115,8 @@ def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Pa
     shutil.rmtree(tmp, ignore_errors=True)
     model = build_hf_model(spec, dtype, seed)
     model.save_pretrained(tmp, max_shard_size="20GB")
+    if spec.family in RELEASED_FUSED_EXPERTS:
+        to_released_expert_layout(tmp)
     (tmp / "wsh_source.json").write_text(json.dumps({"model": spec.name, "seed": seed, "dtype": dtype}))
     try:
         tmp.rename(out)

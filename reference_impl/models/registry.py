@@ -20,7 +20,8 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO_ROOT / "scenarios" / "models"
 
-FAMILIES = ("qwen3", "qwen3_vl")
+FAMILIES = ("qwen3", "qwen3_vl", "qwen3_moe", "qwen3_vl_moe")
+VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 
 
 class ModelEntryError(ValueError):
@@ -53,6 +54,11 @@ class ModelFacts:
     vision_hidden: int = 0
     vision_heads: int = 0
     deepstack_indexes: tuple[int, ...] = ()
+    num_experts: int = 0  # 0 = dense
+    experts_per_token: int = 0
+    moe_ffn_hidden_size: int = 0
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,21 @@ class ModelSpec:
     source_config: dict[str, Any]
     config: dict[str, Any]
     scaled: bool
+    changes: tuple[str, ...] = ()  # facts of the real model this entry changes on purpose
+
+    @property
+    def is_vl(self) -> bool:
+        """A vision-language family (config has text_config / vision_config)."""
+        return self.family in VL_FAMILIES
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts family."""
+        return self.facts().num_experts > 0
 
     def text_config(self) -> dict[str, Any]:
         """The text model's config dict (top level for Qwen3, `text_config` for Qwen3-VL)."""
-        return self.config["text_config"] if self.family == "qwen3_vl" else self.config
+        return self.config["text_config"] if self.is_vl else self.config
 
     def facts(self) -> ModelFacts:
         """Numbers read from `config` (see `ModelFacts`)."""
@@ -87,6 +104,11 @@ class ModelSpec:
             vision_hidden=v.get("hidden_size", 0),
             vision_heads=v.get("num_heads", 0),
             deepstack_indexes=tuple(v.get("deepstack_visual_indexes", ())),
+            num_experts=t.get("num_experts", 0) or 0,
+            experts_per_token=t.get("num_experts_per_tok", 0) or 0,
+            moe_ffn_hidden_size=t.get("moe_intermediate_size", 0) or 0,
+            sparse_step=t.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(t.get("mlp_only_layers", ()) or ()),
         )
 
 
@@ -107,6 +129,10 @@ def load_model(name: str, models_dir: Path = MODELS_DIR) -> ModelSpec:
             f"unknown model {name!r}: add scenarios/models/{name}.yaml or use one of {available_models()}"
         )
     entry = yaml.safe_load(path.read_text())
+    if "base" in entry:  # a variant: the base entry with this entry's fields and scale-down on top
+        base = yaml.safe_load((models_dir / f"{entry['base']}.yaml").read_text())
+        rule = _merge(base.get("scale_down") or {}, entry.get("scale_down") or {})
+        entry = {**base, **entry, "scale_down": rule}
     if entry.get("family") not in FAMILIES:
         raise ModelEntryError(f"{path.name}: family must be one of {FAMILIES}, got {entry.get('family')!r}")
     cfg_path = models_dir / entry["config"]
@@ -115,7 +141,7 @@ def load_model(name: str, models_dir: Path = MODELS_DIR) -> ModelSpec:
     source = json.loads(cfg_path.read_text())
     rule = entry.get("scale_down")
     config = _merge(source, rule) if rule else copy.deepcopy(source)
-    if entry["family"] == "qwen3_vl":
+    if entry["family"] in VL_FAMILIES:
         # The vision tower projects into the text model's width.
         config["vision_config"]["out_hidden_size"] = config["text_config"]["hidden_size"]
     return ModelSpec(
@@ -125,6 +151,7 @@ def load_model(name: str, models_dir: Path = MODELS_DIR) -> ModelSpec:
         source_config=source,
         config=config,
         scaled=bool(rule),
+        changes=tuple(entry.get("changes", ())),
     )
 
 
@@ -138,16 +165,26 @@ def check_scale_down_keeps_facts(spec: ModelSpec) -> list[str]:
     """
     problems: list[str] = []
     real = ModelSpec(spec.name, spec.family, spec.hf_architecture, spec.source_config, spec.source_config, False)
+    kept = set(spec.changes)
     f, r = spec.facts(), real.facts()
     if f.num_heads * r.num_kv_heads != r.num_heads * f.num_kv_heads:
         problems.append(f"GQA ratio {f.num_heads}:{f.num_kv_heads} differs from real {r.num_heads}:{r.num_kv_heads}")
     if f.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512):
         problems.append(f"head_dim {f.head_dim} is not one vLLM's CPU attention supports")
-    if f.tied_embeddings != r.tied_embeddings:
+    if f.tied_embeddings != r.tied_embeddings and "tie_word_embeddings" not in kept:
         problems.append(f"tie_word_embeddings {f.tied_embeddings} differs from real {r.tied_embeddings}")
     if (r.hidden_size == r.num_heads * r.head_dim) != (f.hidden_size == f.num_heads * f.head_dim):
         problems.append("hidden_size vs heads*head_dim relation differs from the real model")
-    if spec.family == "qwen3_vl":
+    if r.num_experts:
+        if f.experts_per_token != r.experts_per_token:
+            problems.append(f"experts per token {f.experts_per_token} differs from real {r.experts_per_token}")
+        if f.num_experts % 2 or f.num_experts < f.experts_per_token:
+            problems.append(f"{f.num_experts} experts: must be even (EP 2) and >= experts per token")
+        if round(f.moe_ffn_hidden_size / f.hidden_size, 3) != round(r.moe_ffn_hidden_size / r.hidden_size, 3):
+            problems.append("moe_intermediate_size / hidden_size differs from the real ratio")
+        if (f.sparse_step, f.mlp_only_layers) != (r.sparse_step, r.mlp_only_layers):
+            problems.append("dense/sparse layer pattern (decoder_sparse_step, mlp_only_layers) differs")
+    if spec.is_vl:
         v, rv = spec.config["vision_config"], spec.source_config["vision_config"]
         for k in ("patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings"):
             if v[k] != rv[k]:
