@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from reference_impl.models.registry import ModelEntryError, load_model
+from reference_impl.trainer.parallel import world_size_for
 
 SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 
@@ -63,8 +64,8 @@ class Scenario(BaseModel):
 
     @property
     def world_size(self) -> int:
-        """Trainer ranks: TP x PP (EP folds into the same ranks)."""
-        return self.tp * self.pp
+        """Trainer ranks: PP x lcm(TP, EP x ETP) (`reference_impl.trainer.parallel.world_size_for`)."""
+        return world_size_for(self.tp, self.pp, self.ep, self.etp)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict with the id (what a record stores)."""
@@ -83,8 +84,6 @@ def validate(sc: Scenario) -> str | None:
         return f"dtype {sc.dtype!r} is not supported: use float32 or bfloat16"
     if min(sc.tp, sc.pp, sc.ep, sc.etp) < 1:
         return "tp, pp, ep and etp must be >= 1"
-    if sc.ep > 1 or sc.etp > 1:
-        return f"ep {sc.ep} / etp {sc.etp} needs a mixture-of-experts model; {sc.model} is dense: set ep: 1, etp: 1"
     if sc.bucket_bytes < 1:
         return f"bucket_bytes must be >= 1 (got {sc.bucket_bytes})"
     try:
@@ -92,6 +91,12 @@ def validate(sc: Scenario) -> str | None:
     except ModelEntryError as e:
         return str(e)
     f = spec.facts()
+    if (sc.ep > 1 or sc.etp > 1) and not f.num_experts:
+        return f"ep {sc.ep} / etp {sc.etp} needs a mixture-of-experts model; {sc.model} is dense: set ep: 1, etp: 1"
+    if f.num_experts and f.num_experts % sc.ep:
+        return f"EP {sc.ep} does not divide {sc.model}'s {f.num_experts} experts: pick an EP that divides it"
+    if sc.etp not in (1, sc.tp):
+        return f"ETP {sc.etp} must be 1 or equal TP {sc.tp}"
     if f.num_heads % sc.tp or f.num_kv_heads % sc.tp:
         return (
             f"TP {sc.tp} does not divide {sc.model}'s {f.num_heads} attention heads and {f.num_kv_heads} "

@@ -12,23 +12,36 @@ the seconds spent per phase:
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
-from reference_impl.export.raw import TABLES
-from reference_impl.export.raw.rules import LayoutFacts, Rule, convert
+from reference_impl.export.raw import TABLES, FamilyTable
+from reference_impl.export.raw.rules import LayoutFacts, convert
 from reference_impl.models.registry import ModelSpec
 from reference_impl.trainer.model import TrainerModel
 from reference_impl.trainer.parallel import RankLayout
-from reference_impl.trainer.params import iter_global_params, tp_gather
+from reference_impl.trainer.params import (
+    ep_gather,
+    expert_id,
+    is_expert_param,
+    iter_global_params,
+    tp_gather,
+    with_expert_id,
+)
 
 MODES = ("raw", "bridge")
 
 Owned = list[tuple[str, torch.Tensor]]
 
 
-def layout_facts(spec: ModelSpec) -> LayoutFacts:
-    """The layout numbers of `spec` the raw transforms need."""
+def layout_facts(spec: ModelSpec, checkpoint: Path | None = None) -> LayoutFacts:
+    """The layout numbers of `spec` the raw transforms need.
+
+    With `checkpoint`, the fused-expert layout (Qwen3-VL-MoE) is read from the checkpoint's tensor
+    shapes: `gate_up_proj` [E, hidden, 2*moe_inter] is the released layout, [E, 2*moe_inter, hidden]
+    the one transformers' save_pretrained writes (ambiguous when hidden == 2*moe_inter: released).
+    """
     f = spec.facts()
     return LayoutFacts(
         num_heads=f.num_heads,
@@ -38,27 +51,63 @@ def layout_facts(spec: ModelSpec) -> LayoutFacts:
         tied_embeddings=f.tied_embeddings,
         vision_heads=f.vision_heads,
         vision_head_dim=f.vision_hidden // f.vision_heads if f.vision_heads else 0,
+        num_experts=f.num_experts,
+        fused_experts_layout=_fused_layout(checkpoint, f.hidden_size) if checkpoint else "released",
     )
 
 
+def _fused_layout(checkpoint: Path, hidden: int) -> str:
+    from safetensors import safe_open
+
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                if name.endswith(".mlp.experts.gate_up_proj"):
+                    shape = st.get_slice(name).get_shape()
+                    return "released" if shape[1] == hidden else "transformers"
+    return "released"
+
+
 def export_raw(
-    model: TrainerModel, layout: RankLayout, facts: LayoutFacts, rules: list[Rule] | None = None
+    model: TrainerModel, layout: RankLayout, facts: LayoutFacts, family: FamilyTable | None = None
 ) -> tuple[Owned, dict[str, float]]:
-    """This rank's owned HF tensors via the family's raw table (see module doc), and phase seconds."""
+    """This rank's owned HF tensors via the family's raw table (see module doc), and phase seconds.
+
+    Dense parameters: all TP ranks all-gather, the stage leader (TP 0, DP 0) converts and owns them.
+    Expert parameters: the expert-TP ranks all-gather each local expert, then the EP ranks all-gather
+    it (entry r = global expert r * E/EP + K), and the expert leader (EP 0, ETP 0, EDP 0) converts and
+    owns every expert of its stage. Then the family's post-pass (e.g. fusing experts) runs on owners.
+    """
     from megatron.core import parallel_state as ps
 
-    rules = rules if rules is not None else TABLES[model.family]
+    family = family or TABLES[model.family]
     tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
+    etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
+    ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
+    local_experts = facts.num_experts // layout.ep if facts.num_experts else 0
     owned: Owned = []
     t_gather = t_convert = 0.0
-    for name, p in iter_global_params(model.chunks):
+    for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
         t0 = time.perf_counter()
-        full = tp_gather(p, tp_group, layout.tp)
+        if is_expert_param(name):
+            full = tp_gather(p, etp_group, layout.etp)
+            per_rank = ep_gather(full, ep_group, layout.ep)
+            k = expert_id(name) - layout.ep_rank * local_experts
+            named = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
+            mine = layout.is_expert_leader
+        else:
+            named = [(name, tp_gather(p, tp_group, layout.tp))]
+            mine = layout.is_stage_leader
         t1 = time.perf_counter()
-        if layout.is_stage_leader:
-            owned.extend(convert(name, full, rules, facts))
+        if mine:
+            for n, t in named:
+                owned.extend(convert(n, t, family.rules, facts))
         t_gather += t1 - t0
         t_convert += time.perf_counter() - t1
+    if family.post is not None and owned:
+        t0 = time.perf_counter()
+        owned = family.post(owned, facts)
+        t_convert += time.perf_counter() - t0
     return owned, {"gather": t_gather, "convert": t_convert}
 
 

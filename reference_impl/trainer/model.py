@@ -24,6 +24,8 @@ _FUSIONS_OFF = (
     "persist_layer_norm",
     "bias_dropout_fusion",
     "apply_rope_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
 )
 
 
@@ -37,10 +39,12 @@ class TrainerModel:
     family: str
 
 
-def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str) -> TrainerModel:
-    """Build this rank's Megatron model shard for TP x PP and load `checkpoint` into it.
+def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1) -> TrainerModel:
+    """Build this rank's Megatron model shard for TP x PP (x EP x ETP) and load `checkpoint` into it.
 
-    Megatron's parallel state must already be initialised (`parallel.init_model_parallel`).
+    Megatron's parallel state must already be initialised (`parallel.init_model_parallel`). MoE runs
+    with the local spec's SequentialMLP (`moe_grouped_gemm=False`) and the `allgather` token
+    dispatcher (`alltoall` makes a CUDA stream at construction).
     `dtype` is a name from `checkpoint.DTYPES`; parameters are created in it on CPU (or the current
     CUDA device). The model is put in eval mode (dropout 0; MoE with TP needs it, STACK.md).
     """
@@ -62,11 +66,21 @@ def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str) -> 
     for name in _FUSIONS_OFF:
         if hasattr(provider, name):
             setattr(provider, name, False)
-    if family == "qwen3":
+    num_experts = getattr(provider, "num_moe_experts", None)
+    if num_experts:
+        provider.expert_model_parallel_size = ep
+        provider.expert_tensor_parallel_size = etp
+        provider.moe_grouped_gemm = False
+        provider.moe_token_dispatcher_type = "allgather"
+        provider.variable_seq_lengths = False
+    if family in ("qwen3", "qwen3_moe"):
         provider.transformer_layer_spec = get_gpt_layer_local_spec(
-            num_experts=None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
         )
     provider.finalize()
+    # Qwen3VLMoEModelProvider.finalize turns sequence parallel on when TP > 1; the local spec's torch
+    # LayerNorm refuses it, and the weight-sync path never runs a sequence-parallel forward.
+    provider.sequence_parallel = False
     chunks = provider.provide_distributed_model(
         wrap_with_ddp=False, use_cpu_initialization=not torch.cuda.is_available()
     )

@@ -8,6 +8,7 @@ scenario and destroyed after it, so trainer processes can be reused.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where this rank sits: global rank, world size and its TP/PP coordinates."""
+    """Where this rank sits: global rank, world size and its TP/PP/DP and expert (EP/ETP/EDP) coordinates."""
 
     rank: int
     world_size: int
@@ -25,11 +26,31 @@ class RankLayout:
     pp: int
     tp_rank: int
     pp_rank: int
+    dp_rank: int = 0
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    edp_rank: int = 0
 
     @property
     def is_stage_leader(self) -> bool:
-        """TP rank 0 of its PP stage: the rank that owns the stage's gathered tensors (raw mode)."""
-        return self.tp_rank == 0
+        """TP rank 0 and DP rank 0 of its PP stage: the rank that owns the stage's gathered dense tensors."""
+        return self.tp_rank == 0 and self.dp_rank == 0
+
+    @property
+    def is_expert_leader(self) -> bool:
+        """EP rank 0, expert-TP rank 0 and expert-DP rank 0 of its stage: owns the stage's gathered experts."""
+        return self.ep_rank == 0 and self.etp_rank == 0 and self.edp_rank == 0
+
+
+def world_size_for(tp: int, pp: int, ep: int = 1, etp: int = 1) -> int:
+    """Trainer ranks for a layout: PP x lcm(TP, EP x ETP).
+
+    megatron-core needs the world divisible by TP x PP (dense DP = the rest) and by ETP x EP x PP
+    (expert DP = the rest); the smallest such world is this one.
+    """
+    return pp * math.lcm(tp, ep * etp)
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 600) -> None:
@@ -47,21 +68,27 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def init_model_parallel(tp: int, pp: int, ep: int = 1) -> RankLayout:
-    """(Re)create Megatron's parallel state for TP x PP (x EP) on the current world.
+def init_model_parallel(tp: int, pp: int, ep: int = 1, etp: int = 1) -> RankLayout:
+    """(Re)create Megatron's parallel state for TP x PP with EP x ETP experts on the current world.
 
     Raises:
-        ValueError: tp * pp does not equal the world size.
+        ValueError: the world size is not `world_size_for(tp, pp, ep, etp)`.
     """
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
-    if tp * pp != world:
-        raise ValueError(f"TP {tp} x PP {pp} = {tp * pp} ranks, but the trainer world has {world}")
+    if world != world_size_for(tp, pp, ep, etp):
+        raise ValueError(
+            f"TP {tp} x PP {pp} with EP {ep} x ETP {etp} needs {world_size_for(tp, pp, ep, etp)} ranks, "
+            f"but the trainer world has {world}"
+        )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     return RankLayout(
         rank=dist.get_rank(),
@@ -70,6 +97,12 @@ def init_model_parallel(tp: int, pp: int, ep: int = 1) -> RankLayout:
         pp=pp,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        ep=ep,
+        etp=etp,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
     )
 
 

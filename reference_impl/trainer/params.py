@@ -40,17 +40,57 @@ def global_name(local_name: str, offsets: dict[str, int]) -> str:
     return f"{m.group('prefix')}{offsets[key]}{m.group('rest')}"
 
 
-def iter_global_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.local_experts\.)(?P<idx>\d+)(?P<rest>\..*)$")
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's parameter (`...mlp.experts.local_experts.K...`)."""
+    return _EXPERT_RE.match(name) is not None
+
+
+def expert_id(name: str) -> int:
+    """The expert index K in `...local_experts.K...`.
+
+    Raises:
+        ValueError: `name` is not an expert parameter.
+    """
+    m = _EXPERT_RE.match(name)
+    if not m:
+        raise ValueError(f"{name} is not a routed expert's parameter")
+    return int(m.group("idx"))
+
+
+def with_expert_id(name: str, idx: int) -> str:
+    """`name` with its expert index replaced by `idx` (unchanged when not an expert parameter)."""
+    m = _EXPERT_RE.match(name)
+    return f"{m.group('prefix')}{idx}{m.group('rest')}" if m else name
+
+
+def global_expert_name(name: str, ep_rank: int, num_local_experts: int) -> str:
+    """`local_experts.K` -> `local_experts.G` with G = ep_rank * num_local_experts + K (global expert id)."""
+    if not is_expert_param(name):
+        return name
+    return with_expert_id(name, ep_rank * num_local_experts + expert_id(name))
+
+
+def iter_global_params(
+    chunks: list[torch.nn.Module], ep_rank: int = 0, num_local_experts: int = 0
+) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(global Megatron name, local parameter) for every parameter of this rank's model chunks.
 
-    Wrappers (`Float16Module` in bf16/fp16, DDP) are looked through: names never carry `module.`.
+    Global = PP layer offset applied and, with `num_local_experts`, local expert ids turned into global
+    ones (`ep_rank * num_local_experts + K`). Wrappers (`Float16Module` in bf16/fp16, DDP) are looked
+    through: names never carry `module.`.
     """
     for chunk in chunks:
         while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
             chunk = chunk.module
         offsets = layer_offsets(chunk)
         for name, p in chunk.named_parameters():
-            yield global_name(name, offsets), p
+            gname = global_name(name, offsets)
+            if num_local_experts:
+                gname = global_expert_name(gname, ep_rank, num_local_experts)
+            yield gname, p
 
 
 def tp_gather(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int) -> torch.Tensor:
@@ -76,3 +116,13 @@ def combine_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torc
         return torch.cat(parts, dim=dim)
     blocks = [p.chunk(stride, dim=dim) for p in parts]
     return torch.cat([blocks[r][j] for j in range(stride) for r in range(len(parts))], dim=dim)
+
+
+def ep_gather(full: torch.Tensor, ep_group: dist.ProcessGroup | None, ep_size: int) -> list[torch.Tensor]:
+    """One local expert's tensor from every EP rank, in EP rank order (every EP rank must call this for
+    the same local expert in the same order). Entry r is global expert r * num_local_experts + K."""
+    if ep_size == 1:
+        return [full]
+    parts = [torch.empty_like(full) for _ in range(ep_size)]
+    dist.all_gather(parts, full.contiguous(), group=ep_group)
+    return parts

@@ -55,9 +55,10 @@ class TrainerWorker:
         t0 = time.perf_counter()
         self.scenario = scenario
         self.spec = load_model(scenario["model"])
-        self.facts = layout_facts(self.spec)
-        self.layout = init_model_parallel(scenario["tp"], scenario["pp"])
-        self.model = build_model(Path(checkpoint), self.spec.family, scenario["tp"], scenario["pp"], scenario["dtype"])
+        tp, pp, ep, etp = (scenario[k] for k in ("tp", "pp", "ep", "etp"))
+        self.layout = init_model_parallel(tp, pp, ep, etp)
+        self.model = build_model(Path(checkpoint), self.spec.family, tp, pp, scenario["dtype"], ep, etp)
+        self.facts = layout_facts(self.spec, Path(checkpoint))
         return {"rank": self.rank, "build_s": time.perf_counter() - t0, "layout": asdict(self.layout)}
 
     def connect_engine(self, base_url: str, timeout_s: float = 120.0) -> list[dict[str, Any]]:

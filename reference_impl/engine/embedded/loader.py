@@ -2,14 +2,18 @@
 
 The engine holds the checkpoint's architecture (built from its `config.json`) filled with its own
 seeded dummy weights, so a sync that moves nothing cannot pass (DESIGN.md step 4). Its *slots* are
-the engine parameters in vLLM terms: one `(vllm_param_name, shard_id)` per HF tensor of the model's
-own deduplicated `named_parameters()` (see `vllm_names`); a tied `lm_head.weight` is not a slot.
+checkpoint tensors: one per HF checkpoint name (what the trainer sends, in the checkpoint's layout),
+placed into a writable view of a transformers parameter (`checkpoint_view`: identity for ordinary
+parameters, per-expert slices or a transpose of the fused MoE experts) and spoken of in vLLM terms,
+`(vllm_param_name, shard_id)` (`vllm_names`). A tied `lm_head.weight` is not a slot.
 
 `EngineLoader.load` is stricter than vLLM's `load_weights`: it validates a whole chunk first and
 rejects it atomically (nothing copied) when any name cannot be placed, any shape differs from its
 slot's, or any dtype differs from the engine's parameter dtype. vLLM raises on unknown names
 (`KeyError`/`ValueError` in `qwen2.py`/`utils.py` `AutoWeightsLoader`) but silently skips a tied
 `lm_head.weight` and casts other dtypes with only a warning; we report both (DESIGN.md "Verdicts").
+A fused expert tensor in the wrong orientation is a shape rejection naming the expected layout (vLLM
+would transpose it blindly and fail deep in the expert loader, or load it wrong when dims coincide).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 import torch
 
 from reference_impl.checksum import tensor_checksum
+from reference_impl.engine.embedded.checkpoint_view import CheckpointTensor, checkpoint_tensors
 from reference_impl.engine.embedded.vllm_names import (
     MODEL_TYPE_FAMILY,
     VllmTarget,
@@ -55,12 +60,22 @@ class LoadRejected(Exception):
 
 @dataclass(frozen=True)
 class Slot:
-    """One engine parameter slot: HF tensor `hf_name` placed at `target` (vLLM name, shard)."""
+    """One engine slot: checkpoint tensor `hf_name` placed at `target` (vLLM name, shard).
+
+    `tensor` says which view of which transformers parameter holds it; `shape` is the checkpoint
+    tensor's shape (the view's), `dtype` the parameter's.
+    """
 
     hf_name: str
     target: VllmTarget
     shape: tuple[int, ...]
     dtype: torch.dtype
+    tensor: CheckpointTensor
+
+    @property
+    def layout(self) -> str:
+        """The checkpoint layout the slot expects, in words ("" for a plain parameter)."""
+        return self.tensor.layout
 
 
 def checkpoint_dtype(config: dict) -> str:
@@ -110,8 +125,9 @@ class EngineLoader:
         family: its family key in `vllm_names.FAMILY_NAMES`.
 
     Raises:
-        RuntimeError: a parameter of `model` maps to no vLLM parameter, or two map to one slot (the
-            name table is out of date with transformers).
+        RuntimeError: a checkpoint tensor of `model` maps to no vLLM parameter, two map to one slot (the
+            name table is out of date with transformers), a view rule is broken, or the model has
+            state (buffers) save_pretrained would write that no slot could receive.
     """
 
     def __init__(self, model: torch.nn.Module, family: str) -> None:
@@ -125,16 +141,24 @@ class EngineLoader:
             for n, t in state.items()
             if isinstance(t, torch.nn.Parameter) and n not in self.params
         }
+        unsent = [n for n, t in state.items() if not isinstance(t, torch.nn.Parameter)]
+        if unsent:
+            raise RuntimeError(f"{family} model has buffers in its state dict that no slot receives: {unsent[:3]}")
         self.slots: dict[str, Slot] = {}
         seen: dict[VllmTarget, str] = {}
-        for hf_name, p in self.params.items():
+        for hf_name, ct in checkpoint_tensors(family, self.params).items():
             target = hf_to_vllm(family, hf_name)
             if not is_vllm_param(family, target.name):
                 raise RuntimeError(f"{hf_name} maps to {target.name}, which is not a {family} vLLM parameter")
             if target in seen:
                 raise RuntimeError(f"{hf_name} and {seen[target]} both map to slot {target.slot}")
             seen[target] = hf_name
-            self.slots[hf_name] = Slot(hf_name, target, tuple(p.shape), p.dtype)
+            p = self.params[ct.param]
+            self.slots[hf_name] = Slot(hf_name, target, tuple(ct.view(p).shape), p.dtype, ct)
+        # vLLM parameter name -> its slots, for messages about names that map to a shard no slot has.
+        self.shards: dict[str, list[Slot]] = {}
+        for slot in self.slots.values():
+            self.shards.setdefault(slot.target.name, []).append(slot)
         self.counts: dict[str, int] = {}
         self.reset_counts()
 
@@ -183,13 +207,7 @@ class EngineLoader:
                     "vLLM would skip it silently; do not send it, send the embedding only",
                 )
             elif slot is None:
-                reject(
-                    name,
-                    "name",
-                    f"not a {self.family} checkpoint parameter of this engine (maps to vLLM name "
-                    f"{hf_to_vllm(self.family, name).name}, which the engine has no slot for); send HF "
-                    "checkpoint names",
-                )
+                reject(name, "name", self._unknown_name_reason(name))
             elif dname not in DTYPE_NAMES:
                 reject(name, "dtype", f"unknown dtype name {dname!r}; expected {dtype_name(slot.dtype)!r}")
             elif DTYPE_NAMES[dname] != slot.dtype:
@@ -200,12 +218,32 @@ class EngineLoader:
                     f"{dtype_name(slot.dtype)}; send {dtype_name(slot.dtype)}",
                 )
             elif tuple(int(d) for d in shape) != slot.shape:
-                reject(
-                    name,
-                    "shape",
-                    f"shape {list(shape)} but the engine slot {slot.target.slot} expects {list(slot.shape)}",
-                )
+                reject(name, "shape", self._shape_reason(slot, shape))
         return rejected, kinds
+
+    def _unknown_name_reason(self, name: str) -> str:
+        target = hf_to_vllm(self.family, name)
+        known = self.shards.get(target.name)
+        if not known:
+            return (
+                f"not a {self.family} checkpoint parameter of this engine (maps to vLLM name {target.name}, "
+                "which the engine has no slot for); send HF checkpoint names"
+            )
+        first, last = known[0], known[-1]
+        return (
+            f"not a {self.family} checkpoint tensor of this engine: it maps to vLLM slot {target.slot}, but the "
+            f"engine fills {target.name} from {len(known)} checkpoint tensor(s), {first.hf_name} "
+            f"[{first.target.shard}]" + (f" .. {last.hf_name} [{last.target.shard}]" if len(known) > 1 else "")
+        )
+
+    @staticmethod
+    def _shape_reason(slot: Slot, shape: Sequence[int]) -> str:
+        got = [int(d) for d in shape]
+        layout = f" ({slot.layout})" if slot.layout else ""
+        reason = f"shape {got} but the engine slot {slot.target.slot} expects {list(slot.shape)}{layout}"
+        if len(got) >= 2 and got[:-2] + got[-2:][::-1] == list(slot.shape):
+            reason += "; the last two dims are swapped (the other orientation): transpose them before sending"
+        return reason
 
     def load(
         self,
@@ -215,6 +253,8 @@ class EngineLoader:
         tensors: Sequence[torch.Tensor],
     ) -> None:
         """Validate one chunk as a whole, then copy every tensor into its parameter and count the slot.
+
+        Each tensor is copied into its slot's view of a transformers parameter (see `checkpoint_view`).
 
         Args:
             names: HF checkpoint names, in chunk order.
@@ -239,20 +279,26 @@ class EngineLoader:
                     "dtype",
                 )
             elif tuple(t.shape) != slot.shape:
-                rejected[name], kinds[name] = (
-                    f"received shape {list(t.shape)} but the engine slot expects {list(slot.shape)}",
-                    "shape",
-                )
+                rejected[name], kinds[name] = "received " + self._shape_reason(slot, t.shape), "shape"
         if rejected:
             raise LoadRejected(rejected, kinds)
         with torch.no_grad():
             for name, t in zip(names, tensors, strict=True):
-                self.params[name].copy_(t)
-                self.counts[self.slots[name].target.slot] += 1
+                slot = self.slots[name]
+                self.view(slot).copy_(t)
+                self.counts[slot.target.slot] += 1
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        """The writable view of the engine's parameter that holds `slot`'s checkpoint tensor."""
+        return slot.tensor.view(self.params[slot.tensor.param])
 
     def checksums(self) -> dict[str, str]:
-        """HF name -> `tensor_checksum` of each tensor save_pretrained would write (tied aliases excluded)."""
-        return {n: tensor_checksum(t) for n, t in self.model.state_dict().items() if n not in self.tied}
+        """Checkpoint name -> `tensor_checksum` of every slot, over its view made contiguous.
+
+        In checkpoint names and layout: equal, bit for bit, to the checksums of the checkpoint's
+        safetensors tensors after a full sync of them (tied aliases are no slots and not listed).
+        """
+        return {n: tensor_checksum(self.view(slot)) for n, slot in self.slots.items()}
 
     def reset_weights(self) -> None:
         """Zero every parameter (vLLM `/weight_checker {"action": "reset"}`)."""

@@ -17,8 +17,13 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
   hangs), then checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
   "load_s", "loaded"}`.
 - POST /finish_weight_update `{"weight_version": v}` -> `{"weight_version", "update_counts": {slot:
-  n for every slot}, "load_s"}`.
-- POST /weight_checker `{"action": "checksum" | "slots" | "reset" | "compare", "baseline"?}`.
+  n for every slot}, "load_s"}`. A slot is one checkpoint tensor, keyed by its vLLM target string
+  (`vllm_name` or `vllm_name[shard]`, e.g. `model.layers.0.mlp.experts.w13_weight[3:w1]`); a full sync
+  counts every slot exactly once.
+- POST /weight_checker `{"action": "checksum" | "slots" | "reset" | "compare", "baseline"?}`: "checksum"
+  -> `{"checksums": {checkpoint_name: checksum}}` over each slot's view of the engine's parameters in the
+  checkpoint's layout (equal to the safetensors tensors' after a full sync); "slots" -> the slot strings;
+  "compare" compares the checksums with `baseline` (checkpoint names).
 - GET /health, GET /get_world_size, GET /is_paused, POST /pause, POST /resume.
 
 Every 4xx body is `{"detail": {"error": sentence, "rejected": {hf_name: reason}, "kinds": {hf_name:

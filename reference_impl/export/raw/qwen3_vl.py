@@ -16,7 +16,8 @@ from reference_impl.export.raw import qwen3
 from reference_impl.export.raw.rules import Rule, copy, merge_vision_qkv, prefixed
 
 
-def _language_hf(name: str) -> str:
+def language_hf(name: str) -> str:
+    """HF name of a Qwen3 text-model name inside Qwen3-VL (`model.` -> `model.language_model.`)."""
     return name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model.")
 
 
@@ -40,4 +41,4 @@ VISION_RULES: list[Rule] = [
     Rule("vision_model.merger.linear_fc{N}.{p}", "model.visual.merger.linear_fc{N}.{p}", copy),
 ]
 
-RULES: list[Rule] = VISION_RULES + prefixed(qwen3.RULES, "language_model.", _language_hf)
+RULES: list[Rule] = VISION_RULES + prefixed(qwen3.RULES, "language_model.", language_hf)

@@ -30,6 +30,8 @@ class LayoutFacts:
     tied_embeddings: bool
     vision_heads: int = 0
     vision_head_dim: int = 0
+    num_experts: int = 0
+    fused_experts_layout: str = "released"  # "released" | "transformers" (Qwen3-VL-MoE fused experts)
 
 
 Transform = Callable[[torch.Tensor, LayoutFacts], list[torch.Tensor]]
@@ -129,3 +131,15 @@ def convert(
             raise ValueError(f"rule {rule.megatron}: {len(outs)} tensors for {len(rule.hf)} HF names")
         return [(tmpl.format(**groups), t) for tmpl, t in zip(rule.hf, outs, strict=False)]
     raise UnmappedName(f"no raw conversion rule matches Megatron parameter {name!r}; add one to the family table")
+
+
+PostPass = Callable[[list[tuple[str, torch.Tensor]], LayoutFacts], list[tuple[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class FamilyTable:
+    """A family's raw converter: per-parameter `rules`, then an optional `post` pass over the owned
+    (name, tensor) list (e.g. fusing per-expert tensors into one stacked tensor)."""
+
+    rules: Sequence[Rule]
+    post: PostPass | None = None
