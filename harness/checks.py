@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from pydantic import BaseModel, field_validator
@@ -569,6 +569,42 @@ def _as_int(value: Any) -> int:
         return 0
 
 
+def check_group(record: RunRecord) -> CheckResult:
+    """Members of a group (e.g. one scenario at several bucket sizes) left identical engine weights."""
+    name = "group_invariance"
+    if not record.group_members:
+        return _skipped(name, "PARITY_FAIL", "not part of a group (or the group has not finished)")
+    if record.group_differences:
+        more = f" (and {len(record.group_differences) - 1} more)" if len(record.group_differences) > 1 else ""
+        return _failed(name, "PARITY_FAIL", record.group_differences[0] + more)
+    return _passed(name, "PARITY_FAIL")
+
+
+def group_differences(records: Sequence[RunRecord]) -> list[str]:
+    """Differences between the engine checksums of group members, sync by sync (pure; first member is
+    the reference). Each entry names the sync, the tensor and the two scenarios."""
+    if len(records) < 2:
+        return []
+    ref = records[0]
+    out: list[str] = []
+    for other in records[1:]:
+        if len(other.syncs) != len(ref.syncs):
+            out.append(f"{other.scenario_id} ran {len(other.syncs)} syncs, {ref.scenario_id} ran {len(ref.syncs)}")
+            continue
+        for a, b in zip(ref.syncs, other.syncs, strict=True):
+            diff = sorted(
+                n
+                for n in set(a.engine_checksums) | set(b.engine_checksums)
+                if a.engine_checksums.get(n) != b.engine_checksums.get(n)
+            )
+            if diff:
+                out.append(
+                    f"sync {a.index}: {diff[0]} differs between {ref.scenario_id} and {other.scenario_id} "
+                    f"({len(diff)} tensors differ)"
+                )
+    return out
+
+
 CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_config,
     check_deadlock,
@@ -582,6 +618,7 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_parity_cross_mode,
     check_requested_mode,
     check_syncs_ran,
+    check_group,
 )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from harness.record import RunRecord
@@ -88,8 +89,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             if needs_ray:
                 ensure_ray(args.ray_address)
 
+            pending = Counter(sc.group_key for sc in scenarios if sc.group_key)
+
             def on_record(rec: RunRecord) -> None:
                 records.append(rec)
+                key = rec.scenario.get("group_key")
+                if key:
+                    pending[key] -= 1
+                    if pending[key] == 0:  # the whole group has run: compare its members
+                        members = [r for r in records if r.scenario.get("group_key") == key]
+                        updated = {r.scenario_id: r for r in runner.finish_group(members)}
+                        records[:] = [updated.get(r.scenario_id, r) for r in records]
+                        rec = updated[rec.scenario_id]
                 _write_outputs(records, out, run_id, env)
                 expect = rec.scenario.get("expect", "PASS")
                 style = "green" if rec.verdict == expect else "red"

@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from harness.checks import judged
+from harness.checks import group_differences, judged
 from harness.record import ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
 from harness.scenario import Scenario, validate
 from reference_impl.checksum import tensor_checksum
@@ -256,10 +256,27 @@ class Runner:
             finished=sender["finished"],
         )
 
+    def finish_group(self, members: list[RunRecord]) -> list[RunRecord]:
+        """Compare a finished group's members (`checks.group_differences`), store what was found in each
+        record, judge and save them again; returns the updated records."""
+        diffs = group_differences(members)
+        out = []
+        for rec in members:
+            rec.group_members = [m.scenario_id for m in members if m is not rec]
+            rec.group_differences = diffs
+            rec = judged(rec)
+            rec.save(self.record_path(rec.scenario_id))
+            out.append(rec)
+        return out
+
+    def record_path(self, scenario_id: str) -> Path:
+        """Where a scenario's record is written."""
+        return self.out_dir / "records" / (scenario_id.replace("/", "__") + ".json")
+
     def _finish(self, record: RunRecord) -> RunRecord:
         record.ended_at = time.time()
         record = judged(record)
-        record.save(self.out_dir / "records" / (record.scenario_id.replace("/", "__") + ".json"))
+        record.save(self.record_path(record.scenario_id))
         if self.on_record:
             self.on_record(record)
         return record

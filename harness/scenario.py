@@ -50,7 +50,8 @@ class Scenario(BaseModel):
     tags: list[str] = Field(default_factory=list)
     expect: str = "PASS"
     fault: str | None = None
-    suffix: str = ""  # distinguishes scenarios that share model/layout/placement/mode
+    suffix: str = ""  # distinguishes scenarios that share model/layout/placement/mode; {field} placeholders
+    group: str = ""  # scenarios with the same group_key must leave bit-identical engine weights
     deadline_s: float | None = None  # per-sync deadline; None = from bytes and a margin
     description: str = ""
 
@@ -59,8 +60,15 @@ class Scenario(BaseModel):
         """Stable id, e.g. `qwen3-vl/tp2-pp2/noncolocate/bridge`."""
         layout = f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
         placement = "colocate" if self.colocate else "noncolocate"
-        parts = [self.model, layout, placement, self.mode] + ([self.suffix] if self.suffix else [])
+        parts = [self.model, layout, placement, self.mode]
+        if self.suffix:
+            parts.append(self.suffix.format(**self.model_dump(exclude={"suffix"})))
         return "/".join(parts)
+
+    @property
+    def group_key(self) -> str:
+        """`group` plus everything but the suffix: members differ only in how they send (e.g. bucket size)."""
+        return f"{self.group}:{self.id.rsplit('/', 1)[0] if self.suffix else self.id}" if self.group else ""
 
     @property
     def world_size(self) -> int:
@@ -69,7 +77,7 @@ class Scenario(BaseModel):
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict with the id (what a record stores)."""
-        return {"id": self.id, **self.model_dump()}
+        return {"id": self.id, "group_key": self.group_key, **self.model_dump()}
 
 
 def validate(sc: Scenario) -> str | None:

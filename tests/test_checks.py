@@ -18,6 +18,7 @@ from harness.checks import (
     check_parity_cross_mode,
     check_syncs_ran,
     expectation_met,
+    group_differences,
     judge,
     judged,
 )
@@ -143,8 +144,27 @@ def test_passing_record_passes(record: RunRecord) -> None:
     assert verdict == "PASS"
     assert len(results) == len(CHECKS)
     assert all(r.ok for r in results), [r for r in results if not r.ok]
-    assert not [r for r in results if r.skipped]
+    assert [r.name for r in results if r.skipped] == ["group_invariance"]  # not in a group
     assert expectation_met(record, verdict)
+
+
+def test_group_members_with_identical_weights_pass(record: RunRecord) -> None:
+    other = record.model_copy(deep=True, update={"scenario_id": "m/tp1-pp1/noncolocate/raw/bucket-1"})
+    assert group_differences([record, other]) == []
+    record.group_members = [other.scenario_id]
+    assert judge(record)[0] == "PASS"
+
+
+def test_group_member_with_different_weights_is_parity_fail(record: RunRecord) -> None:
+    other = record.model_copy(deep=True, update={"scenario_id": "m/tp1-pp1/noncolocate/raw/bucket-1"})
+    name = sorted(other.syncs[-1].engine_checksums)[0]
+    other.syncs[-1].engine_checksums[name] = "f" * 32
+    diffs = group_differences([record, other])
+    assert len(diffs) == 1 and name in diffs[0] and f"sync {other.syncs[-1].index}" in diffs[0]
+    record.group_members, record.group_differences = [other.scenario_id], diffs
+    verdict, results = judge(record)
+    assert verdict == "PARITY_FAIL"
+    assert name in next(r for r in results if r.name == "group_invariance").message
 
 
 def test_priority_covers_every_verdict() -> None:

@@ -1,6 +1,6 @@
-"""The embedded engine: vLLM name tables, strict loader, and the real server over a real gloo group.
+"""The embedded engine: vLLM name tables, checkpoint views, strict loader, and the real server over gloo.
 
-The servers run as subprocesses (one per model family, started once per session and stopped by pid);
+The servers run as subprocesses (one per model entry, started once per session and stopped by pid);
 the test process is the trainer's sender: it hosts the TCPStore, joins the transfer group as rank 0
 and broadcasts packed chunks while a worker thread makes the /update_weights call (both block).
 Expected checksums are computed independently from the safetensors files' raw bytes.
@@ -25,16 +25,35 @@ import pytest
 import torch
 
 from reference_impl.checksum import tensor_checksum
-from reference_impl.engine.embedded.vllm_names import FAMILY_NAMES, VllmTarget, hf_to_vllm, is_vllm_param
+from reference_impl.engine.embedded.checkpoint_view import FAMILY_VIEWS, saved_as
+from reference_impl.engine.embedded.vllm_names import (
+    FAMILY_NAMES,
+    MODEL_TYPE_FAMILY,
+    VllmTarget,
+    hf_to_vllm,
+    is_vllm_param,
+)
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport import wire
 
 CKPT_SEED = 1234
 ENGINE_SEED = 4321
+MODELS = ("qwen3", "qwen3-vl", "qwen3-moe", "qwen3-vl-moe", "qwen3-untied")  # one engine each
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def safetensors_shapes(folder: Path) -> dict[str, list[int]]:
+    """HF name -> shape, read from the safetensors headers."""
+    out: dict[str, list[int]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        out.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return out
 
 
 def safetensors_checksums(folder: Path) -> dict[str, str]:
@@ -161,15 +180,15 @@ def _link(engine: Engine) -> None:
 
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
-    """Both families' engines, started in parallel, linked, and stopped by pid at the end."""
+    """One engine per model entry of MODELS (keyed by entry name), started in parallel, linked, and
+    stopped by pid at the end."""
     tmp = tmp_path_factory.mktemp("engines")
-    started = {fam: _start(model, tmp) for fam, model in (("qwen3", "qwen3"), ("qwen3_vl", "qwen3-vl"))}
+    started = {model: _start(model, tmp) for model in MODELS}
     out: dict[str, Engine] = {}
     try:
-        for fam, (proc, ckpt, port_file) in started.items():
-            model = "qwen3" if fam == "qwen3" else "qwen3-vl"
+        for model, (proc, ckpt, port_file) in started.items():
             port = _wait_port(proc, port_file, tmp / f"{model}.log")
-            out[fam] = Engine(fam, ckpt, proc, f"http://127.0.0.1:{port}")
+            out[model] = Engine(load_model(model).family, ckpt, proc, f"http://127.0.0.1:{port}")
         for eng in out.values():
             _link(eng)
         yield out
@@ -248,6 +267,54 @@ def _valid_update(engine: Engine, value: float = 1.5) -> None:
         ("qwen3_vl", "model.visual.merger.linear_fc1.bias", ("visual.merger.linear_fc1.bias", None)),
         ("qwen3_vl", "model.visual.patch_embed.proj.weight", ("visual.patch_embed.proj.weight", None)),
         ("qwen3_vl", "model.visual.pos_embed.weight", ("visual.pos_embed.weight", None)),
+        # qwen3_moe: per-expert checkpoint names -> w13_weight / w2_weight at f"{e}:w1|w3|w2" (vLLM
+        # RoutedExperts.build_expert_params_mapping); router unchanged; attention and dense MLP as qwen3.
+        (
+            "qwen3_moe",
+            "model.layers.2.mlp.experts.7.gate_proj.weight",
+            ("model.layers.2.mlp.experts.routed_experts.w13_weight", "7:w1"),
+        ),
+        (
+            "qwen3_moe",
+            "model.layers.2.mlp.experts.7.up_proj.weight",
+            ("model.layers.2.mlp.experts.routed_experts.w13_weight", "7:w3"),
+        ),
+        (
+            "qwen3_moe",
+            "model.layers.0.mlp.experts.15.down_proj.weight",
+            ("model.layers.0.mlp.experts.routed_experts.w2_weight", "15:w2"),
+        ),
+        ("qwen3_moe", "model.layers.1.mlp.gate.weight", ("model.layers.1.mlp.gate.weight", None)),
+        (
+            "qwen3_moe",
+            "model.layers.1.self_attn.k_proj.weight",
+            ("model.layers.1.self_attn.qkv_proj.weight", "k"),
+        ),
+        ("qwen3_moe", "model.layers.1.mlp.gate_proj.weight", ("model.layers.1.mlp.gate_up_proj.weight", 0)),
+        ("qwen3_moe", "lm_head.weight", ("lm_head.weight", None)),
+        # qwen3_vl_moe: qwen3_vl's prefixes; fused experts -> one slot each, shard "all".
+        (
+            "qwen3_vl_moe",
+            "model.language_model.layers.5.mlp.experts.gate_up_proj",
+            ("language_model.model.layers.5.mlp.experts.routed_experts.w13_weight", "all"),
+        ),
+        (
+            "qwen3_vl_moe",
+            "model.language_model.layers.5.mlp.experts.down_proj",
+            ("language_model.model.layers.5.mlp.experts.routed_experts.w2_weight", "all"),
+        ),
+        (
+            "qwen3_vl_moe",
+            "model.language_model.layers.0.mlp.gate.weight",
+            ("language_model.model.layers.0.mlp.gate.weight", None),
+        ),
+        (
+            "qwen3_vl_moe",
+            "model.language_model.layers.0.self_attn.q_proj.weight",
+            ("language_model.model.layers.0.self_attn.qkv_proj.weight", "q"),
+        ),
+        ("qwen3_vl_moe", "model.visual.blocks.3.attn.qkv.bias", ("visual.blocks.3.attn.qkv.bias", None)),
+        ("qwen3_vl_moe", "lm_head.weight", ("language_model.lm_head.weight", None)),
     ],
 )
 def test_name_table(family: str, hf: str, expected: tuple[str, str | int | None]) -> None:
@@ -264,13 +331,18 @@ def test_slot_strings_and_unknown_names() -> None:
     assert not is_vllm_param("qwen3_vl", "visual.blocks.0.attn.q_proj.weight")
     assert not is_vllm_param("qwen3", "model.layers.0.self_attn.q_proj.weight")  # vLLM fuses it
     assert not is_vllm_param("qwen3", "model.rotary_emb.inv_freq")
+    # A per-expert name is an expert rule, never the dense gate_up_proj stacked rule.
+    assert hf_to_vllm("qwen3_moe", "model.layers.0.mlp.experts.3.gate_proj.weight").name.endswith("w13_weight")
+    assert not is_vllm_param("qwen3_moe", "model.layers.0.mlp.experts.gate_up_proj")  # the HF in-memory name
+    assert set(MODEL_TYPE_FAMILY) >= {"qwen3_moe", "qwen3_vl_moe"}
+    assert set(FAMILY_VIEWS) == set(FAMILY_NAMES)
     # At most one prefix rename applies, and no two overlap.
     for table in FAMILY_NAMES.values():
         for a in table.renames:
             assert not any(b is not a and b.hf.startswith(a.hf) for b in table.renames)
 
 
-@pytest.mark.parametrize("model", ["qwen3", "qwen3-vl"])
+@pytest.mark.parametrize("model", MODELS)
 def test_every_checkpoint_name_maps_to_one_vllm_slot(model: str) -> None:
     spec = load_model(model)
     names = safetensors_checksums(make_checkpoint(spec, seed=CKPT_SEED))
@@ -279,6 +351,48 @@ def test_every_checkpoint_name_maps_to_one_vllm_slot(model: str) -> None:
         t for t in targets if not is_vllm_param(spec.family, t.name)
     ]
     assert len(set(targets)) == len(targets)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_vl_moe"])
+def test_expert_views_are_writable_views_in_checkpoint_layout(family: str) -> None:
+    ne, mi, hd = 3, 4, 5  # experts, moe_intermediate, hidden
+    gate_up = torch.arange(ne * 2 * mi * hd, dtype=torch.float32).reshape(ne, 2 * mi, hd)  # transformers layout
+    down = torch.arange(ne * hd * mi, dtype=torch.float32).reshape(ne, hd, mi)  # transformers [E, H, I]
+    gu = saved_as(family, "model.layers.0.mlp.experts.gate_up_proj", gate_up)
+    dn = saved_as(family, "model.layers.0.mlp.experts.down_proj", down)
+    assert saved_as(family, "model.norm.weight", torch.ones(hd))[0].name == "model.norm.weight"
+    if family == "qwen3_moe":
+        assert [c.name for c in gu[:2]] == [
+            "model.layers.0.mlp.experts.0.gate_proj.weight",
+            "model.layers.0.mlp.experts.0.up_proj.weight",
+        ]
+        assert len(gu) == 2 * ne and len(dn) == ne
+        by = {c.name: c.view(gate_up) for c in gu} | {c.name: c.view(down) for c in dn}
+        assert torch.equal(by["model.layers.0.mlp.experts.2.gate_proj.weight"], gate_up[2, :mi])
+        assert torch.equal(by["model.layers.0.mlp.experts.2.up_proj.weight"], gate_up[2, mi:])
+        assert torch.equal(by["model.layers.0.mlp.experts.1.down_proj.weight"], down[1])
+        by["model.layers.0.mlp.experts.1.up_proj.weight"].copy_(torch.full((mi, hd), -1.0))
+        assert (gate_up[1, mi:] == -1).all() and (gate_up[1, :mi] >= 0).all()
+    else:
+        assert [c.name for c in gu] == ["model.layers.0.mlp.experts.gate_up_proj"]
+        assert gu[0].view(gate_up).shape == (ne, hd, 2 * mi) and dn[0].view(down).shape == (ne, mi, hd)
+        assert "released layout [E, hidden, 2*moe_inter]" in gu[0].layout
+        released = torch.randn(ne, hd, 2 * mi)
+        gu[0].view(gate_up).copy_(released)
+        assert torch.equal(gate_up, released.transpose(1, 2))  # gate = the first I of the released last dim
+        assert tensor_checksum(gu[0].view(gate_up)) == tensor_checksum(released)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_views_of_the_checkpoint_model_are_the_checkpoint(model: str) -> None:
+    """The view table agrees with what the checkpoint maker writes, independently of any sync: a loader
+    over the very model the checkpoint was saved from reports the checkpoint's names and checksums."""
+    from reference_impl.engine.embedded.loader import EngineLoader
+    from reference_impl.models.checkpoint import build_hf_model
+
+    spec = load_model(model)
+    truth = safetensors_checksums(make_checkpoint(spec, seed=CKPT_SEED))
+    assert EngineLoader(build_hf_model(spec, "float32", CKPT_SEED), spec.family).checksums() == truth
 
 
 def test_checksum_is_raw_bytes() -> None:
@@ -291,9 +405,9 @@ def test_checksum_is_raw_bytes() -> None:
 # ---------------------------------------------------------------- (b) full sync over the real server
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_vl"])
-def test_full_sync_matches_checkpoint(engines: dict[str, Engine], family: str) -> None:
-    eng = engines[family]
+@pytest.mark.parametrize("model", MODELS)
+def test_full_sync_matches_checkpoint(engines: dict[str, Engine], model: str) -> None:
+    eng = engines[model]
     truth = safetensors_checksums(eng.checkpoint)
     before = eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"]
     assert set(before) == set(truth)
@@ -324,6 +438,37 @@ def test_full_sync_matches_checkpoint(engines: dict[str, Engine], family: str) -
     assert r.json()["weight_version"] == 1
     cmp = eng.post("/weight_checker", {"action": "compare", "baseline": truth}).json()
     assert cmp == {"match": True, "mismatches": [], "weight_version": 1}
+
+
+def test_moe_and_untied_slots(engines: dict[str, Engine]) -> None:
+    """Slots are checkpoint tensors: per-expert for Qwen3-MoE, fused released layout for Qwen3-VL-MoE."""
+    spec = load_model("qwen3-moe").facts()
+    ne = spec.num_experts
+    assert spec.hidden_size not in (spec.moe_ffn_hidden_size, 2 * spec.moe_ffn_hidden_size)  # orientation shows
+    slots = set(engines["qwen3-moe"].post("/weight_checker", {"action": "slots"}).json()["slots"])
+    assert {
+        f"model.layers.3.mlp.experts.routed_experts.w13_weight[{e}:{w}]" for e in range(ne) for w in ("w1", "w3")
+    } <= slots
+    assert f"model.layers.3.mlp.experts.routed_experts.w2_weight[{ne - 1}:w2]" in slots
+    assert "model.layers.3.mlp.gate.weight" in slots and "lm_head.weight" in slots
+    assert len([s for s in slots if ".experts." in s]) == spec.num_layers * 3 * ne
+
+    vl = load_model("qwen3-vl-moe").facts()
+    eng = engines["qwen3-vl-moe"]
+    # The checkpoint maker writes the released layout, which the engine (like vLLM) expects.
+    shapes = safetensors_shapes(eng.checkpoint)
+    pre = "model.language_model.layers.0.mlp.experts."
+    assert shapes[pre + "gate_up_proj"] == [vl.num_experts, vl.hidden_size, 2 * vl.moe_ffn_hidden_size]
+    assert shapes[pre + "down_proj"] == [vl.num_experts, vl.moe_ffn_hidden_size, vl.hidden_size]
+    slots = set(eng.post("/weight_checker", {"action": "slots"}).json()["slots"])
+    assert "language_model.model.layers.0.mlp.experts.routed_experts.w13_weight[all]" in slots
+    assert "language_model.model.layers.0.mlp.experts.routed_experts.w2_weight[all]" in slots
+    assert "language_model.lm_head.weight" in slots
+    assert len([s for s in slots if ".experts." in s]) == vl.num_layers * 2
+
+    untied = set(engines["qwen3-untied"].post("/weight_checker", {"action": "slots"}).json()["slots"])
+    assert "lm_head.weight" in untied
+    assert "lm_head.weight" not in set(engines["qwen3"].post("/weight_checker", {"action": "slots"}).json()["slots"])
 
 
 # ---------------------------------------------------------------- (c) rejections
@@ -394,6 +539,90 @@ def test_rejected_chunk_is_400_and_server_keeps_serving(engines: dict[str, Engin
     fin = eng.post("/finish_weight_update", {"weight_version": 2}).json()
     assert fin["update_counts"]["model.norm.weight"] == 1
     assert sum(fin["update_counts"].values()) == 1
+
+
+MOE_CHUNKS = {
+    # case: (engine, name, shape, kind, words the error must contain)
+    "expert_id_out_of_range": (
+        "qwen3-moe",
+        "model.layers.0.mlp.experts.16.gate_proj.weight",
+        [48, 128],
+        "name",
+        ["experts.16.gate_proj.weight", "w13_weight[16:w1]", "experts.15.up_proj.weight"],
+    ),
+    "fused_name_to_per_expert_engine": (
+        "qwen3-moe",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        [16, 96, 128],
+        "name",
+        ["experts.gate_up_proj", "experts.0.gate_proj.weight"],
+    ),
+    "per_expert_down_wrong_shape": (
+        "qwen3-moe",
+        "model.layers.1.mlp.experts.2.down_proj.weight",
+        [48, 128],
+        "shape",
+        ["[128, 48]", "per-expert [hidden, moe_inter]"],
+    ),
+    "vl_moe_gate_up_transformers_orientation": (
+        "qwen3-vl-moe",
+        "model.language_model.layers.0.mlp.experts.gate_up_proj",
+        [16, 96, 128],
+        "shape",
+        ["[16, 128, 96]", "released layout [E, hidden, 2*moe_inter]", "swapped"],
+    ),
+    "vl_moe_down_transformers_orientation": (
+        "qwen3-vl-moe",
+        "model.language_model.layers.2.mlp.experts.down_proj",
+        [16, 128, 48],
+        "shape",
+        ["[16, 48, 128]", "released layout [E, moe_inter, hidden]"],
+    ),
+    "vl_moe_per_expert_name": (
+        "qwen3-vl-moe",
+        "model.language_model.layers.0.mlp.experts.3.gate_proj.weight",
+        [48, 128],
+        "name",
+        ["experts.gate_up_proj [all]"],
+    ),
+    "vl_tied_lm_head": (
+        "qwen3-vl",
+        "lm_head.weight",
+        [1024, 128],
+        "name",
+        ["lm_head.weight", "tied"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CHUNKS))
+def test_moe_and_tied_rejections(engines: dict[str, Engine], case: str) -> None:
+    model, name, shape, kind, words = MOE_CHUNKS[case]
+    eng = engines[model]
+    before = eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"]
+    assert eng.post("/start_weight_update", {}).status_code == 200
+    payload = torch.zeros(shape)
+    r = eng.send_chunk([name], ["float32"], [shape], wire.pack([payload]))
+    assert r.status_code == 400, r.text
+    detail = r.json()["detail"]
+    assert detail["kinds"] == {name: kind}
+    assert all(w in detail["error"] for w in words), detail["error"]
+    fin = eng.post("/finish_weight_update", {}).json()
+    assert not any(fin["update_counts"].values())
+    assert eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"] == before
+
+
+def test_untied_lm_head_is_accepted(engines: dict[str, Engine]) -> None:
+    eng = engines["qwen3-untied"]
+    lm_head = torch.randn(512, 64, generator=torch.Generator().manual_seed(5))
+    assert eng.post("/start_weight_update", {}).status_code == 200
+    r = eng.send_tensors({"lm_head.weight": lm_head})
+    assert r.status_code == 200, r.text
+    fin = eng.post("/finish_weight_update", {}).json()
+    assert fin["update_counts"]["lm_head.weight"] == 1
+    assert sum(fin["update_counts"].values()) == 1
+    sums = eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"]
+    assert sums["lm_head.weight"] == tensor_checksum(lm_head)
 
 
 def test_rejection_is_atomic(engines: dict[str, Engine]) -> None:

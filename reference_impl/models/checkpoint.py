@@ -26,9 +26,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("WSH_CACHE", REPO_ROOT / ".cache"))
 
 
+# Bumped whenever the maker writes different bytes for the same inputs (v2: released VL-MoE layout).
+MAKER_VERSION = 2
+
+
 def config_hash(config: dict[str, Any], seed: int, dtype: str) -> str:
-    """sha256 (first 12 hex digits) of the canonical JSON of config, seed and dtype."""
-    blob = json.dumps({"config": config, "seed": seed, "dtype": dtype}, sort_keys=True).encode()
+    """sha256 (first 12 hex digits) of the canonical JSON of config, seed, dtype and MAKER_VERSION."""
+    blob = json.dumps({"config": config, "seed": seed, "dtype": dtype, "maker": MAKER_VERSION}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 

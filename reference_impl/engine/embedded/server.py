@@ -18,7 +18,7 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
   "load_s", "loaded"}`.
 - POST /finish_weight_update `{"weight_version": v}` -> `{"weight_version", "update_counts": {slot:
   n for every slot}, "load_s"}`. A slot is one checkpoint tensor, keyed by its vLLM target string
-  (`vllm_name` or `vllm_name[shard]`, e.g. `model.layers.0.mlp.experts.w13_weight[3:w1]`); a full sync
+  (`vllm_name` or `vllm_name[shard]`, e.g. `model.layers.0.mlp.experts.routed_experts.w13_weight[3:w1]`); a full sync
   counts every slot exactly once.
 - POST /weight_checker `{"action": "checksum" | "slots" | "reset" | "compare", "baseline"?}`: "checksum"
   -> `{"checksums": {checkpoint_name: checksum}}` over each slot's view of the engine's parameters in the

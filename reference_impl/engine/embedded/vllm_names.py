@@ -22,11 +22,10 @@ that applies them, in vLLM's order:
    layers pass `is_fused_checkpoint_transposed=True` (`qwen3_vl_moe.py`), so its fused tensors are the
    released [E, H, 2I] / [E, I, H] (the loader checks shapes; see `checkpoint_view`). The router is a
    `GateLinear` at prefix `mlp.gate` (`qwen3_moe.py`): `mlp.gate.weight`, unchanged.
-   NOTE: vLLM 0.33.0 registers `w13_weight`/`w2_weight` one module deeper, on `mlp.experts.routed_experts`
-   (`FusedMoEFactory` in `fused_moe/layer.py` builds a `MoERunner` whose `routed_experts` is the
-   `RoutedExperts`; `MoERunner.load_weights` yields `routed_experts.{name}`). Our slots use the shorter
-   `mlp.experts.w13_weight` / `mlp.experts.w2_weight` (where vLLM's `FusedMoE` module held them before the
-   runner split); `EXPERTS_MODULE` below is the one place to change that.
+   vLLM 0.33.0 registers `w13_weight`/`w2_weight` on `mlp.experts.routed_experts` (`FusedMoEFactory` in
+   `fused_moe/layer.py` builds a `MoERunner` whose `routed_experts` is the `RoutedExperts`;
+   `MoERunner.load_weights` yields `routed_experts.{name}`); older releases held them on `mlp.experts`.
+   `EXPERTS_MODULE` below is the one place that names this module.
 3. Stacked (fused) parameters (`StackedRule`), at most one applies, and only to names under the rule's
    scope (the module whose `load_weights` holds the mapping): `stacked_params_mapping` in
    `Qwen2Model.load_weights` (`vllm/model_executor/models/qwen2.py`; `Qwen3Model` subclasses it in
@@ -136,7 +135,7 @@ def _stacked(scope: str) -> tuple[StackedRule, ...]:
 
 
 # Module of vLLM's routed-expert parameters below `mlp.` (see the module docstring, step 2).
-EXPERTS_MODULE = "experts."
+EXPERTS_MODULE = "experts.routed_experts."
 
 
 def _experts(scope: str) -> tuple[ExpertRule, ...]:
@@ -283,9 +282,9 @@ def hf_to_vllm(family: str, hf_name: str) -> VllmTarget:
     Examples: ("qwen3_vl", "model.language_model.layers.3.self_attn.k_proj.weight") ->
     VllmTarget("language_model.model.layers.3.self_attn.qkv_proj.weight", "k");
     ("qwen3_moe", "model.layers.1.mlp.experts.5.up_proj.weight") ->
-    VllmTarget("model.layers.1.mlp.experts.w13_weight", "5:w3");
+    VllmTarget("model.layers.1.mlp.experts.routed_experts.w13_weight", "5:w3");
     ("qwen3_vl_moe", "model.language_model.layers.0.mlp.experts.gate_up_proj") ->
-    VllmTarget("language_model.model.layers.0.mlp.experts.w13_weight", "all").
+    VllmTarget("language_model.model.layers.0.mlp.experts.routed_experts.w13_weight", "all").
 
     Raises:
         KeyError: an unknown family.
