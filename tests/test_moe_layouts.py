@@ -96,7 +96,7 @@ def test_released_layout_is_the_transpose_and_what_the_maker_writes(vl_moe: tupl
 def test_fuse_refuses_a_missing_expert(vl_moe: tuple[torch.nn.Module, Path]) -> None:
     model, _ = vl_moe
     pairs = [p for p in per_expert_from_model(model, 0) if ".experts.5." not in p[0]]
-    with pytest.raises(ValueError, match="experts .* are not 0..15"):
+    with pytest.raises(ValueError, match=r"experts .* are not 0\.\.15"):
         fuse_experts(pairs, facts("released"))
 
 
