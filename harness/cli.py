@@ -2,9 +2,12 @@
 
     python -m harness run --matrix cpu [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
     python -m harness list --matrix cpu [--filter EXPR]
+    python -m harness faults [--filter EXPR] [--results-dir DIR] [--run-id ID]
 
 `run` exits 0 when every scenario's verdict is the one it expects (PASS unless it says `expect:`),
-1 otherwise, 2 on bad arguments.
+1 otherwise, 2 on bad arguments. `faults` runs every registered fault injection (`harness/faults.py`)
+and writes `faults.md` / `faults.csv` (fault, scenario, expected, got, caught); it exits 0 when every
+fault was caught with its expected verdict.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import argparse
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from harness.record import RunRecord
-from harness.scenario import load_matrix, select, validate
+from harness.scenario import Scenario, expand, load_matrix, select, validate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,18 +28,20 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m harness", description="Weight-sync harness")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "list"):
+    for name in ("run", "list", "faults"):
         p = sub.add_parser(name)
-        p.add_argument("--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path")
+        if name != "faults":
+            p.add_argument("--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path")
         p.add_argument(
             "--filter",
             default=None,
             help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex",
         )
-    run = sub.choices["run"]
-    run.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
-    run.add_argument("--run-id", default=None, help="folder name under --results-dir (default: a timestamp)")
-    run.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    for name in ("run", "faults"):
+        p = sub.choices[name]
+        p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
+        p.add_argument("--run-id", default=None, help="folder name under --results-dir (default: a timestamp)")
+        p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     return ap
 
 
@@ -56,21 +62,25 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """Run the selected scenarios; write records, summaries and plots as each scenario ends."""
+def run_scenarios(
+    scenarios: list[Scenario],
+    results_dir: Path,
+    run_id: str | None,
+    ray_address: str | None,
+    after_each: Callable[[list[RunRecord], Path], None] | None = None,
+) -> tuple[list[RunRecord], Path]:
+    """Run `scenarios` in order into `results_dir/<run_id>/`; records, summaries and plots are written as
+    each scenario ends (and `after_each(records, out)` is called). Every process started is stopped on
+    the way out, Ctrl-C included."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from harness.results import write_env
-    from harness.runner import Runner, ensure_ray
+    from harness.runner import Runner, ensure_ray, shutdown_ray
 
     console = Console(stderr=True)
-    scenarios = select(load_matrix(args.matrix), args.filter)
-    if not scenarios:
-        console.print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}")
-        return 2
-    run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
-    out = args.results_dir / run_id
+    run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
+    out = results_dir / run_id
     out.mkdir(parents=True, exist_ok=True)
     env = write_env(out)
     records: list[RunRecord] = []
@@ -85,16 +95,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             console=console,
         ) as progress:
             task = progress.add_task("starting Ray", total=len(scenarios))
-            needs_ray = any(validate(sc) is None for sc in scenarios)
-            if needs_ray:
-                ensure_ray(args.ray_address)
-
+            if any(validate(sc) is None for sc in scenarios):
+                ensure_ray(ray_address)
             pending = Counter(sc.group_key for sc in scenarios if sc.group_key)
 
             def on_record(rec: RunRecord) -> None:
                 records.append(rec)
                 key = rec.scenario.get("group_key")
-                if key:
+                if key and runner is not None:
                     pending[key] -= 1
                     if pending[key] == 0:  # the whole group has run: compare its members
                         members = [r for r in records if r.scenario.get("group_key") == key]
@@ -102,6 +110,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                         records[:] = [updated.get(r.scenario_id, r) for r in records]
                         rec = updated[rec.scenario_id]
                 _write_outputs(records, out, run_id, env)
+                if after_each is not None:
+                    after_each(records, out)
                 expect = rec.scenario.get("expect", "PASS")
                 style = "green" if rec.verdict == expect else "red"
                 progress.console.print(f"[{style}]{rec.verdict:14s}[/] {rec.scenario_id}")
@@ -114,18 +124,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         if runner is not None:
             runner.close()
+        shutdown_ray()
     wall = time.perf_counter() - t0
     bad = [r for r in records if r.verdict != r.scenario.get("expect", "PASS")]
     console.print(f"{len(records)} scenarios in {wall:.0f} s, {len(bad)} unexpected; results in {out}")
     console.print(f"summary: {out / 'summary.md'}")
-    return 1 if bad else 0
+    return records, out
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the selected scenarios of a matrix."""
+    scenarios = select(load_matrix(args.matrix), args.filter)
+    if not scenarios:
+        print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}", file=sys.stderr)
+        return 2
+    records, _ = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address)
+    return 0 if records and all(r.verdict == r.scenario.get("expect", "PASS") for r in records) else 1
+
+
+def cmd_faults(args: argparse.Namespace) -> int:
+    """Run every registered fault's scenario and write the fault table (faults.md / faults.csv)."""
+    from harness.faults import fault_scenarios
+    from harness.results import write_fault_table
+
+    scenarios = select([s for e in fault_scenarios() for s in expand(e)], args.filter)
+    if not scenarios:
+        print(f"no fault scenario matches filter {args.filter!r}", file=sys.stderr)
+        return 2
+    records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address, write_fault_table)
+    write_fault_table(records, out)
+    print(f"fault table: {out / 'faults.md'}")
+    return 0 if records and all(r.verdict == r.scenario.get("expect") for r in records) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m harness`."""
     args = _parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "list": cmd_list}[args.cmd](args)
+        return {"run": cmd_run, "list": cmd_list, "faults": cmd_faults}[args.cmd](args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -327,3 +327,48 @@ def write_env(out_dir: Path | str) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "env.json").write_text(json.dumps(env, indent=1) + "\n")
     return env
+
+
+def fault_table(records: Iterable[RunRecord]) -> pd.DataFrame:
+    """One row per fault scenario: fault, scenario, expected, got, caught, and the deciding message."""
+    rows = []
+    for rec in records:
+        verdict, results = judge(rec)
+        failure = first_failure(results, verdict)
+        rows.append(
+            {
+                "fault": rec.scenario.get("fault"),
+                "scenario": rec.scenario_id,
+                "expected": expected_verdict(rec),
+                "got": verdict,
+                "caught": verdict == expected_verdict(rec),
+                "message": failure.message if failure else "",
+            }
+        )
+    return pd.DataFrame(rows, columns=["fault", "scenario", "expected", "got", "caught", "message"])
+
+
+def write_fault_table(records: Sequence[RunRecord], out_dir: Path | str) -> dict[str, Path]:
+    """Write faults.csv and faults.md (the table of injected faults and what the harness said)."""
+    out = Path(out_dir)
+    df = fault_table(records)
+    paths = {"csv": out / "faults.csv", "md": out / "faults.md"}
+    df.to_csv(paths["csv"], index=False)
+    rows = [
+        [
+            r["fault"],
+            f"`{r['scenario']}`",
+            r["expected"],
+            r["got"],
+            "yes" if r["caught"] else "**NO**",
+            _cell(r["message"])[:160],
+        ]
+        for r in df.to_dict(orient="records")
+    ]
+    caught = int(df["caught"].sum()) if len(df) else 0
+    text = (
+        f"# Fault injections\n\n{caught} of {len(df)} faults caught with their expected verdict.\n\n"
+        + markdown_table(["fault", "scenario", "expected", "got", "caught", "message"], rows)
+    )
+    paths["md"].write_text(text)
+    return paths

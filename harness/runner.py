@@ -10,7 +10,10 @@ gets fresh ones. Every record is written as soon as its scenario ends.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +26,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness.checks import group_differences, judged
+from harness.faults import FAULTS
 from harness.record import ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
 from harness.scenario import Scenario, validate
 from reference_impl.checksum import tensor_checksum
@@ -48,20 +52,26 @@ def ensure_ray(address: str | None = None) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
-        ray.init(num_cpus=16, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False)
+        ray.init(num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False)
 
 
-@ray.remote(num_cpus=1)
+def shutdown_ray() -> None:
+    """Stop the Ray instance this driver started (its worker processes end with it)."""
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=0.5)
 class EngineActor:
     """Owns one engine server process (started in `start`, ended in `stop`)."""
 
     def __init__(self) -> None:
         self.proc = None
 
-    def start(self, checkpoint: str, seed: int, log_path: str) -> str:
+    def start(self, checkpoint: str, seed: int, log_path: str, fault: str | None = None) -> str:
         from reference_impl.engine.embedded.launcher import EngineProcess
 
-        self.proc = EngineProcess(checkpoint, seed, log_path)
+        self.proc = EngineProcess(checkpoint, seed, log_path, fault=fault)
         return self.proc.start()
 
     def pid(self) -> int | None:
@@ -79,13 +89,16 @@ class TrainerPool:
     world_size: int
     pg: PlacementGroup
     actors: list[Any] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # OS pids of the rank processes (stack dumps)
 
     @classmethod
     def create(cls, world_size: int) -> TrainerPool:
         """Place `world_size` trainer ranks plus an engine bundle and start the rank actors."""
         from reference_impl.trainer.worker import TrainerWorker
 
-        pg = placement_group([{"CPU": 1}] * (world_size + 1), strategy="PACK")
+        # Bundle r = trainer rank r; the last bundle is the engine's when not colocated. Bundles have 2
+        # CPUs so a colocated engine (fractional share) fits beside rank 0.
+        pg = placement_group([{"CPU": 2}] * (world_size + 1), strategy="PACK")
         ray.get(pg.ready(), timeout=120)
         port = free_port()
         worker_cls = ray.remote(num_cpus=1)(TrainerWorker)
@@ -95,11 +108,14 @@ class TrainerPool:
             ).remote(r, world_size, "127.0.0.1", port)
             for r in range(world_size)
         ]
-        return cls(world_size=world_size, pg=pg, actors=actors)
+        pids = ray.get([a.pid.remote() for a in actors], timeout=SETUP_TIMEOUT_S)
+        return cls(world_size=world_size, pg=pg, actors=actors, pids=pids)
 
-    def engine_strategy(self) -> PlacementGroupSchedulingStrategy:
-        """Scheduling for the engine actor: its own bundle (non-colocate)."""
-        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.world_size)
+    def engine_strategy(self, colocate: bool) -> PlacementGroupSchedulingStrategy:
+        """Scheduling for the engine actor: the sender's bundle when colocated (trainer and engine share
+        its devices), else a bundle of its own."""
+        bundle = 0 if colocate else self.world_size
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
     def kill(self) -> None:
         """End every rank process and free the placement group."""
@@ -107,6 +123,28 @@ class TrainerPool:
             ray.kill(a, no_restart=True)
         self.actors = []
         remove_placement_group(self.pg)
+
+
+def dump_stacks(pids: dict[str, int | None], out_dir: Path, timeout_s: float = 30.0) -> list[str]:
+    """Python stacks of every process in `pids` (label -> pid) into `out_dir/<label>.txt` with
+    `py-spy dump`; returns the files written. A process py-spy cannot read gets its error in the file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    files = []
+    for label, pid in pids.items():
+        if pid is None:
+            continue
+        try:
+            proc = subprocess.run(
+                [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
+            )
+            text = proc.stdout + (f"\n[py-spy exit {proc.returncode}] {proc.stderr}" if proc.returncode else "")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            text = f"py-spy dump --pid {pid} failed: {e}"
+        path = out_dir / f"{label}.txt"
+        path.write_text(f"# {label} pid {pid}\n{text}")
+        files.append(str(path))
+    return files
 
 
 class ScenarioFailed(Exception):
@@ -181,6 +219,7 @@ class Runner:
             return self._finish(record)
         engine = None
         healthy = False
+        pids: dict[str, int | None] = {}
         try:
             spec = load_model(sc.model)
             record.tied_embeddings = spec.facts().tied_embeddings
@@ -190,15 +229,25 @@ class Runner:
             deadline = sc.deadline_s or 120.0 + ckpt_bytes / 20e6
             pool = self.pool(sc.world_size)
             log_path = self.out_dir / "logs" / (sc.id.replace("/", "__") + ".engine.log")
-            engine = EngineActor.options(scheduling_strategy=pool.engine_strategy()).remote()
+            fault = FAULTS[sc.fault] if sc.fault else None
+            engine = EngineActor.options(scheduling_strategy=pool.engine_strategy(sc.colocate)).remote()
             setup_refs = [a.setup.remote(sc.as_dict(), str(ckpt)) for a in pool.actors]
+            engine_fault = fault.name if fault and fault.side == "engine" else None
             url = self._get(
-                [engine.start.remote(str(ckpt), sc.engine_seed, str(log_path))], 300, record, "engine start"
+                [engine.start.remote(str(ckpt), sc.engine_seed, str(log_path), engine_fault)],
+                300,
+                record,
+                "engine start",
             )[0]
+            pids = {f"rank{r}": pid for r, pid in enumerate(pool.pids)}
+            pids["engine"] = ray.get(engine.pid.remote(), timeout=30)
             self._get(setup_refs, SETUP_TIMEOUT_S, record, "trainer setup")
+            if fault and fault.apply is not None:
+                self._get([a.run_in_process.remote(fault.apply) for a in pool.actors], 60, record, "apply fault")
+                record.notes.append(f"fault injected: {fault.name} ({fault.description})")
             checker = UpdateClient(url)
             record.engine_slots = checker.slots()
-            connect = [a.connect_engine.remote(url) for a in pool.actors]
+            connect = [a.connect_engine.remote(url, sc.colocate) for a in pool.actors]
             for calls in self._get(connect, deadline, record, "connect engine"):
                 record.http.extend(HttpCall(**c) for c in calls)
             for i in range(sc.syncs):
@@ -218,7 +267,8 @@ class Runner:
             checker.close()
             healthy = True
         except ScenarioFailed:
-            pass
+            if record.deadlock:
+                record.stacks = dump_stacks(pids, self.out_dir / "stacks" / sc.id.replace("/", "__"))
         except Exception as e:
             record.errors.append(_error_from(e, None, "runner"))
         finally:
@@ -226,7 +276,7 @@ class Runner:
                 with contextlib.suppress(Exception):
                     ray.get(engine.stop.remote(), timeout=30)
                 ray.kill(engine, no_restart=True)
-            if not healthy:
+            if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
                 self.drop_pool(sc.world_size)
         return self._finish(record)
 

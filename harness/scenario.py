@@ -86,8 +86,6 @@ def validate(sc: Scenario) -> str | None:
         return f"mode {sc.mode!r} is unknown: use raw or bridge"
     if sc.engine != "embedded":
         return f"engine {sc.engine!r} is not available yet: use engine: embedded"
-    if sc.colocate:
-        return "colocate mode is not available yet: set colocate: false"
     if sc.dtype not in ("float32", "bfloat16"):
         return f"dtype {sc.dtype!r} is not supported: use float32 or bfloat16"
     if min(sc.tp, sc.pp, sc.ep, sc.etp) < 1:
@@ -122,7 +120,10 @@ def validate(sc: Scenario) -> str | None:
             f"tower feeds {len(f.deepstack_indexes)} deepstack layers into it: lower PP or add text layers"
         )
     if sc.fault is not None:
-        return f"fault {sc.fault!r} is unknown: no faults are registered yet"
+        from harness.faults import FAULTS
+
+        if sc.fault not in FAULTS:
+            return f"fault {sc.fault!r} is unknown: use one of {sorted(FAULTS)}"
     return None
 
 

@@ -1,8 +1,11 @@
-"""The embedded engine: vLLM name tables, checkpoint views, strict loader, and the real server over gloo.
+"""The embedded engine: vLLM name tables, checkpoint views, strict loader, and the real server over gloo
+and over colocate shared-memory handles, with its mutation-test faults.
 
 The servers run as subprocesses (one per model entry, started once per session and stopped by pid);
 the test process is the trainer's sender: it hosts the TCPStore, joins the transfer group as rank 0
 and broadcasts packed chunks while a worker thread makes the /update_weights call (both block).
+Colocate: three more qwen3 servers (no fault and each fault) started through `EngineProcess` with
+backend shm; the test process owns a `SharedMemoryBuffer` and posts handles to it.
 Expected checksums are computed independently from the safetensors files' raw bytes.
 """
 
@@ -26,6 +29,8 @@ import torch
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.checkpoint_view import FAMILY_VIEWS, saved_as
+from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
+from reference_impl.engine.embedded.receive import FAULTS, FINALIZE_PER_CHUNK, OK_WITHOUT_TRANSFER
 from reference_impl.engine.embedded.vllm_names import (
     FAMILY_NAMES,
     MODEL_TYPE_FAMILY,
@@ -36,6 +41,7 @@ from reference_impl.engine.embedded.vllm_names import (
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport import wire
+from reference_impl.transport.handles import SharedMemoryBuffer, cuda_ipc_handle, open_cuda_ipc_handle
 
 CKPT_SEED = 1234
 ENGINE_SEED = 4321
@@ -704,3 +710,250 @@ def test_engine_refuses_the_checkpoints_seed() -> None:
 
     with pytest.raises(ValueError, match="seed"):
         build_engine_model(make_checkpoint(load_model("qwen3"), seed=CKPT_SEED), CKPT_SEED)
+
+
+# ---------------------------------------------------------------- (d) colocate: shared-memory handles
+
+
+CLEAN = "no-fault"
+
+
+@pytest.fixture(scope="module")
+def shm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProcess]]:
+    """Three qwen3 engines started through EngineProcess (no fault, and each fault), in parallel, all
+    initialised with backend shm; stopped by pid at the end."""
+    tmp = tmp_path_factory.mktemp("shm-engines")
+    ckpt = str(make_checkpoint(load_model("qwen3"), seed=CKPT_SEED))
+    procs = {
+        name: EngineProcess(ckpt, ENGINE_SEED, log_path=str(tmp / f"{name}.log"), fault=fault)
+        for name, fault in ((CLEAN, None), (FINALIZE_PER_CHUNK, FINALIZE_PER_CHUNK), (OK_WITHOUT_TRANSFER,) * 2)
+    }
+    try:
+        with ThreadPoolExecutor(len(procs)) as ex:
+            list(ex.map(lambda p: p.start(timeout_s=120), procs.values()))
+        for proc in procs.values():
+            r = _post(proc.url, "/init_weight_transfer_engine", {"init_info": {"backend": "shm"}})
+            assert r.status_code == 200, r.text
+            assert r.json() == {"ok": True, "backend": "shm"}
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def _post(url: str, route: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}{route}", json=body if body is not None else {}, timeout=60)
+
+
+def _shm_chunk(
+    url: str,
+    buf: SharedMemoryBuffer,
+    tensors: dict[str, torch.Tensor],
+    chunk_index: int,
+    handle_edits: dict[str, object] | None = None,
+) -> httpx.Response:
+    """Pack `tensors` into `buf` (grown as needed) and POST /update_weights with its handle (edited by
+    `handle_edits`; {"drop": True} sends none)."""
+    n = sum(t.numel() * t.element_size() for t in tensors.values())
+    buf.grow(n)
+    wire.pack(list(tensors.values()), out=buf.tensor(n))  # views of the segment die here
+    info = {
+        "names": list(tensors),
+        "dtype_names": [wire.dtype_name(t.dtype) for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "packed": True,
+        "chunk_index": chunk_index,
+    }
+    edits = handle_edits or {}
+    if not edits.get("drop"):
+        info["handle"] = {**buf.handle(n), **edits}
+    return _post(url, "/update_weights", {"update_info": info})
+
+
+def _shm_sync(url: str, buf: SharedMemoryBuffer, tensors: dict[str, torch.Tensor], chunks: list[list[str]]) -> dict:
+    """One update session over handles; every chunk must answer 200. Returns the finish body."""
+    assert _post(url, "/start_weight_update").status_code == 200
+    for i, chunk in enumerate(chunks):
+        r = _shm_chunk(url, buf, {n: tensors[n] for n in chunk}, i)
+        assert r.status_code == 200, r.text
+        assert r.json()["received_bytes"] == sum(tensors[n].numel() * tensors[n].element_size() for n in chunk)
+        assert r.json()["loaded"] == len(chunk)
+    r = _post(url, "/finish_weight_update", {"weight_version": 1})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _checksums(url: str) -> dict[str, str]:
+    return _post(url, "/weight_checker", {"action": "checksum"}).json()["checksums"]
+
+
+def _segment_exists(name: str) -> bool:
+    return Path("/dev/shm", name).exists()
+
+
+@pytest.fixture
+def shm_buffer() -> Iterator[SharedMemoryBuffer]:
+    with SharedMemoryBuffer(1) as buf:
+        yield buf
+
+
+def test_shm_full_sync_matches_checkpoint(
+    shm_engines: dict[str, EngineProcess], shm_buffer: SharedMemoryBuffer
+) -> None:
+    url = shm_engines[CLEAN].url
+    ckpt = make_checkpoint(load_model("qwen3"), seed=CKPT_SEED)
+    truth = safetensors_checksums(ckpt)
+    before = _checksums(url)
+    assert all(before[n] != truth[n] for n in truth), "engine must start from different (dummy) weights"
+    tensors = read_checkpoint(ckpt)
+    names = list(tensors)
+    fin = _shm_sync(url, shm_buffer, tensors, [names[i::3] for i in range(3)])
+    assert fin["update_counts"] and all(c == 1 for c in fin["update_counts"].values()), fin["update_counts"]
+    assert _checksums(url) == truth
+    # The engine attached untracked and closed without unlinking: the producer's segment is intact.
+    if Path("/dev/shm").is_dir():
+        assert _segment_exists(shm_buffer.name)
+    last = [tensors[n] for n in names[2::3]]
+    n = sum(t.numel() * t.element_size() for t in last)
+    assert torch.equal(shm_buffer.tensor(n).clone(), wire.pack(last))  # and unmodified
+
+
+SHM_BAD = {
+    # case: (handle edits, words the error must contain)
+    "missing_handle": ({"drop": True}, ["chunk 5", "no handle"]),
+    "nbytes_too_small": ({"nbytes": 60}, ["chunk 5", "bytes", "256"]),
+    "no_such_segment": ({"name": "wsh_no_such_segment"}, ["chunk 5", "cannot be opened", "wsh_no_such_segment"]),
+    "kind_mismatch": ({"kind": "cuda_ipc"}, ["chunk 5", "cuda_ipc", "shm"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SHM_BAD))
+def test_shm_bad_handle_is_400_bytes(
+    shm_engines: dict[str, EngineProcess], shm_buffer: SharedMemoryBuffer, case: str
+) -> None:
+    url = shm_engines[CLEAN].url
+    edits, words = SHM_BAD[case]
+    before = _checksums(url)
+    assert _post(url, "/start_weight_update").status_code == 200
+    norm = {"model.norm.weight": torch.full((64,), 2.5)}
+    r = _shm_chunk(url, shm_buffer, norm, 5, edits)
+    assert r.status_code == 400, r.text
+    detail = r.json()["detail"]
+    assert all(w in detail["error"] for w in words), detail["error"]
+    assert detail["kinds"] == {"model.norm.weight": "bytes"}
+    assert _checksums(url) == before
+    # The server keeps serving: a valid chunk through the same buffer loads.
+    assert _shm_chunk(url, shm_buffer, norm, 6).status_code == 200
+    fin = _post(url, "/finish_weight_update").json()
+    assert fin["update_counts"]["model.norm.weight"] == 1
+    assert sum(fin["update_counts"].values()) == 1
+
+
+def test_shm_init_and_backend_mismatch(shm_engines: dict[str, EngineProcess], engines: dict[str, Engine]) -> None:
+    url = shm_engines[CLEAN].url
+    r = _post(url, "/init_weight_transfer_engine", {"init_info": {"backend": "nccl"}})
+    assert r.status_code == 400
+    assert r.json()["detail"]["kinds"] == {"body.init_info.backend": "request"}
+    if not torch.cuda.is_available():
+        r = _post(url, "/init_weight_transfer_engine", {"init_info": {"backend": "cuda_ipc"}})
+        assert r.status_code == 400
+        assert "shm" in r.json()["detail"]["error"]
+    # A handle sent to a gloo engine is refused without waiting for a broadcast.
+    eng = engines["qwen3"]
+    assert eng.post("/start_weight_update").status_code == 200
+    info = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]], "chunk_index": 0}
+    r = eng.post("/update_weights", {"update_info": {**info, "handle": {"kind": "shm", "name": "x", "nbytes": 256}}})
+    assert r.status_code == 400, r.text
+    assert r.json()["detail"]["kinds"] == {"model.norm.weight": "bytes"}
+    assert "gloo" in r.json()["detail"]["error"]
+    _valid_update(eng)
+    assert eng.post("/finish_weight_update").status_code == 200
+
+
+def test_shm_consumer_does_not_unlink_at_exit(shm_buffer: SharedMemoryBuffer) -> None:
+    """A consumer process that opened a handle leaves the segment to its producer when it exits (its
+    resource tracker would otherwise unlink it), and reads the bytes without copying them first."""
+    shm_buffer.grow(16)
+    shm_buffer.tensor(16).copy_(torch.arange(16, dtype=torch.uint8))
+    code = (
+        "import sys, torch\n"
+        "from reference_impl.transport.handles import open_shm_handle\n"
+        f"with open_shm_handle({shm_buffer.handle(16)!r}) as p:\n"
+        "    try:\n"
+        "        print(int(p.view(torch.int32).sum()))\n"
+        "    finally:\n"
+        "        del p\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == int(torch.arange(16, dtype=torch.uint8).view(torch.int32).sum())
+    assert "leaked" not in out.stderr
+    if Path("/dev/shm").is_dir():
+        assert _segment_exists(shm_buffer.name)
+    name = shm_buffer.name
+    shm_buffer.close()
+    if Path("/dev/shm").is_dir():
+        assert not _segment_exists(name)
+
+
+def test_shm_buffer_capacity() -> None:
+    with SharedMemoryBuffer(8) as buf:
+        with pytest.raises(ValueError, match="grow"):
+            buf.tensor(9)
+        assert buf.grow(8) is False
+        name = buf.name
+        assert buf.grow(100) is True and buf.capacity >= 100 and buf.name != name
+        assert buf.handle(100) == {"kind": "shm", "name": buf.name, "nbytes": 100}
+        assert buf.tensor(0).numel() == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_ipc_without_cuda_raises() -> None:
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cuda_ipc_handle(torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="CUDA"):
+        open_cuda_ipc_handle({"kind": "cuda_ipc", "ipc": "", "nbytes": 4})
+
+
+# ---------------------------------------------------------------- (e) engine faults (mutation tests)
+
+
+def _two_chunk_sync(url: str, buf: SharedMemoryBuffer) -> tuple[dict, dict[str, str], dict[str, str], list[str]]:
+    """Full 2-chunk sync of the qwen3 checkpoint: (finish body, checksums before, after, first chunk's names)."""
+    ckpt = make_checkpoint(load_model("qwen3"), seed=CKPT_SEED)
+    tensors = read_checkpoint(ckpt)
+    names = list(tensors)
+    chunks = [names[: len(names) // 2], names[len(names) // 2 :]]
+    before = _checksums(url)
+    fin = _shm_sync(url, buf, tensors, chunks)
+    return fin, before, _checksums(url), chunks[0]
+
+
+def test_fault_finalize_per_chunk(shm_engines: dict[str, EngineProcess], shm_buffer: SharedMemoryBuffer) -> None:
+    truth = safetensors_checksums(make_checkpoint(load_model("qwen3"), seed=CKPT_SEED))
+    fin, before, after, first = _two_chunk_sync(shm_engines[FINALIZE_PER_CHUNK].url, shm_buffer)
+    assert all(c == 1 for c in fin["update_counts"].values())  # the counts do not show it
+    assert {n for n in truth if after[n] != truth[n]} == set(first)
+    assert all(after[n] == before[n] for n in first)  # still the dummy values
+
+
+def test_fault_ok_without_transfer(shm_engines: dict[str, EngineProcess], shm_buffer: SharedMemoryBuffer) -> None:
+    fin, before, after, _ = _two_chunk_sync(shm_engines[OK_WITHOUT_TRANSFER].url, shm_buffer)
+    assert fin["update_counts"] and all(c == 1 for c in fin["update_counts"].values())
+    assert after == before  # every 200 moved nothing
+
+
+def test_fault_is_logged_and_unknown_fault_exits(shm_engines: dict[str, EngineProcess], tmp_path: Path) -> None:
+    assert "FAULT ACTIVE: finalize_per_chunk" in shm_engines[FINALIZE_PER_CHUNK].log_path.read_text()
+    assert "FAULT ACTIVE: ok_without_transfer" in shm_engines[OK_WITHOUT_TRANSFER].log_path.read_text()
+    assert "FAULT ACTIVE" not in shm_engines[CLEAN].log_path.read_text()
+    ckpt = str(make_checkpoint(load_model("qwen3"), seed=CKPT_SEED))
+    proc = EngineProcess(ckpt, ENGINE_SEED, log_path=str(tmp_path / "bogus.log"), fault="bogus")
+    try:
+        with pytest.raises(EngineStartError) as err:
+            proc.start(timeout_s=60)
+    finally:
+        proc.stop()
+    assert proc.proc is not None and proc.proc.returncode not in (0, None)
+    assert "bogus" in str(err.value)
+    assert all(name in str(err.value) for name in FAULTS)

@@ -13,7 +13,7 @@ from reference_impl.export.raw.rules import LayoutFacts
 from reference_impl.models.checkpoint import build_hf_model, make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.trainer.params import global_expert_name, is_expert_param
-from reference_impl.transport import noncolocate
+from reference_impl.transport import sync
 from reference_impl.transport.plan import TensorMeta, plan_chunks
 
 # E = 16 experts over EP = 2 ranks: 8 local experts each; global = ep_rank * 8 + local (hand-derived).
@@ -102,15 +102,15 @@ def test_fuse_refuses_a_missing_expert(vl_moe: tuple[torch.nn.Module, Path]) -> 
 
 def test_a_rank_that_owns_nothing_in_a_chunk_sends_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[tuple[int, int]] = []
-    monkeypatch.setattr(noncolocate.dist, "send", lambda t, dst: sent.append((t.numel(), dst)))
+    monkeypatch.setattr(sync.dist, "send", lambda t, dst: sent.append((t.numel(), dst)))
     metas = [
         TensorMeta("a", (4,), "float32", 16, 0),
         TensorMeta("b", (2,), "float32", 8, 2),
         TensorMeta("c", (1,), "float32", 4, 0),
     ]
     plan = plan_chunks(metas, bucket_bytes=1)  # one tensor per chunk: rank 2 owns only chunk 1
-    noncolocate.send_owned(plan, {"b": torch.zeros(2)}, rank=2)
+    sync.send_owned(plan, {"b": torch.zeros(2)}, rank=2)
     assert sent == [(8, 0)]  # bytes of "b" to the sender, nothing for chunks 0 and 2
     sent.clear()
-    noncolocate.send_owned(plan, {}, rank=3)  # a rank that owns nothing at all
+    sync.send_owned(plan, {}, rank=3)  # a rank that owns nothing at all
     assert sent == []

@@ -12,6 +12,7 @@ the seconds spent per phase:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -121,14 +122,23 @@ def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[Owned, dict[
     return owned, {"gather": 0.0, "convert": time.perf_counter() - t0}
 
 
-def export(mode: str, model: TrainerModel, layout: RankLayout, facts: LayoutFacts) -> tuple[Owned, dict[str, float]]:
+@dataclass
+class Export:
+    """One export on one rank: the tensors it owns, phase seconds, and the mode that actually ran."""
+
+    owned: Owned
+    phases: dict[str, float]
+    mode: str
+
+
+def export(mode: str, model: TrainerModel, layout: RankLayout, facts: LayoutFacts) -> Export:
     """Dispatch on `mode` ("raw" | "bridge").
 
     Raises:
         ValueError: unknown mode.
     """
     if mode == "raw":
-        return export_raw(model, layout, facts)
+        return Export(*export_raw(model, layout, facts), mode="raw")
     if mode == "bridge":
-        return export_bridge(model, layout)
+        return Export(*export_bridge(model, layout), mode="bridge")
     raise ValueError(f"unknown export mode {mode!r}; use one of {MODES}")

@@ -22,14 +22,17 @@ import torch
 import torch.distributed as dist
 
 from reference_impl.checksum import tensor_checksum
-from reference_impl.export.stream import export, layout_facts
+from reference_impl.export import stream
+from reference_impl.export.stream import layout_facts
 from reference_impl.models.registry import load_model
 from reference_impl.trainer.model import TrainerModel, build_model
 from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
 from reference_impl.trainer.params import iter_global_params
+from reference_impl.transport import sync
 from reference_impl.transport.client import UpdateClient
-from reference_impl.transport.noncolocate import SENDER, run_sync
-from reference_impl.transport.wire import TransferGroup, host_store, join_transfer_group
+from reference_impl.transport.noncolocate import BroadcastChannel
+from reference_impl.transport.sync import SENDER, Channel
+from reference_impl.transport.wire import host_store, join_transfer_group
 
 
 class TrainerWorker:
@@ -42,7 +45,7 @@ class TrainerWorker:
         self.model: TrainerModel | None = None
         self.layout: RankLayout | None = None
         self.client: UpdateClient | None = None
-        self.group: TransferGroup | None = None
+        self.channel: Channel | None = None
         self.scenario: dict[str, Any] = {}
 
     def pid(self) -> int:
@@ -61,15 +64,22 @@ class TrainerWorker:
         self.facts = layout_facts(self.spec, Path(checkpoint))
         return {"rank": self.rank, "build_s": time.perf_counter() - t0, "layout": asdict(self.layout)}
 
-    def connect_engine(self, base_url: str, timeout_s: float = 120.0) -> list[dict[str, Any]]:
-        """Sender only: create the transfer group with the engine through /init_weight_transfer_engine.
+    def connect_engine(self, base_url: str, colocate: bool = False, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+        """Sender only: set up the channel to the engine through /init_weight_transfer_engine.
 
-        Returns the HTTP calls made. The HTTP call blocks until the engine joined, so it runs in a
-        thread while this rank joins the group as rank 0.
+        Non-colocate: a gloo transfer group; the HTTP call blocks until the engine joined, so it runs in
+        a thread while this rank joins as rank 0. Colocate: a shared-memory segment (CUDA IPC on GPU)
+        passed by handle; the engine has nothing to join. Returns the HTTP calls made.
         """
         if self.rank != SENDER:
             return []
         self.client = UpdateClient(base_url)
+        if colocate:
+            from reference_impl.transport.colocate import CudaIpcChannel, SharedMemoryChannel
+
+            self.channel = CudaIpcChannel() if torch.cuda.is_available() else SharedMemoryChannel()
+            self.client.init_transfer({"backend": self.channel.backend})
+            return self._drain_calls()
         store = host_store(timeout_s=timeout_s)
         init_info = {
             "backend": "gloo",
@@ -84,15 +94,16 @@ class TrainerWorker:
             try:
                 assert self.client is not None
                 self.client.init_transfer(init_info)
-            except BaseException as e:
+            except BaseException as e:  # re-raised below in the caller's thread
                 errors.append(e)
 
         th = threading.Thread(target=call, daemon=True)
         th.start()
-        self.group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=timeout_s, store=store)
+        group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=timeout_s, store=store)
         th.join()
         if errors:
             raise errors[0]
+        self.channel = BroadcastChannel(group)
         return self._drain_calls()
 
     def _drain_calls(self) -> list[dict[str, Any]]:
@@ -105,9 +116,10 @@ class TrainerWorker:
         """Export (`mode`) and send one sync. Returns this rank's `SyncResult` as a dict plus its calls."""
         assert self.model is not None and self.layout is not None
         t0 = time.perf_counter()
-        owned, phases = export(mode, self.model, self.layout, self.facts)
+        ex = stream.export(mode, self.model, self.layout, self.facts)
+        owned, phases = ex.owned, ex.phases
         t_export = time.perf_counter() - t0
-        res, plan = run_sync(
+        res, plan = sync.run_sync(
             owned=owned,
             rank=self.rank,
             world_size=self.world_size,
@@ -115,13 +127,13 @@ class TrainerWorker:
             sync_index=index,
             weight_version=weight_version,
             client=self.client,
-            group=self.group,
+            channel=self.channel,
         )
         res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
         res.total_s += t_export
         out = asdict(res)
         out["chunks_planned"] = len(plan)
-        out["mode"] = mode
+        out["mode"] = ex.mode  # the mode that ran (a check compares it with the one requested)
         out["http"] = self._drain_calls()
         return out
 
@@ -141,8 +153,7 @@ class TrainerWorker:
     def export_checksums(self, mode: str) -> dict[str, str]:
         """Checksums of every HF tensor `mode` exports from the current state (complete on the sender)."""
         assert self.model is not None and self.layout is not None
-        owned, _ = export(mode, self.model, self.layout, self.facts)
-        mine = {n: tensor_checksum(t) for n, t in owned}
+        mine = {n: tensor_checksum(t) for n, t in stream.export(mode, self.model, self.layout, self.facts).owned}
         if self.world_size == 1:
             return mine
         everyone: list[dict[str, str] | None] = [None] * self.world_size
@@ -156,8 +167,10 @@ class TrainerWorker:
         """Drop the model, the engine client and the transfer group; keep the default group."""
         if self.client is not None:
             self.client.close()
+        if self.channel is not None:
+            self.channel.close()
         self.client = None
-        self.group = None
+        self.channel = None
         self.model = None
         destroy_model_parallel()
         gc.collect()
@@ -165,6 +178,11 @@ class TrainerWorker:
     def ping(self) -> str:
         """Liveness probe."""
         return "ok"
+
+    def run_in_process(self, fn: Any) -> None:
+        """Call `fn()` in this rank's process (the runner uses it to apply a scenario's fault injection;
+        the pool is discarded after that scenario)."""
+        fn()
 
     @staticmethod
     def format_exc() -> str:

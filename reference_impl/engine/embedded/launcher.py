@@ -25,8 +25,16 @@ class EngineStartError(RuntimeError):
 class EngineProcess:
     """One embedded engine server process."""
 
-    def __init__(self, checkpoint: str, seed: int, log_path: str | None = None, threads: int = 1) -> None:
-        self.checkpoint, self.seed, self.threads = checkpoint, seed, threads
+    def __init__(
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str | None = None,
+        threads: int = 1,
+        fault: str | None = None,
+    ) -> None:
+        """`fault`: an engine-side fault injection (`--fault NAME`), for the harness's mutation tests only."""
+        self.checkpoint, self.seed, self.threads, self.fault = checkpoint, seed, threads, fault
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(suffix=".engine.log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -56,7 +64,11 @@ class EngineProcess:
             str(port_file),
             "--threads",
             str(self.threads),
+            "--exit-with-parent",
+            str(os.getpid()),
         ]
+        if self.fault is not None:
+            cmd += ["--fault", self.fault]
         env = {**os.environ, "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": str(self.threads)}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s

@@ -1,21 +1,30 @@
 """The embedded rollout engine: vLLM's RLHF weight-update routes over a transformers model.
 
 Run: `python -m reference_impl.engine.embedded.server --checkpoint DIR --seed N --host 127.0.0.1
---port 0 --port-file FILE`. With port 0 it binds a free port and writes the port it serves on to
-FILE (atomically) once it accepts requests.
+--port 0 --port-file FILE [--fault NAME]`. With port 0 it binds a free port and writes the port it serves
+on to FILE (atomically) once it accepts requests. `--fault NAME` makes the engine commit one known bug
+on purpose (`receive.FAULTS`, for the harness's mutation tests); an unknown name exits at startup.
 
 Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; older releases
 `vllm/entrypoints/serve/dev/rlhf/api_router.py`), with plain-data answers the harness records:
 
 - POST /init_weight_transfer_engine `{"init_info": {"backend": "gloo", "master_address", "master_port",
   "rank_offset", "world_size"}}` -> joins the transfer group as rank `rank_offset` (blocks until the
-  trainer joins) -> `{"ok": true, "rank": r, "world_size": w}`.
+  trainer joins) -> `{"ok": true, "backend": "gloo", "rank": r, "world_size": w}`. Colocate:
+  `{"init_info": {"backend": "shm"}}` (CPU) or `{"init_info": {"backend": "cuda_ipc"}}` (GPU; a 400 where
+  the engine has no CUDA) -> nothing to join (vLLM's IPC init info is empty too) -> `{"ok": true,
+  "backend": b}`. A later init replaces the backend; a failed gloo join keeps the previous one.
 - POST /start_weight_update `{}` or `{"weight_version": v}` -> opens a session, zeroes the update
   counts -> `{"ok": true}`; 400 when one is open.
 - POST /update_weights `{"update_info": {"names", "dtype_names", "shapes", "packed": true, "src": 0,
   "chunk_index"}}` -> receives the chunk from the group FIRST (always, so the trainer's broadcast never
   hangs), then checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
-  "load_s", "loaded"}`.
+  "load_s", "loaded"}`. With backend shm / cuda_ipc, update_info also carries `"handle": {"kind": "shm",
+  "name", "nbytes"}` / `{"kind": "cuda_ipc", "ipc", "nbytes", "device_uuid"}`
+  (`reference_impl.transport.handles`) and the engine reads the chunk from it (no broadcast; views over
+  the shared buffer, copied by the load, dropped before the handle is closed). A missing, malformed or
+  unopenable handle is a 400 naming the chunk (kind "bytes"); so is a handle under backend gloo (nothing
+  is broadcast-received then: a sender that passes handles does not broadcast).
 - POST /finish_weight_update `{"weight_version": v}` -> `{"weight_version", "update_counts": {slot:
   n for every slot}, "load_s"}`. A slot is one checkpoint tensor, keyed by its vLLM target string
   (`vllm_name` or `vllm_name[shard]`, e.g. `model.layers.0.mlp.experts.routed_experts.w13_weight[3:w1]`); a full sync
@@ -39,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -53,16 +64,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from reference_impl.engine.embedded.loader import EngineLoader, LoadRejected
+from reference_impl.engine.embedded import receive
+from reference_impl.engine.embedded.loader import EngineLoader
 from reference_impl.transport import wire
 
 
 class InitInfo(BaseModel):
-    """`init_info` of /init_weight_transfer_engine (vLLM `NCCLWeightTransferInitInfo`, gloo backend)."""
+    """`init_info` of /init_weight_transfer_engine: vLLM `NCCLWeightTransferInitInfo` for backend gloo
+    (master_address and master_port required), empty like vLLM `IPCWeightTransferInitInfo` for the
+    colocate backends shm and cuda_ipc."""
 
-    backend: Literal["gloo"] = "gloo"
-    master_address: str
-    master_port: int
+    backend: Literal["gloo", "shm", "cuda_ipc"] = "gloo"
+    master_address: str | None = None
+    master_port: int | None = None
     rank_offset: int = 1
     world_size: int = 2
     timeout_s: float = 120.0
@@ -85,6 +99,7 @@ class UpdateInfo(BaseModel):
     packed: bool = True
     src: int = 0
     chunk_index: int | None = None
+    handle: dict[str, Any] | None = None  # backends shm / cuda_ipc: where the packed chunk lies
 
 
 class UpdateRequest(BaseModel):
@@ -107,10 +122,12 @@ def _http_error(
 
 
 class EngineState:
-    """Mutable state of one engine: transfer group, update session, version, paused flag."""
+    """Mutable state of one engine: transfer backend and group, update session, version, paused flag."""
 
-    def __init__(self, loader: EngineLoader) -> None:
+    def __init__(self, loader: EngineLoader, fault: str | None = None) -> None:
         self.loader = loader
+        self.applier = receive.ChunkApplier(loader, fault)
+        self.backend: str | None = None  # set by a successful /init_weight_transfer_engine
         self.group: wire.TransferGroup | None = None
         self.session_open = False
         self.weight_version = 0
@@ -119,10 +136,21 @@ class EngineState:
         self.lock = threading.Lock()  # one chunk received + loaded at a time, in arrival order
 
 
-def create_app(loader: EngineLoader) -> FastAPI:
-    """The FastAPI app over `loader`. Handlers are sync so FastAPI runs them in its threadpool."""
+def _request_error(route: str, field: str, msg: str) -> HTTPException:
+    """A 400 shaped like the request-validation ones (keyed by the field, kind "request")."""
+    return _http_error(400, f"bad request body for {route}: {field}: {msg}", {field: msg}, {field: "request"})
+
+
+def create_app(loader: EngineLoader, fault: str | None = None) -> FastAPI:
+    """The FastAPI app over `loader`. Handlers are sync so FastAPI runs them in its threadpool.
+
+    `fault`: a name of `receive.FAULTS` the engine commits on purpose (None: none).
+
+    Raises:
+        ValueError: an unknown fault name.
+    """
     app = FastAPI(title="wsh embedded engine")
-    st = EngineState(loader)
+    st = EngineState(loader, receive.check_fault(fault))
     app.state.engine = st
 
     @app.exception_handler(RequestValidationError)
@@ -179,6 +207,22 @@ def create_app(loader: EngineLoader) -> FastAPI:
     @app.post("/init_weight_transfer_engine")
     def init_weight_transfer_engine(req: InitRequest) -> dict[str, Any]:
         info = req.init_info
+        route = "/init_weight_transfer_engine"
+        if info.backend in receive.HANDLE_BACKENDS:
+            if info.backend == "cuda_ipc" and not torch.cuda.is_available():
+                raise _request_error(
+                    route,
+                    "body.init_info.backend",
+                    "backend 'cuda_ipc' needs CUDA in the engine process (torch.cuda.is_available() is False); "
+                    "use backend 'shm' on CPU",
+                )
+            with st.lock:
+                st.backend = info.backend
+            return {"ok": True, "backend": info.backend}
+        for field in ("master_address", "master_port"):
+            if getattr(info, field) is None:
+                raise _request_error(route, f"body.init_info.{field}", "Field required for backend 'gloo'")
+        assert info.master_address is not None and info.master_port is not None
         if not 0 < info.rank_offset < info.world_size:
             raise _http_error(
                 400,
@@ -193,7 +237,8 @@ def create_app(loader: EngineLoader) -> FastAPI:
                 world_size=info.world_size,
                 timeout_s=info.timeout_s,
             )
-        return {"ok": True, "rank": info.rank_offset, "world_size": info.world_size}
+            st.backend = receive.GLOO
+        return {"ok": True, "backend": receive.GLOO, "rank": info.rank_offset, "world_size": info.world_size}
 
     @app.post("/start_weight_update")
     def start_weight_update(req: StartRequest | None = None) -> dict[str, Any]:
@@ -206,6 +251,7 @@ def create_app(loader: EngineLoader) -> FastAPI:
             st.session_open = True
             st.session_load_s = 0.0
             st.loader.reset_counts()
+            st.applier.start_session()
             if req is not None and req.weight_version is not None:
                 st.weight_version = req.weight_version
         return {"ok": True}
@@ -215,10 +261,11 @@ def create_app(loader: EngineLoader) -> FastAPI:
         info = req.update_info
         chunk = f"chunk {info.chunk_index}" if info.chunk_index is not None else "this chunk"
         with st.lock:
-            if st.group is None:
+            if st.backend is None or (st.backend == receive.GLOO and st.group is None):
                 raise _http_error(
                     400,
-                    f"{chunk}: no transfer group; POST /init_weight_transfer_engine before /update_weights",
+                    f"{chunk}: no transfer group or handle backend; POST /init_weight_transfer_engine before "
+                    "/update_weights",
                     dict.fromkeys(info.names, "no transfer group"),
                     dict.fromkeys(info.names, "session"),
                 )
@@ -229,40 +276,13 @@ def create_app(loader: EngineLoader) -> FastAPI:
                     dict.fromkeys(info.names, "unpacked transfer"),
                     dict.fromkeys(info.names, "bytes"),
                 )
-            payload = st.group.broadcast_chunk(None, src=info.src)  # always receive first
-            received = int(payload.numel())
-            if not st.session_open:
-                raise _http_error(
-                    400,
-                    f"{chunk} ({received} bytes received and dropped): no update session is open; "
-                    "POST /start_weight_update first",
-                    dict.fromkeys(info.names, "no update session open"),
-                    dict.fromkeys(info.names, "session"),
-                )
-            t0 = time.perf_counter()
             try:
-                rejected, kinds = st.loader.validate(info.names, info.dtype_names, info.shapes)
-            except ValueError as e:
-                raise _http_error(400, f"{chunk}: {e}") from e
-            if rejected:
-                raise _http_error(400, str(LoadRejected(rejected, kinds)), rejected, kinds)
-            dtypes = [wire.dtype_from_name(d) for d in info.dtype_names]
-            try:
-                tensors = wire.unpack(payload, dtypes, info.shapes)
-            except ValueError as e:
-                reason = f"{chunk} holds {received} bytes, which does not match its declared dtypes/shapes"
-                raise _http_error(
-                    400,
-                    f"{e} ({chunk}: {', '.join(info.names[:3])}{' ...' if len(info.names) > 3 else ''}); "
-                    "make the packed bytes match dtype_names and shapes",
-                    dict.fromkeys(info.names, reason),
-                    dict.fromkeys(info.names, "bytes"),
-                ) from e
-            try:
-                st.loader.load(info.names, info.dtype_names, info.shapes, tensors)
-            except LoadRejected as e:
-                raise _http_error(400, str(e), e.rejected, e.kinds) from e
-            load_s = time.perf_counter() - t0
+                if st.backend == receive.GLOO:
+                    received, load_s = _receive_broadcast(info, chunk)
+                else:
+                    received, load_s = _receive_handle(info, chunk)
+            except receive.ChunkRejected as e:
+                raise _http_error(400, e.error, e.rejected, e.kinds) from None
             st.session_load_s += load_s
         return {
             "ok": True,
@@ -271,6 +291,45 @@ def create_app(loader: EngineLoader) -> FastAPI:
             "load_s": load_s,
             "loaded": len(info.names),
         }
+
+    def _require_session(info: UpdateInfo, chunk: str, what: str) -> None:
+        if not st.session_open:
+            raise receive.ChunkRejected(
+                f"{chunk} ({what}): no update session is open; POST /start_weight_update first",
+                dict.fromkeys(info.names, "no update session open"),
+                dict.fromkeys(info.names, "session"),
+            )
+
+    def _apply(info: UpdateInfo, chunk: str, payload: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        st.applier.apply(chunk, info.names, info.dtype_names, info.shapes, payload)
+        return time.perf_counter() - t0
+
+    def _receive_broadcast(info: UpdateInfo, chunk: str) -> tuple[int, float]:
+        if info.handle is not None:
+            raise receive.ChunkRejected(
+                f"{chunk}: update_info carries a {info.handle.get('kind', '?')!r} handle but the transfer backend "
+                "is gloo (nothing was received); init with the colocate backend or send by broadcast",
+                dict.fromkeys(info.names, "handle under backend gloo"),
+                dict.fromkeys(info.names, "bytes"),
+            )
+        assert st.group is not None
+        payload = st.group.broadcast_chunk(None, src=info.src)  # always receive first
+        received = int(payload.numel())
+        _require_session(info, chunk, f"{received} bytes received and dropped")
+        return received, _apply(info, chunk, payload)
+
+    def _receive_handle(info: UpdateInfo, chunk: str) -> tuple[int, float]:
+        assert st.backend is not None
+        nbytes = receive.check_handle(info.handle, st.backend, chunk, info.names)
+        _require_session(info, chunk, f"its {nbytes}-byte handle was not opened")
+        assert info.handle is not None
+        with contextlib.ExitStack() as stack:
+            payload = receive.open_handle(stack, info.handle, chunk, info.names)
+            try:
+                return int(payload.numel()), _apply(info, chunk, payload)
+            finally:
+                del payload  # every view of the shared buffer is gone before the handle closes
 
     @app.post("/finish_weight_update")
     def finish_weight_update(req: FinishRequest | None = None) -> dict[str, Any]:
@@ -333,6 +392,17 @@ async def _serve(app: FastAPI, host: str, port: int, port_file: Path | None) -> 
     await task
 
 
+def _exit_with_parent(pid: int, period_s: float = 1.0) -> None:
+    """Watch `pid` from a daemon thread; when it is gone (this process was re-parented), exit at once."""
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(period_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -342,10 +412,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0, help="0 binds a free port")
     ap.add_argument("--port-file", type=Path, default=None, help="written with the port once serving")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument(
+        "--fault",
+        default=None,
+        metavar="NAME",
+        help=f"commit a known bug on purpose (mutation tests only); one of: {', '.join(sorted(receive.FAULTS))}",
+    )
+    ap.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="exit when process PID (the launcher) is gone, so a killed launcher never leaves a server behind",
+    )
     args = ap.parse_args(argv)
+    if args.exit_with_parent is not None:
+        _exit_with_parent(args.exit_with_parent)
+    try:
+        fault = receive.check_fault(args.fault)
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: --fault: {e}\n")
+    if fault is not None:
+        print(f"wsh engine: FAULT ACTIVE: {fault}: {receive.FAULTS[fault]}", file=sys.stderr, flush=True)
     torch.set_num_threads(args.threads)
     loader = EngineLoader.from_checkpoint(args.checkpoint, args.seed)
-    asyncio.run(_serve(create_app(loader), args.host, args.port, args.port_file))
+    asyncio.run(_serve(create_app(loader, fault), args.host, args.port, args.port_file))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,206 @@
+"""How the embedded engine gets one chunk's bytes and loads them: transfer backends, handles, faults.
+
+Backends (`init_info.backend` of /init_weight_transfer_engine):
+
+- "gloo" (non-colocate): the engine joins the trainer's transfer group; each /update_weights receives
+  the packed chunk by broadcast (`wire.TransferGroup.broadcast_chunk`).
+- "shm" (colocate on CPU) and "cuda_ipc" (colocate on GPU): nothing to join; each /update_weights
+  carries `update_info["handle"]` (`reference_impl.transport.handles`) and the engine reads the packed
+  chunk from the producer's memory. Nothing is copied before the load: the unpacked tensors are views
+  over the shared buffer, the loader copies them into the parameters, and every view is dropped before
+  the handle is closed. The producer keeps the buffer until the 200 of /update_weights.
+
+Either way the same `apply_chunk` validates, unpacks and loads the chunk.
+
+Faults (server flag `--fault NAME`, for the harness's mutation tests; never active unless asked) make
+the engine commit one historical bug class on purpose; see `FAULTS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from reference_impl.engine.embedded.loader import EngineLoader, LoadRejected
+from reference_impl.transport import handles, wire
+
+GLOO = "gloo"
+BACKENDS: tuple[str, ...] = (GLOO, handles.SHM, handles.CUDA_IPC)
+HANDLE_BACKENDS: tuple[str, ...] = (handles.SHM, handles.CUDA_IPC)  # backend name == handle kind
+
+FINALIZE_PER_CHUNK = "finalize_per_chunk"
+OK_WITHOUT_TRANSFER = "ok_without_transfer"
+FAULTS: dict[str, str] = {
+    FINALIZE_PER_CHUNK: (
+        "after loading each chunk, every slot NOT in it is restored from a snapshot taken at "
+        "/start_weight_update (a per-chunk finalize that reloads everything else): after a multi-chunk "
+        "sync only the last chunk's tensors hold new values"
+    ),
+    OK_WITHOUT_TRANSFER: (
+        "/update_weights receives each chunk's bytes but loads nothing, still counts the chunk's slots "
+        "as updated and answers 200 (an HTTP 200 that moved nothing)"
+    ),
+}
+
+
+def check_fault(name: str | None) -> str | None:
+    """`name` when it is None or a known fault.
+
+    Raises:
+        ValueError: an unknown fault name (the message lists the known ones).
+    """
+    if name is not None and name not in FAULTS:
+        raise ValueError(f"unknown engine fault {name!r}; known faults: {', '.join(sorted(FAULTS))}")
+    return name
+
+
+class ChunkRejected(Exception):
+    """A chunk refused with a 400: `error` sentence, `rejected` {hf_name: reason}, `kinds` {hf_name: kind}."""
+
+    def __init__(self, error: str, rejected: dict[str, str] | None = None, kinds: dict[str, str] | None = None):
+        super().__init__(error)
+        self.error = error
+        self.rejected = dict(rejected or {})
+        self.kinds = dict(kinds or {})
+
+
+def _bytes_rejected(chunk: str, names: Sequence[str], reason: str, fix: str) -> ChunkRejected:
+    return ChunkRejected(
+        f"{chunk}: {reason}; {fix}",
+        dict.fromkeys(names, f"{chunk}: {reason}"),
+        dict.fromkeys(names, "bytes"),
+    )
+
+
+def check_handle(handle: Any, backend: str, chunk: str, names: Sequence[str]) -> int:
+    """The handle's `nbytes` after checking its fields against the engine's handle backend.
+
+    Raises:
+        ChunkRejected: kind "bytes" for every name: no handle, or a malformed one.
+    """
+    fix = f'send update_info.handle {{"kind": "{backend}", ...}} (reference_impl.transport.handles)'
+    if handle is None:
+        raise _bytes_rejected(chunk, names, f"no handle in update_info, but the transfer backend is {backend}", fix)
+    if not isinstance(handle, dict):
+        raise _bytes_rejected(chunk, names, f"update_info.handle is a {type(handle).__name__}, not an object", fix)
+    if handle.get("kind") != backend:
+        raise _bytes_rejected(
+            chunk, names, f"handle kind {handle.get('kind')!r} does not match the transfer backend {backend}", fix
+        )
+    nbytes = handle.get("nbytes")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise _bytes_rejected(chunk, names, f"handle nbytes {nbytes!r} is not an integer >= 0", fix)
+    field = "name" if backend == handles.SHM else "ipc"
+    if not isinstance(handle.get(field), str) or not handle[field]:
+        raise _bytes_rejected(chunk, names, f"handle has no {field!r} string", fix)
+    return nbytes
+
+
+@contextlib.contextmanager
+def _open_cuda_ipc(handle: dict[str, Any]) -> Iterator[torch.Tensor]:
+    buf = handles.open_cuda_ipc_handle(handle)
+    try:
+        yield buf
+    finally:
+        del buf
+
+
+def open_handle(stack: contextlib.ExitStack, handle: dict[str, Any], chunk: str, names: Sequence[str]) -> torch.Tensor:
+    """Open a checked handle inside `stack` (closed when it exits); the chunk's uint8 bytes, no copy.
+
+    The caller must drop the returned tensor (and every view of it) before `stack` exits.
+
+    Raises:
+        ChunkRejected: kind "bytes": the handle cannot be opened (no such segment, too small, bad ipc).
+    """
+    kind = handle["kind"]
+    try:
+        if kind == handles.SHM:
+            return stack.enter_context(handles.open_shm_handle(handle))
+        return stack.enter_context(_open_cuda_ipc(handle))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise _bytes_rejected(
+            chunk,
+            names,
+            f"its {kind} handle cannot be opened ({type(e).__name__}: {e})",
+            "keep the buffer alive and unmodified until the engine answered this /update_weights",
+        ) from None
+
+
+class ChunkApplier:
+    """Validates, unpacks and loads chunks into `loader`, committing `fault` when one is set."""
+
+    def __init__(self, loader: EngineLoader, fault: str | None = None) -> None:
+        self.loader = loader
+        self.fault = check_fault(fault)
+        self._snapshot: dict[str, torch.Tensor] | None = None
+
+    def start_session(self) -> None:
+        """At /start_weight_update (after the counts were reset)."""
+        if self.fault == FINALIZE_PER_CHUNK:
+            with torch.no_grad():
+                self._snapshot = {n: self.loader.view(s).detach().clone() for n, s in self.loader.slots.items()}
+
+    def apply(
+        self,
+        chunk: str,
+        names: Sequence[str],
+        dtype_names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        payload: torch.Tensor,
+    ) -> None:
+        """Validate the chunk's metadata, unpack `payload` (views over it) and load it (copies).
+
+        When it returns, no tensor made from `payload` is left; when it raises, such tensors sit only in
+        the finished frames of the exception's traceback (`handles.open_shm_handle` clears those).
+
+        Raises:
+            ChunkRejected: metadata the loader refuses (name/shape/dtype), or bytes that do not match
+                the declared dtypes/shapes ("bytes"); nothing of the chunk was loaded.
+        """
+        try:
+            rejected, kinds = self.loader.validate(names, dtype_names, shapes)
+        except ValueError as e:
+            raise ChunkRejected(f"{chunk}: {e}") from None
+        if rejected:
+            raise ChunkRejected(str(LoadRejected(rejected, kinds)), rejected, kinds)
+        dtypes = [wire.dtype_from_name(d) for d in dtype_names]
+        received = int(payload.numel())
+        try:
+            tensors = wire.unpack(payload, dtypes, shapes)
+        except ValueError as e:
+            reason = f"{chunk} holds {received} bytes, which does not match its declared dtypes/shapes"
+            raise ChunkRejected(
+                f"{e} ({chunk}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}); "
+                "make the packed bytes match dtype_names and shapes",
+                dict.fromkeys(names, reason),
+                dict.fromkeys(names, "bytes"),
+            ) from None
+        try:
+            self._load(names, dtype_names, shapes, tensors)
+        except LoadRejected as e:
+            raise ChunkRejected(str(e), e.rejected, e.kinds) from None
+        finally:
+            del tensors
+
+    def _load(
+        self,
+        names: Sequence[str],
+        dtype_names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        tensors: list[torch.Tensor],
+    ) -> None:
+        if self.fault == OK_WITHOUT_TRANSFER:  # the bug: count the slots, load nothing
+            for name in names:
+                self.loader.counts[self.loader.slots[name].target.slot] += 1
+            return
+        self.loader.load(names, dtype_names, shapes, tensors)
+        if self.fault == FINALIZE_PER_CHUNK and self._snapshot is not None:  # the bug: reload everything else
+            loaded = set(names)
+            with torch.no_grad():
+                for name, slot in self.loader.slots.items():
+                    if name not in loaded:
+                        self.loader.view(slot).copy_(self._snapshot[name])

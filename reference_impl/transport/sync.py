@@ -1,0 +1,188 @@
+"""One sync's chunk loop, the same for both placements; a channel says how a chunk's bytes travel.
+
+On every trainer rank, after its export produced the tensors it owns:
+1. all ranks exchange their tensor metadata (one `all_gather_object`) and compute the same chunk plan;
+2. the sender (global rank 0) opens one session (`/start_weight_update`);
+3. per chunk: owners other than the sender hand their tensors to it point to point (each rank sends
+   only what it owns in that chunk, in plan order; a rank that owns nothing in a chunk sends nothing:
+   there is no per-chunk collective among trainer ranks, so stages with different chunk counts cannot
+   deadlock); the sender hands the chunk to the channel, which packs it, makes the engine take it
+   (`/update_weights`) and returns the engine's answer;
+4. the sender closes the session (`/finish_weight_update`).
+A rejected chunk is recorded and the loop goes on (every rank keeps the same schedule).
+
+Channels: `noncolocate.BroadcastChannel` (packed bytes broadcast over the transfer group while the
+HTTP call is in flight), `colocate.SharedMemoryChannel` / `colocate.CudaIpcChannel` (packed bytes in a
+buffer the engine maps by handle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from reference_impl.checksum import tensor_checksum
+from reference_impl.transport.client import EngineRejected, UpdateClient
+from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
+from reference_impl.transport.wire import dtype_from_name, dtype_name
+
+SENDER = 0
+
+
+class Channel(Protocol):
+    """How one chunk's bytes reach the engine (see module doc)."""
+
+    backend: str  # init_info backend: "gloo" | "shm" | "cuda_ipc"
+
+    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: dict[str, Any], sync: int) -> Any:
+        """Pack `tensors`, make the engine take them with POST /update_weights `info`, return its answer.
+
+        Raises:
+            EngineRejected: the engine answered non-200 (the chunk's bytes were still consumed).
+        """
+        ...
+
+    def close(self) -> None:
+        """Release buffers / groups."""
+        ...
+
+
+@dataclass
+class SyncResult:
+    """What one rank observed in one sync (the runner merges ranks into a `SyncRecord`)."""
+
+    rank: int
+    phases: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+    chunks: list[dict[str, Any]] = field(default_factory=list)  # sender only
+    names_sent: list[str] = field(default_factory=list)
+    names_accepted: list[str] = field(default_factory=list)
+    names_rejected: dict[str, str] = field(default_factory=dict)
+    sent_checksums: dict[str, str] = field(default_factory=dict)
+    engine_update_counts: dict[str, int] = field(default_factory=dict)
+    finished: bool = False
+    bytes: int = 0
+
+
+def gather_metadata(owned: list[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[TensorMeta]:
+    """Every rank's owned tensors as `TensorMeta`, ordered by owner rank then export order."""
+    mine = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank) for n, t in owned]
+    if world_size == 1:
+        return mine
+    everyone: list[list[TensorMeta] | None] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return [m for per_rank in everyone for m in (per_rank or [])]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def send_owned(plan: list[Chunk], owned: dict[str, torch.Tensor], rank: int) -> None:
+    """Non-sender ranks: hand this rank's tensors of each chunk to the sender, in plan order."""
+    for chunk in plan:
+        for meta in chunk.tensors:
+            if meta.owner == rank:
+                dist.send(_as_bytes(owned[meta.name]), dst=SENDER)
+
+
+def collect_chunk(chunk: Chunk, owned: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Sender: the chunk's tensors, local ones as they are, others received from their owners."""
+    out = []
+    for meta in chunk.tensors:
+        if meta.owner == SENDER:
+            out.append(owned[meta.name])
+        else:
+            buf = torch.empty(meta.nbytes, dtype=torch.uint8)
+            dist.recv(buf, src=meta.owner)
+            out.append(buf.view(dtype_from_name(meta.dtype)).reshape(meta.shape))
+    return out
+
+
+def should_send(chunk: Chunk, plan: list[Chunk]) -> bool:
+    """Whether the sender sends `chunk` (always; a fault injection may replace this)."""
+    return True
+
+
+def update_info(chunk: Chunk) -> dict[str, Any]:
+    """The `update_info` body of one chunk (vLLM's names / dtype_names / shapes / packed)."""
+    return {
+        "names": [m.name for m in chunk.tensors],
+        "dtype_names": [m.dtype for m in chunk.tensors],
+        "shapes": [list(m.shape) for m in chunk.tensors],
+        "packed": True,
+        "src": SENDER,
+        "chunk_index": chunk.index,
+    }
+
+
+def run_sync(
+    *,
+    owned: list[tuple[str, torch.Tensor]],
+    rank: int,
+    world_size: int,
+    bucket_bytes: int,
+    sync_index: int,
+    weight_version: int,
+    client: UpdateClient | None,
+    channel: Channel | None,
+) -> tuple[SyncResult, list[Chunk]]:
+    """One sync's transfer on this rank (see module doc). The sender passes `client` and `channel`.
+
+    Returns this rank's observations and the chunk plan. Seconds in `phases`: `gather` here is the
+    sender's wait for other ranks' tensors; `transfer` is the chunk loop's wall time less that wait,
+    less checksum time and less the engine's reported load time (`load`).
+    """
+    res = SyncResult(rank=rank)
+    metas = gather_metadata(owned, rank, world_size)
+    plan = plan_chunks(metas, bucket_bytes)
+    by_name = dict(owned)
+    if rank != SENDER:
+        send_owned(plan, by_name, rank)
+        return res, plan
+    assert client is not None and channel is not None, "the sender needs the engine client and a channel"
+    t_recv = t_sum = t_load = 0.0
+    t_loop0 = time.perf_counter()
+    # A rejected start is recorded in client.calls; the chunk schedule still runs so every rank stays in step.
+    with contextlib.suppress(EngineRejected):
+        client.start(sync_index, weight_version)
+    for chunk in plan:
+        t0 = time.perf_counter()
+        tensors = collect_chunk(chunk, by_name)
+        t1 = time.perf_counter()
+        info = update_info(chunk)
+        entry: dict[str, Any] = {"index": chunk.index, "names": info["names"], "bytes": chunk.nbytes, "sent": True}
+        if not should_send(chunk, plan):
+            res.chunks.append({**entry, "sent": False, "received": False})
+            continue
+        try:
+            answer = channel.send(client, tensors, info, sync_index)
+            entry["received"] = True
+            t_load += float(answer.get("load_s", 0.0))
+            res.names_accepted.extend(info["names"])
+        except EngineRejected as e:
+            entry["received"] = False
+            res.names_rejected.update(e.rejected_names() or {n: f"chunk rejected: {e}" for n in info["names"]})
+        res.chunks.append(entry)
+        res.names_sent.extend(info["names"])
+        res.bytes += chunk.nbytes
+        t2 = time.perf_counter()
+        for m, t in zip(chunk.tensors, tensors, strict=True):
+            res.sent_checksums[m.name] = tensor_checksum(t)
+        t_sum += time.perf_counter() - t2
+        t_recv += t1 - t0
+    try:
+        answer = client.finish(sync_index, weight_version)
+        res.finished = True
+        res.engine_update_counts = {k: int(v) for k, v in answer.get("update_counts", {}).items()}
+    except EngineRejected:
+        pass  # recorded in client.calls
+    loop = time.perf_counter() - t_loop0 - t_sum
+    res.phases = {"gather": t_recv, "transfer": max(loop - t_recv - t_load, 0.0), "load": t_load}
+    res.total_s = loop
+    return res, plan
