@@ -200,6 +200,13 @@ def _verdict_cell(row: Mapping[str, Any]) -> str:
     return f"{verdict} (expected)" if verdict == expected else f"{verdict} (expected {expected})"
 
 
+def _mode_cell(row: Mapping[str, Any]) -> str:
+    """The export mode, plus what tells apart rows that share it (`bucket-1`, `fault-...`)."""
+    scenario = str(row.get("scenario") or "")
+    parts = scenario.split("/")
+    return f"{row['mode']} · {parts[4]}" if len(parts) > 4 else str(row["mode"])
+
+
 def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
     """The pasteable table's rows, in `MARKDOWN_HEADER` order."""
     rows = []
@@ -211,7 +218,7 @@ def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
                 row["ep"],
                 row["pp"],
                 "yes" if row["colocate"] else "no",
-                row["mode"],
+                _mode_cell(row),
                 _fmt_float(row["first_s"], 3),
                 _fmt_float(row["steady_s"], 3),
                 _fmt_float(row["steady_gbps"], 2),

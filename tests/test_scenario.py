@@ -16,9 +16,14 @@ def test_cpu_matrix_holds_the_promised_rows() -> None:
         for tp in (1, 2):
             for pp in (1, 2):
                 for mode in ("raw", "bridge"):
-                    assert f"{model}/tp{tp}-pp{pp}/noncolocate/{mode}" in ids
+                    for placement in ("noncolocate", "colocate"):
+                        assert f"{model}/tp{tp}-pp{pp}/{placement}/{mode}" in ids
     full = select(scenarios, "tag:full-size")
-    assert {s.id for s in full} == {"qwen3-0.6b/tp2-pp1/noncolocate/raw", "qwen3-0.6b/tp2-pp1/noncolocate/bridge"}
+    assert {s.id for s in full} == {
+        f"qwen3-0.6b/tp2-pp1/{placement}/{mode}"
+        for placement in ("noncolocate", "colocate")
+        for mode in ("raw", "bridge")
+    }
     assert all(validate(s) is None for s in scenarios)
 
 
@@ -55,12 +60,12 @@ def test_impossible_scenarios_say_what_to_change(fields: dict, says: str) -> Non
 
 def test_filters() -> None:
     scenarios = load_matrix("cpu")
-    assert {s.id for s in select(scenarios, "model=qwen3 tp=2 pp=2")} == {
+    assert {s.id for s in select(scenarios, "model=qwen3 tp=2 pp=2 colocate=false")} == {
         "qwen3/tp2-pp2/noncolocate/raw",
         "qwen3/tp2-pp2/noncolocate/bridge",
     }
     assert all(s.mode == "bridge" for s in select(scenarios, "mode=bridge"))
-    assert len(select(scenarios, "qwen3-vl/.*/raw")) == 4
+    assert len(select(scenarios, "qwen3-vl/.*/raw")) == 8
 
 
 @pytest.mark.parametrize("name", available_models())

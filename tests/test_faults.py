@@ -1,0 +1,96 @@
+"""Every registered fault, injected into a real scenario, produces the verdict it exists for; the
+watchdog turns a hang into DEADLOCK with a stack file per process; no process outlives a run, also an
+interrupted one."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.faults import FAULTS, fault_scenarios
+from harness.scenario import Scenario
+
+pytestmark = pytest.mark.e2e
+
+SCENARIOS = {e["fault"]: Scenario(**e) for e in fault_scenarios()}
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
+    sc = SCENARIOS[name]
+    t0 = time.monotonic()
+    rec = runner.run_scenario(sc)
+    elapsed = time.monotonic() - t0
+    assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
+    assert any(n.startswith(f"fault injected: {name}") for n in rec.notes) or FAULTS[name].side == "engine"
+    if FAULTS[name].expect == "DEADLOCK":
+        # Ended within its deadline (+ setup) + 30 s, with one stack file per rank and the engine.
+        assert elapsed < sc.deadline_s + 30 + 60
+        labels = sorted(Path(p).stem for p in rec.stacks)
+        assert labels == ["engine"] + [f"rank{r}" for r in range(sc.world_size)]
+        pids = []
+        for p in rec.stacks:
+            text = Path(p).read_text()
+            assert "Thread" in text, text[:500]  # py-spy read the process
+            pids.append(int(re.search(r"pid (\d+)", text).group(1)))
+        time.sleep(2)
+        assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def _our_processes(marker: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("WSH_RUN_MARKER") == marker and proc.pid != os.getpid():
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_interrupted_run_leaves_no_process(tmp_path: Path) -> None:
+    marker = f"interrupt-{os.getpid()}"
+    env = {**os.environ, "WSH_RUN_MARKER": marker}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "run",
+            "--matrix",
+            "cpu",
+            "--filter",
+            "qwen3/tp2-pp2/noncolocate/raw",
+            "--results-dir",
+            str(tmp_path),
+            "--run-id",
+            "interrupted",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    # Wait until the engine server of the scenario is up (its log exists), i.e. every kind of process runs.
+    logs = tmp_path / "interrupted" / "logs"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (logs.exists() and any(logs.iterdir())):
+        time.sleep(0.5)
+    assert logs.exists(), proc.communicate(timeout=60)[0][-3000:]
+    time.sleep(3)
+    assert len(_our_processes(marker)) > 2  # driver, Ray, trainer ranks, engine
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _our_processes(marker):
+        time.sleep(1)
+    left = [(p, " ".join(psutil.Process(p).cmdline())[:120]) for p in _our_processes(marker) if psutil.pid_exists(p)]
+    assert left == []
