@@ -45,11 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _write_outputs(records: list[RunRecord], out: Path, run_id: str, env: dict) -> None:
+def _write_outputs(records: list[RunRecord], out: Path, run_id: str, env: dict, order: list[str]) -> None:
     from harness.plots import plot_steady_update_time
     from harness.results import summarize, write_summary
 
-    df = summarize(records)
+    rank = {sid: i for i, sid in enumerate(order)}
+    df = summarize(sorted(records, key=lambda r: rank.get(r.scenario_id, len(rank))))  # matrix order
     write_summary(df, out, run_id=run_id, env=env)
     plot_steady_update_time(df, out / "plots" / "steady_update_time.png")
 
@@ -76,7 +77,7 @@ def run_scenarios(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from harness.results import write_env
-    from harness.runner import Runner, ensure_ray, shutdown_ray
+    from harness.runner import Runner, ensure_ray, order_for_reuse, shutdown_ray
 
     console = Console(stderr=True)
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
@@ -109,7 +110,7 @@ def run_scenarios(
                         updated = {r.scenario_id: r for r in runner.finish_group(members)}
                         records[:] = [updated.get(r.scenario_id, r) for r in records]
                         rec = updated[rec.scenario_id]
-                _write_outputs(records, out, run_id, env)
+                _write_outputs(records, out, run_id, env, [sc.id for sc in scenarios])
                 if after_each is not None:
                     after_each(records, out)
                 expect = rec.scenario.get("expect", "PASS")
@@ -118,7 +119,7 @@ def run_scenarios(
                 progress.advance(task)
 
             runner = Runner(out_dir=out, run_id=run_id, on_record=on_record)
-            for sc in scenarios:
+            for sc in order_for_reuse(scenarios):
                 progress.update(task, description=sc.id)
                 runner.run_scenario(sc)
     finally:

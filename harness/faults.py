@@ -158,6 +158,58 @@ def _ipc_buffer_reused_early() -> None:
     colocate.SharedMemoryChannel.send = send
 
 
+def _fused_drops_visual_kwargs() -> None:
+    """The language model's forward no longer accepts `visual_pos_masks` / `deepstack_visual_embeds`
+    (a refactor of the fused forward dropped the vision path's extra arguments)."""
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as m
+
+    orig = m.Qwen3VLTextModel.forward
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,  # type: ignore[no-untyped-def]
+        inputs_embeds=None,
+        use_cache=None,
+        cache_position=None,
+    ):
+        return orig(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            cache_position=cache_position,
+        )
+
+    m.Qwen3VLTextModel.forward = forward
+
+
+def _temperature_not_passed() -> None:
+    """The trainer's fused log-prob path never receives the sampling temperature (it computes at T = 1)."""
+    from reference_impl.forward import logprobs
+
+    orig = logprobs.fused_logprobs
+    logprobs.fused_logprobs = lambda hidden, weight, targets, temperature=1.0, **kw: orig(hidden, weight, targets, **kw)
+
+
+def _position_ids_wrong_shape() -> None:
+    """The caller passes text-style [batch, seq] position ids to the mRoPE model."""
+    from reference_impl.forward import reference
+
+    orig = reference.vl_hidden_states
+
+    def vl_hidden_states(model, input_ids, pixel_values, image_grid_thw, position_ids=None):  # type: ignore[no-untyped-def]
+        flat = torch.arange(input_ids.shape[1])[None].expand_as(input_ids)
+        return orig(model, input_ids, pixel_values, image_grid_thw, flat)
+
+    reference.vl_hidden_states = vl_hidden_states
+
+
 _SMALL = {"syncs": 2, "bucket_bytes": 65536}
 
 FAULTS: dict[str, Fault] = {
@@ -248,6 +300,30 @@ FAULTS: dict[str, Fault] = {
             "trainer",
             {"model": "qwen3", "colocate": True, **_SMALL},
             _ipc_buffer_reused_early,
+        ),
+        Fault(
+            "fused_drops_visual_kwargs",
+            "the fused log-prob forward no longer passes visual_pos_masks to the language model",
+            "CRASH",
+            "trainer",
+            {"model": "qwen3-vl", **_SMALL},
+            _fused_drops_visual_kwargs,
+        ),
+        Fault(
+            "temperature_not_passed",
+            "the sampling temperature never reaches the trainer's fused log-prob path",
+            "PARITY_FAIL",
+            "trainer",
+            {"model": "qwen3-vl", **_SMALL},
+            _temperature_not_passed,
+        ),
+        Fault(
+            "position_ids_wrong_shape",
+            "[batch, seq] position ids handed to an mRoPE model (needs (3 or 4, batch, seq))",
+            "CRASH",
+            "trainer",
+            {"model": "qwen3-vl", **_SMALL},
+            _position_ids_wrong_shape,
         ),
     ]
 }

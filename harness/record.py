@@ -84,6 +84,11 @@ class SyncRecord(BaseModel):
     engine_checksums: dict[str, str] = Field(default_factory=dict)  # HF name -> engine after finish
     engine_update_counts: dict[str, int] = Field(default_factory=dict)  # engine slot -> updates
     finished: bool = False  # /finish_weight_update answered 200
+    perturbed: bool = True  # the trainer's weights changed since the previous sync (False: a re-sync)
+    # Log-prob parity after this sync (`harness.checks.logprob_parity`): forward, temperature, tokens,
+    # max_abs, mean_abs, mean_exp_abs (NeMo-RL's mean exp|diff|), first_diff.
+    logprobs: dict[str, Any] = Field(default_factory=dict)
+    engine_logprobs: list[list[float]] = Field(default_factory=list)  # per fixed prompt, after this sync
 
 
 class RunRecord(BaseModel):
@@ -111,6 +116,7 @@ class RunRecord(BaseModel):
     # when the whole group has run: the other members compared, and every difference found.
     group_members: list[str] = Field(default_factory=list)
     group_differences: list[str] = Field(default_factory=list)
+    logprob_budget: dict[str, float] = Field(default_factory=dict)  # max_abs / mean_exp_abs allowed
     verdict: str = ""
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)

@@ -47,6 +47,8 @@ COLUMNS: tuple[str, ...] = (
     "steady_s",
     "steady_gbps",
     *PHASE_COLUMNS,
+    "logprob_max_abs",
+    "logprob_mean_exp_abs",
     "http_200",
     "verdict",
     "expected",
@@ -66,6 +68,8 @@ MARKDOWN_HEADER: tuple[str, ...] = (
     "GB/s",
     "200s per route",
     "chunks",
+    "logprob max abs diff",
+    "logprob mean exp diff",
     "verdict",
 )
 
@@ -145,6 +149,9 @@ def record_row(record: RunRecord) -> dict[str, Any]:
     }
     for phase, column in zip(PHASES, PHASE_COLUMNS, strict=True):
         row[column] = _median([s.phases[phase] for s in steady if phase in s.phases])
+    measured = [s.logprobs for s in record.syncs if s.logprobs]
+    row["logprob_max_abs"] = max((m["max_abs"] for m in measured), default=_NAN)
+    row["logprob_mean_exp_abs"] = max((m["mean_exp_abs"] for m in measured), default=_NAN)
     expected = expected_verdict(record)
     row.update(
         http_200=http_200_summary(record),
@@ -173,6 +180,13 @@ def _fmt_float(value: Any, digits: int) -> str:
     except (TypeError, ValueError):
         return "—"
     return "—" if math.isnan(number) else f"{number:.{digits}f}"
+
+
+def _fmt_sci(value: Any) -> str:
+    """A small non-negative number compactly (0, 3.1e-06, 0.258); NaN as a dash."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return "0" if value == 0 else f"{value:.2g}"
 
 
 def _cell(value: Any) -> str:
@@ -224,6 +238,8 @@ def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
                 _fmt_float(row["steady_gbps"], 2),
                 row["http_200"] or "—",
                 row["chunks"],
+                _fmt_sci(row["logprob_max_abs"]),
+                _fmt_float(row["logprob_mean_exp_abs"], 6),
                 _verdict_cell(row),
             ]
         )
@@ -368,7 +384,7 @@ def write_fault_table(records: Sequence[RunRecord], out_dir: Path | str) -> dict
             r["expected"],
             r["got"],
             "yes" if r["caught"] else "**NO**",
-            _cell(r["message"])[:160],
+            str(r["message"] or "")[:160],
         ]
         for r in df.to_dict(orient="records")
     ]

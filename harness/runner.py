@@ -10,6 +10,7 @@ gets fresh ones. Every record is written as soon as its scenario ends.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import subprocess
@@ -25,11 +26,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from harness.checks import group_differences, judged
+from harness.checks import LOGPROB_BUDGETS, group_differences, judged, logprob_parity
 from harness.faults import FAULTS
 from harness.record import ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
 from harness.scenario import Scenario, validate
 from reference_impl.checksum import tensor_checksum
+from reference_impl.forward.reference import fixed_prompts
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import UpdateClient
@@ -53,6 +55,14 @@ def ensure_ray(address: str | None = None) -> None:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         ray.init(num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False)
+
+
+def order_for_reuse(scenarios: list[Scenario]) -> list[Scenario]:
+    """Scenarios grouped by trainer world size (stable within a group), so each pool is made once."""
+    first_seen: dict[int, int] = {}
+    for i, sc in enumerate(scenarios):
+        first_seen.setdefault(sc.world_size, i)
+    return sorted(scenarios, key=lambda sc: first_seen[sc.world_size])
 
 
 def shutdown_ray() -> None:
@@ -172,8 +182,12 @@ class Runner:
     pools: dict[int, TrainerPool] = field(default_factory=dict)
 
     def pool(self, world_size: int) -> TrainerPool:
-        """The reusable pool for `world_size` (created on first use)."""
+        """The reusable pool for `world_size`. Only one pool lives at a time: idle rank processes still
+        cost CPU on a small host, so a pool of another size is ended first (run scenarios grouped by
+        world size, as `order_for_reuse` does)."""
         if world_size not in self.pools:
+            for other in list(self.pools):
+                self.drop_pool(other)
             self.pools[world_size] = TrainerPool.create(world_size)
         return self.pools[world_size]
 
@@ -250,14 +264,21 @@ class Runner:
             connect = [a.connect_engine.remote(url, sc.colocate) for a in pool.actors]
             for calls in self._get(connect, deadline, record, "connect engine"):
                 record.http.extend(HttpCall(**c) for c in calls)
-            for i in range(sc.syncs):
-                if i > 0:
+            record.logprob_budget = dict(LOGPROB_BUDGETS[sc.dtype]) if sc.logprobs else {}
+            prompts = fixed_prompts(json.loads((ckpt / "config.json").read_text())) if sc.logprobs else []
+            # syncs #0..N-1, then one more that re-sends unchanged weights (its log-probs must not move).
+            for i in range(sc.syncs + 1):
+                resync = i == sc.syncs
+                if 0 < i < sc.syncs:
                     self._get([a.perturb.remote(i, sc.seed) for a in pool.actors], deadline, record, f"perturb {i}")
                 refs = [a.sync.remote(i, i, sc.mode, sc.bucket_bytes) for a in pool.actors]
                 per_rank = self._get(refs, deadline, record, f"sync {i}")
                 sync = self._merge_sync(i, per_rank, record)
+                sync.perturbed = not resync
                 sync.engine_checksums = checker.checksums()
                 record.syncs.append(sync)
+                if prompts:
+                    self._measure_logprobs(sync, pool, checker, prompts, sc.logprob_temperature, deadline, record)
             for mode in ("raw", "bridge"):
                 sums = self._get(
                     [a.export_checksums.remote(mode) for a in pool.actors], deadline, record, f"export {mode}"
@@ -279,6 +300,31 @@ class Runner:
             if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
                 self.drop_pool(sc.world_size)
         return self._finish(record)
+
+    def _measure_logprobs(
+        self,
+        sync: SyncRecord,
+        pool: TrainerPool,
+        checker: UpdateClient,
+        prompts: list[Any],
+        temperature: float,
+        deadline: float,
+        record: RunRecord,
+    ) -> None:
+        """Trainer log-probs (sender's reference forward over what it sent) vs the engine's, on the fixed
+        prompts; the comparison goes into `sync.logprobs`."""
+        trainer = self._get(
+            [pool.actors[0].trainer_logprobs.remote(temperature)],
+            deadline,
+            record,
+            f"trainer log-probs after sync {sync.index}",
+        )[0]
+        engine = [checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index) for p in prompts]
+        sync.engine_logprobs = engine
+        sync.logprobs = logprob_parity(trainer["prompts"], engine) | {
+            "forward": trainer["forward"],
+            "temperature": temperature,
+        }
 
     @staticmethod
     def _merge_sync(index: int, per_rank: list[dict[str, Any]], record: RunRecord) -> SyncRecord:

@@ -53,6 +53,8 @@ class Scenario(BaseModel):
     suffix: str = ""  # distinguishes scenarios that share model/layout/placement/mode; {field} placeholders
     group: str = ""  # scenarios with the same group_key must leave bit-identical engine weights
     deadline_s: float | None = None  # per-sync deadline; None = from bytes and a margin
+    logprobs: bool = True  # compare engine and trainer log-probs on fixed prompts after every sync
+    logprob_temperature: float = Field(default=0.7, gt=0)
     description: str = ""
 
     @property

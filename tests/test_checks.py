@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from harness.checks import (
     CHECKS,
+    LOGPROB_BUDGETS,
     PRIORITY,
     CheckResult,
     check_chunks,
@@ -21,6 +23,7 @@ from harness.checks import (
     group_differences,
     judge,
     judged,
+    logprob_parity,
 )
 from harness.record import VERDICTS, ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
 
@@ -64,8 +67,17 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
                 engine_checksums=dict(sums),
                 engine_update_counts={name: 1 for name in NAMES},
                 finished=True,
+                logprobs=logprob_parity([[-1.0, -2.0]], [[-1.0 + 2e-6, -2.0]]) | {"temperature": 0.7},
+                engine_logprobs=[[-1.0 + 2e-6, -2.0 - 0.01 * s]],
             )
         )
+    # A final re-sync of unchanged weights: same checksums, same engine log-probs.
+    resync = sync_records[-1].model_copy(deep=True, update={"index": syncs, "weight_version": syncs + 1})
+    resync.perturbed = False
+    sync_records.append(resync)
+    http.append(HttpCall(route="/start_weight_update", status=200, ms=1.0, sync=syncs))
+    http += [HttpCall(route="/update_weights", status=200, ms=5.0, sync=syncs, chunk=c) for c in (0, 1)]
+    http.append(HttpCall(route="/finish_weight_update", status=200, ms=1.0, sync=syncs))
     last = sync_records[-1].sent_checksums
     return RunRecord(
         scenario_id="qwen3/tp1-pp1/noncolocate/bridge",
@@ -93,6 +105,7 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
         checkpoint_checksums=dict(checkpoint),
         engine_slots=list(NAMES),
         cross_mode_checksums={"raw": dict(last), "bridge": dict(last)},
+        logprob_budget=dict(LOGPROB_BUDGETS["float32"]),
     )
 
 
@@ -197,12 +210,12 @@ def test_config_error(record: RunRecord) -> None:
 def test_deadlock(record: RunRecord) -> None:
     record.deadlock = True
     record.stacks = ["stacks/rank1.txt"]
-    s = record.syncs[1]
+    s = record.syncs[-1]
     s.chunks_sent, s.chunks_received, s.finished = 1, 1, False
     record.errors.append(ErrorRecord(where="runner", type="TimeoutError", message="watchdog fired"))
     verdict, message = verdict_of(record)
     assert verdict == "DEADLOCK"
-    assert "sync 1" in message and "1/2 chunks" in message and "stacks/rank1.txt" in message
+    assert f"sync {s.index}" in message and "1/2 chunks" in message and "stacks/rank1.txt" in message
 
 
 def test_crash_names_rank_type_and_first_line(record: RunRecord) -> None:
@@ -242,7 +255,7 @@ def test_http_no_response(record: RunRecord) -> None:
     record.http[-1].status = 0
     verdict, message = verdict_of(record)
     assert verdict == "HTTP_ERROR"
-    assert "sync 1: /finish_weight_update answered no response" in message
+    assert f"sync {record.syncs[-1].index}: /finish_weight_update answered no response" in message
 
 
 def test_embedded_name_rejection_is_name_error(record: RunRecord) -> None:
@@ -500,3 +513,29 @@ def test_embedded_500_with_keyerror_traceback_is_name_error(record: RunRecord) -
     reject_chunk(record, sync=0, chunk=0, status=500, body=body)
     verdict, message = verdict_of(record)
     assert verdict == "NAME_ERROR" and VISION in message
+
+
+def test_logprob_parity_numbers_by_hand() -> None:
+    got = logprob_parity([[-1.0, -2.0], [-0.5]], [[-1.5, -2.0], [-0.25]])
+    assert got["tokens"] == 3
+    assert got["max_abs"] == pytest.approx(0.5)
+    assert got["mean_abs"] == pytest.approx(0.25)
+    assert got["mean_exp_abs"] == pytest.approx((math.exp(0.5) + 1.0 + math.exp(0.25)) / 3)
+    assert got["first_diff"].startswith("prompt 0 position 1")
+    with pytest.raises(ValueError, match="do not line up"):
+        logprob_parity([[-1.0]], [[-1.0, -2.0]])
+
+
+def test_logprobs_over_budget_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[1].logprobs = logprob_parity([[-1.0, -2.0]], [[-1.0, -2.3]]) | {"temperature": 0.7}
+    verdict, results = judge(record)
+    assert verdict == "PARITY_FAIL"
+    msg = next(r for r in results if r.name == "logprob_parity").message
+    assert "sync 1" in msg and "0.3" in msg and "position 2" in msg
+
+
+def test_resync_that_moves_logprobs_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[-1].engine_logprobs = [[-1.0, -2.5]]
+    verdict, results = judge(record)
+    assert verdict == "PARITY_FAIL"
+    assert "re-sent unchanged weights" in next(r for r in results if r.name == "resync_logprobs_unchanged").message

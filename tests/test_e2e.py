@@ -40,7 +40,10 @@ def test_scenario_passes_and_engine_matches_independent_truth(runner, sc: Scenar
     assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
     truth = checkpoint_checksums(sc)
     assert rec.syncs[0].engine_checksums == truth  # bit-equal to the checkpoint on disk
-    assert len(rec.syncs) == sc.syncs
+    assert len(rec.syncs) == sc.syncs + 1 and not rec.syncs[-1].perturbed  # + the re-sync of unchanged weights
+    for s in rec.syncs:  # log-prob parity after every sync, within the fp32 budget
+        assert s.logprobs["tokens"] > 0 and s.logprobs["max_abs"] <= 1e-4
+    assert rec.syncs[-1].engine_logprobs == rec.syncs[-2].engine_logprobs
     for s in rec.syncs:
         assert s.mode == sc.mode and s.finished
         assert s.chunks_planned == s.chunks_sent == s.chunks_received == len(s.chunks) > 1
@@ -49,6 +52,7 @@ def test_scenario_passes_and_engine_matches_independent_truth(runner, sc: Scenar
     for s in rec.syncs[1:]:
         assert s.engine_checksums == s.sent_checksums
         assert s.engine_checksums != truth  # the perturbation moved every sync after #0
+    assert rec.syncs[-1].engine_checksums == rec.syncs[-2].engine_checksums  # the re-sync changed nothing
     assert rec.cross_mode_checksums["raw"] == rec.cross_mode_checksums["bridge"]
     assert {c.route for c in rec.http} >= {
         "/init_weight_transfer_engine",

@@ -154,7 +154,7 @@ def test_write_summary(tmp_path: Path, records: list[RunRecord]) -> None:
     cells = [c.strip() for c in table[0].strip("|").split("|")]
     assert cells == [
         "qwen3-vl", "2", "1", "2", "no", "raw", "2.000", "0.600", "5.00",
-        "start 4/4 · update 8/8 · finish 4/4", "2", "PASS",
+        "start 4/4 · update 8/8 · finish 4/4", "2", "—", "—", "PASS",
     ]  # fmt: skip
     assert "PARITY_FAIL" in table[1]
     failing = md.split("## Not passing", 1)[1]
@@ -192,3 +192,11 @@ def test_plot_handles_nan_and_missing_mode(tmp_path: Path, records: list[RunReco
     assert out.stat().st_size > 0
     empty = plot_steady_update_time(summarize([]), tmp_path / "empty.png")
     assert empty.stat().st_size > 0
+
+
+def test_logprob_columns_take_the_worst_sync(records: list[RunRecord]) -> None:
+    rec = records[0].model_copy(deep=True)
+    rec.syncs[0].logprobs = {"max_abs": 2e-6, "mean_exp_abs": 1.000001, "tokens": 4}
+    rec.syncs[1].logprobs = {"max_abs": 5e-6, "mean_exp_abs": 1.000002, "tokens": 4}
+    row = summarize([rec]).iloc[0]
+    assert row["logprob_max_abs"] == 5e-6 and row["logprob_mean_exp_abs"] == 1.000002

@@ -47,6 +47,9 @@ class TrainerWorker:
         self.client: UpdateClient | None = None
         self.channel: Channel | None = None
         self.scenario: dict[str, Any] = {}
+        self.last_sent: dict[str, torch.Tensor] = {}  # sender: the tensors of the last sync, by HF name
+        self.reference: Any = None  # sender: the trainer-side log-prob forward (built on first use)
+        self.checkpoint = ""
 
     def pid(self) -> int:
         """OS process id (for stack dumps and cleanup)."""
@@ -57,6 +60,7 @@ class TrainerWorker:
         self.teardown()
         t0 = time.perf_counter()
         self.scenario = scenario
+        self.checkpoint = checkpoint
         self.spec = load_model(scenario["model"])
         tp, pp, ep, etp = (scenario[k] for k in ("tp", "pp", "ep", "etp"))
         self.layout = init_model_parallel(tp, pp, ep, etp)
@@ -116,6 +120,7 @@ class TrainerWorker:
         """Export (`mode`) and send one sync. Returns this rank's `SyncResult` as a dict plus its calls."""
         assert self.model is not None and self.layout is not None
         t0 = time.perf_counter()
+        self.last_sent = {}
         ex = stream.export(mode, self.model, self.layout, self.facts)
         owned, phases = ex.owned, ex.phases
         t_export = time.perf_counter() - t0
@@ -128,6 +133,7 @@ class TrainerWorker:
             weight_version=weight_version,
             client=self.client,
             channel=self.channel,
+            keep=self.last_sent if self.rank == SENDER else None,
         )
         res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
         res.total_s += t_export
@@ -136,6 +142,25 @@ class TrainerWorker:
         out["mode"] = ex.mode  # the mode that ran (a check compares it with the one requested)
         out["http"] = self._drain_calls()
         return out
+
+    def trainer_logprobs(self, temperature: float) -> dict[str, Any]:
+        """Sender only: log-probs of the fixed prompts under the tensors the last sync sent.
+
+        Returns {"forward": name, "prompts": [[logprob of token t+1 given tokens <= t, ...], ...]}
+        (prompts as `forward.reference.fixed_prompts` orders them).
+        """
+        from reference_impl.forward.reference import FORWARD_NAME, ReferenceForward, fixed_prompts
+
+        if self.rank != SENDER:
+            return {}
+        if self.reference is None:
+            self.reference = ReferenceForward(Path(self.checkpoint))
+        self.reference.load(self.last_sent)
+        out = []
+        for prompt in fixed_prompts(self.reference.config):
+            logprobs, _ = self.reference.logprobs(prompt, temperature)
+            out.append(logprobs.tolist())
+        return {"forward": FORWARD_NAME, "prompts": out}
 
     def perturb(self, step: int, seed: int) -> None:
         """Deterministic weight change standing in for a training step: p += 1e-3 * N(0, 1).
@@ -171,6 +196,8 @@ class TrainerWorker:
             self.channel.close()
         self.client = None
         self.channel = None
+        self.last_sent = {}
+        self.reference = None
         self.model = None
         destroy_model_parallel()
         gc.collect()

@@ -86,6 +86,17 @@ class UpdateClient:
         """POST /weight_checker {"action": "slots"} -> every engine parameter slot."""
         return self._post("/weight_checker", {"action": "slots"})["slots"]
 
+    def prompt_logprobs(
+        self, prompt: list[int], temperature: float, image_url: str | None = None, sync: int | None = None
+    ) -> list[float]:
+        """POST /v1/completions with `prompt_logprobs`: the log-prob of each prompt token t >= 1 given the
+        tokens before it, at `temperature` (vLLM's prompt_logprobs entries, the first one None)."""
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": temperature, "prompt_logprobs": 0}
+        if image_url is not None:
+            body["multi_modal_data"] = {"image": image_url}
+        entries = self._post("/v1/completions", body, sync=sync)["choices"][0]["prompt_logprobs"]
+        return [float(entries[i][str(tok)]["logprob"]) for i, tok in enumerate(prompt) if i > 0]
+
     def close(self) -> None:
         """Close the HTTP connection pool."""
         self.http.close()

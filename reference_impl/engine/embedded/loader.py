@@ -83,7 +83,7 @@ def checkpoint_dtype(config: dict) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-def build_engine_model(checkpoint: Path, seed: int) -> tuple[torch.nn.Module, str]:
+def build_engine_model(checkpoint: Path, seed: int | None) -> tuple[torch.nn.Module, str]:
     """The transformers model of checkpoint folder `checkpoint`, filled by seed `seed`; and its family.
 
     Uses the checkpoint maker's own fill rule (`build_hf_model`) on the folder's `config.json`, in the

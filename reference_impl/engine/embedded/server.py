@@ -33,6 +33,12 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
   -> `{"checksums": {checkpoint_name: checksum}}` over each slot's view of the engine's parameters in the
   checkpoint's layout (equal to the safetensors tensors' after a full sync); "slots" -> the slot strings;
   "compare" compares the checksums with `baseline` (checkpoint names).
+- POST /v1/completions `{"prompt": [token ids], "max_tokens": 0|1, "temperature", "prompt_logprobs",
+  "logprobs", "multi_modal_data": {"image": data URL}}` -> vLLM's `CompletionResponse` with
+  `choices[0].prompt_logprobs` (`completions`, which documents the shapes and where we differ from
+  vLLM: temperature applied to prompt log-probs). The forward runs under the same lock as chunk loads
+  (never over a half-applied chunk) and is refused with a 409 (kind "session") while an update session
+  is open or the engine is paused.
 - GET /health, GET /get_world_size, GET /is_paused, POST /pause, POST /resume.
 
 Every 4xx body is `{"detail": {"error": sentence, "rejected": {hf_name: reason}, "kinds": {hf_name:
@@ -49,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -65,6 +72,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from reference_impl.engine.embedded import receive
+from reference_impl.engine.embedded.completions import CompletionEngine, CompletionError, CompletionRequest
 from reference_impl.engine.embedded.loader import EngineLoader
 from reference_impl.transport import wire
 
@@ -141,10 +149,17 @@ def _request_error(route: str, field: str, msg: str) -> HTTPException:
     return _http_error(400, f"bad request body for {route}: {field}: {msg}", {field: msg}, {field: "request"})
 
 
-def create_app(loader: EngineLoader, fault: str | None = None) -> FastAPI:
+def create_app(
+    loader: EngineLoader,
+    fault: str | None = None,
+    config: dict[str, Any] | None = None,
+    served_name: str = "wsh-embedded",
+) -> FastAPI:
     """The FastAPI app over `loader`. Handlers are sync so FastAPI runs them in its threadpool.
 
-    `fault`: a name of `receive.FAULTS` the engine commits on purpose (None: none).
+    `fault`: a name of `receive.FAULTS` the engine commits on purpose (None: none). `config`: the
+    checkpoint's config.json dict (image processing of VL models; default: the model's config as a
+    dict). `served_name`: the model name /v1/completions answers.
 
     Raises:
         ValueError: an unknown fault name.
@@ -152,6 +167,9 @@ def create_app(loader: EngineLoader, fault: str | None = None) -> FastAPI:
     app = FastAPI(title="wsh embedded engine")
     st = EngineState(loader, receive.check_fault(fault))
     app.state.engine = st
+    completer = CompletionEngine(
+        loader.model, config if config is not None else loader.model.config.to_dict(), served_name
+    )
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -348,6 +366,24 @@ def create_app(loader: EngineLoader, fault: str | None = None) -> FastAPI:
                 "load_s": st.session_load_s,
             }
 
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest) -> dict[str, Any]:
+        try:
+            inputs = completer.prepare(req)  # reads no weights: outside the lock
+            with st.lock:
+                if st.session_open or st.paused:
+                    why = "an update session is open" if st.session_open else "the engine is paused"
+                    fix = "POST /finish_weight_update" if st.session_open else "POST /resume"
+                    raise CompletionError(
+                        409,
+                        f"/v1/completions refused: {why} (weights may be half-updated); {fix} first",
+                        {"/v1/completions": why},
+                        kind="session",
+                    )
+                return completer.complete(req, inputs, st.weight_version)
+        except CompletionError as e:
+            raise _http_error(e.status, e.error, e.rejected, e.kinds) from None
+
     @app.post("/weight_checker")
     def weight_checker(req: CheckerRequest) -> dict[str, Any]:
         with st.lock:
@@ -436,7 +472,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wsh engine: FAULT ACTIVE: {fault}: {receive.FAULTS[fault]}", file=sys.stderr, flush=True)
     torch.set_num_threads(args.threads)
     loader = EngineLoader.from_checkpoint(args.checkpoint, args.seed)
-    asyncio.run(_serve(create_app(loader, fault), args.host, args.port, args.port_file))
+    config = json.loads((args.checkpoint / "config.json").read_text())
+    app = create_app(loader, fault, config=config, served_name=str(args.checkpoint))
+    asyncio.run(_serve(app, args.host, args.port, args.port_file))
 
 
 if __name__ == "__main__":
