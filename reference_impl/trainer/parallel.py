@@ -107,8 +107,15 @@ def init_model_parallel(tp: int, pp: int, ep: int = 1, etp: int = 1) -> RankLayo
 
 
 def destroy_model_parallel() -> None:
-    """Tear down Megatron's parallel state (the default group stays)."""
+    """Tear down Megatron's parallel state and destroy every process group it made (the default group
+    stays). megatron-core's own `destroy_model_parallel` only forgets its groups; each gloo group keeps
+    its connection threads, ~60 threads per rank per scenario, so reused processes would pile them up."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    if dist.is_initialized():
+        default = dist.group.WORLD
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not default:
+                dist.destroy_process_group(group)
