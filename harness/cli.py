@@ -13,6 +13,7 @@ fault was caught with its expected verdict.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections import Counter
@@ -158,8 +159,14 @@ def cmd_faults(args: argparse.Namespace) -> int:
     return 0 if records and all(r.verdict == r.scenario.get("expect") for r in records) else 1
 
 
+def _terminate_like_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m harness`."""
+    """Entry point of `python -m harness`. SIGTERM ends a run like Ctrl-C: every process it started is
+    stopped on the way out."""
+    signal.signal(signal.SIGTERM, _terminate_like_interrupt)
     args = _parser().parse_args(argv)
     try:
         return {"run": cmd_run, "list": cmd_list, "faults": cmd_faults}[args.cmd](args)
