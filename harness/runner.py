@@ -319,6 +319,9 @@ class Runner:
             record,
             f"trainer log-probs after sync {sync.index}",
         )[0]
+        if "skipped" in trainer:
+            record.notes.append(f"sync {sync.index}: no log-prob comparison: {trainer['skipped']}")
+            return
         engine = [checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index) for p in prompts]
         sync.engine_logprobs = engine
         sync.logprobs = logprob_parity(trainer["prompts"], engine) | {

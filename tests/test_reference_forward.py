@@ -8,6 +8,7 @@ import torch
 
 from reference_impl.forward import logprobs as lp
 from reference_impl.forward.reference import (
+    IncompleteState,
     PositionIdsError,
     ReferenceForward,
     check_position_ids,
@@ -95,5 +96,5 @@ def test_temperature_reaches_the_fused_path(vl: ReferenceForward) -> None:
 def test_load_refuses_an_incomplete_state(vl: ReferenceForward) -> None:
     state = dict(read_checkpoint(make_checkpoint(load_model("qwen3-vl"), seed=1234)))
     state.pop("model.visual.pos_embed.weight")
-    with pytest.raises(KeyError, match="pos_embed"):
+    with pytest.raises(IncompleteState, match="pos_embed"):
         vl.load(state)

