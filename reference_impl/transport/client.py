@@ -35,7 +35,7 @@ class UpdateClient:
     """Client of one engine's weight-update routes (base_url like http://127.0.0.1:PORT)."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
-        self.base_url = base_url
+        self.base_url, self.timeout_s = base_url, timeout_s
         self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
         self.calls: list[dict[str, Any]] = []
 
@@ -58,6 +58,10 @@ class UpdateClient:
             }
         )
         if status != 200:
+            # vLLM's server closes the connection after an error answer; start a fresh pool so the next
+            # call does not land on the closed keep-alive connection.
+            self.http.close()
+            self.http = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
             raise EngineRejected(route, status, text)
         return json.loads(text) if text else {}
 
@@ -66,8 +70,8 @@ class UpdateClient:
         return self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def start(self, sync: int, weight_version: int | None = None) -> Any:
-        """POST /start_weight_update."""
-        body = {} if weight_version is None else {"weight_version": weight_version}
+        """POST /start_weight_update (the version travels as a string, as vLLM declares it)."""
+        body = {} if weight_version is None else {"weight_version": str(weight_version)}
         return self._post("/start_weight_update", body, sync=sync)
 
     def update(self, update_info: dict[str, Any], sync: int, chunk: int) -> Any:
@@ -75,8 +79,8 @@ class UpdateClient:
         return self._post("/update_weights", {"update_info": update_info}, sync=sync, chunk=chunk)
 
     def finish(self, sync: int, weight_version: int) -> Any:
-        """POST /finish_weight_update {"weight_version"}."""
-        return self._post("/finish_weight_update", {"weight_version": weight_version}, sync=sync)
+        """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it)."""
+        return self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
 
     def checksums(self) -> dict[str, str]:
         """POST /weight_checker {"action": "checksum"} -> HF name -> checksum."""

@@ -95,7 +95,7 @@ class InitRequest(BaseModel):
 
 
 class StartRequest(BaseModel):
-    weight_version: int | None = None
+    weight_version: int | None = None  # vLLM declares `str | None`; numeric strings are accepted (pydantic)
 
 
 class UpdateInfo(BaseModel):
@@ -115,7 +115,7 @@ class UpdateRequest(BaseModel):
 
 
 class FinishRequest(BaseModel):
-    weight_version: int | None = None
+    weight_version: int | None = None  # vLLM declares `str | None`; numeric strings are accepted (pydantic)
 
 
 class CheckerRequest(BaseModel):

@@ -99,7 +99,14 @@ def wait_health(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> fl
 
 def prompt_logprobs(client: UpdateClient) -> list[float]:
     body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-    answer = client._post("/v1/completions", body)
+    try:
+        answer = client._post("/v1/completions", body)
+    except EngineRejected as e:
+        # After a 500, uvicorn closes the keep-alive connection ("Exception in ASGI application") and httpx's
+        # next request on it fails with a connection reset before reaching the server: retry once.
+        if e.status != 0:
+            raise
+        answer = client._post("/v1/completions", body)
     entries = answer["choices"][0]["prompt_logprobs"]
     return [float(entries[i][str(tok)]["logprob"]) for i, tok in enumerate(PROMPT) if i > 0]
 
@@ -242,6 +249,26 @@ def main() -> int:
             report["recovery_max_abs_logprob_diff"] = max(abs(a - b) for a, b in zip(lp_e, lp_hf, strict=True))
         except EngineRejected as e:
             report["recovery_max_abs_logprob_diff"] = f"{e}"[:300]
+        # Sync E: update_info whose shapes do not match the bytes sent; must be a 500 naming the sizes, no hang.
+        t_e = time.perf_counter()
+        client.start(5)
+        wrong = {**info, "shapes": [[1] for _ in info["names"]]}
+        answers: list[Any] = []
+
+        def post_wrong() -> None:
+            try:
+                answers.append(client.update(wrong, 5, 0))
+            except EngineRejected as e:
+                answers.append(e)
+
+        th = threading.Thread(target=post_wrong, daemon=True)
+        th.start()
+        group.broadcast_chunk(pack(tensors), src=0)
+        th.join()
+        report["sync_e_s"] = round(time.perf_counter() - t_e, 3)
+        report["sync_e_answer"] = str(answers[0])[:300]
+        lp_after_e = prompt_logprobs(client)  # the engine must still serve (session aborted, weights kept)
+        report["sync_e_engine_alive"] = max(abs(a - b) for a, b in zip(lp_after_e, lp_hf, strict=True)) < 1e-3
         channel.close()
     except (EngineRejected, RuntimeError) as e:
         report["error"] = f"{type(e).__name__}: {e}"

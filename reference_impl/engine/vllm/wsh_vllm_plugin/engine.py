@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.wsh_gloo")  # under "vllm" so that vLLM's log handler prints it
 
 # Same table as wire.DTYPE_NAMES in the harness.
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -240,6 +240,30 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(layer, "cpu_linear"):
                 method.process_weights_after_loading(layer)
 
+    def _abort_layerwise_reload(self) -> None:
+        """Undo an open layerwise reload: every layer still waiting for weights gets its kernel tensors
+        (the values before this session) back, and the reload state is cleared.
+
+        Layers that were complete before the failing chunk keep their new values, so the model may hold a
+        mix of old and new weights afterwards, but it stays usable (a later session can fix it). vLLM
+        0.32 has no such abort; this mirrors what `finalize_layerwise_processing` does for a layer that
+        received nothing.
+        """
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        for layer in self.model.modules():
+            info = layerwise.get_layerwise_info(layer)
+            if not info.can_load():
+                continue
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+            info.reset()
+        if hasattr(self.model, "_original_do_torchao_reload"):
+            self.model._do_torchao_reload = self.model._original_do_torchao_reload
+        layerwise.LOADING_LAYERS.clear()
+        self._repack_cpu_embedding_gemms()
+        logger.warning("gloo weight transfer: chunk failed; layerwise reload aborted (pending layers restored)")
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one chunk FIRST (so the trainer's broadcast never hangs on a bad body), then check,
         unpack and load it.
@@ -256,8 +280,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         t0 = time.perf_counter()
         payload = self.group.receive_chunk(src)
         t1 = time.perf_counter()
-        info = self.parse_update_info(update_info)
-        self._load(info, payload)
+        try:
+            info = self.parse_update_info(update_info)
+            self._load(info, payload)
+        except BaseException:
+            # vLLM's worker ends the session on any exception here; without this the half-reloaded layers
+            # stay on the meta device and the next forward kills the engine core.
+            self._abort_layerwise_reload()
+            raise
         self.chunks_received += 1
         self.bytes_received += payload.numel()
         logger.debug(
