@@ -111,7 +111,6 @@ class RunRecord(BaseModel):
     tied_embeddings: bool = False
     # Both exports of one trainer state (after the last sync): mode -> HF name -> checksum.
     cross_mode_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
-    transport_bandwidth_gbps: float | None = None  # bare transport speed measured in this run
     # Scenarios of one group (scenario["group_key"]) must leave bit-identical engine weights; filled
     # when the whole group has run: the other members compared, and every difference found.
     group_members: list[str] = Field(default_factory=list)
