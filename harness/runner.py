@@ -232,6 +232,7 @@ class Runner:
             record.config_error = problem
             return self._finish(record)
         engine = None
+        checker: UpdateClient | None = None
         healthy = False
         pids: dict[str, int | None] = {}
         try:
@@ -284,8 +285,6 @@ class Runner:
                     [a.export_checksums.remote(mode) for a in pool.actors], deadline, record, f"export {mode}"
                 )
                 record.cross_mode_checksums[mode] = sums[0]
-            record.http.extend(HttpCall(**c) for c in checker.calls)
-            checker.close()
             healthy = True
         except ScenarioFailed:
             if record.deadlock:
@@ -293,6 +292,9 @@ class Runner:
         except Exception as e:
             record.errors.append(_error_from(e, None, "runner"))
         finally:
+            if checker is not None:  # the harness's own calls (checksums, log-probs), also on failure
+                record.http.extend(HttpCall(**c) for c in checker.calls)
+                checker.close()
             if engine is not None:
                 with contextlib.suppress(Exception):
                     ray.get(engine.stop.remote(), timeout=30)
