@@ -32,6 +32,8 @@ def checkpoint_checksums(sc: Scenario) -> dict[str, str]:
     [
         Scenario(model="qwen3-vl", tp=2, pp=2, mode="raw", syncs=3, bucket_bytes=1 << 20),
         Scenario(model="qwen3", tp=1, pp=2, mode="bridge", syncs=3, bucket_bytes=1 << 16),
+        Scenario(model="qwen3-vl-moe", tp=1, ep=2, pp=1, mode="raw", colocate=True, syncs=2, bucket_bytes=1 << 20),
+        Scenario(model="qwen3-untied", tp=2, pp=1, mode="bridge", syncs=2, bucket_bytes=1 << 16),
     ],
     ids=lambda s: s.id,
 )
@@ -91,3 +93,26 @@ def test_impossible_scenario_is_config_error_and_launches_nothing(tmp_path: Path
     assert "TP 3 does not divide qwen3's 4 attention heads" in rec["config_error"]
     assert rec["syncs"] == [] and rec["http"] == []
     assert "CONFIG_ERROR" in (tmp_path / "bad" / "summary.md").read_text()
+
+
+def test_bucket_size_invariance_and_empty_contributions(runner) -> None:
+    """One tensor per chunk (at PP 2 most chunks have a single owner: the other stage sends nothing)
+    and the whole model in one chunk leave bit-identical engine weights after every sync."""
+    base = {
+        "model": "qwen3",
+        "tp": 1,
+        "pp": 2,
+        "mode": "raw",
+        "syncs": 2,
+        "group": "bucket",
+        "suffix": "b{bucket_bytes}",
+    }
+    one = runner.run_scenario(Scenario(**base, bucket_bytes=1))
+    whole = runner.run_scenario(Scenario(**base, bucket_bytes=1 << 40))
+    one, whole = runner.finish_group([one, whole])
+    truth = checkpoint_checksums(Scenario(**base))
+    assert one.verdict == whole.verdict == "PASS", [c for c in one.checks + whole.checks if not c["ok"]]
+    assert one.group_differences == [] and whole.group_differences == []
+    assert all(s.chunks_planned == len(truth) for s in one.syncs)  # one tensor per chunk
+    assert all(s.chunks_planned == 1 for s in whole.syncs)
+    assert [s.engine_checksums for s in one.syncs] == [s.engine_checksums for s in whole.syncs]

@@ -115,6 +115,15 @@ def test_output_weight_untied() -> None:
     assert w.data_ptr() != m.get_input_embeddings().weight.data_ptr()
 
 
+def test_output_weight_untied_vl_moe_follows_the_top_level_flag() -> None:
+    # Qwen3-VL-MoE: top level tie_word_embeddings false while its text_config class defaults to true.
+    m = build_hf_model(load_model("qwen3-vl-moe"), "float32", seed=1)
+    assert not m.config.tie_word_embeddings
+    w = output_weight(m)
+    assert w is m.lm_head.weight
+    assert w.untyped_storage().data_ptr() != m.get_input_embeddings().weight.untyped_storage().data_ptr()
+
+
 def test_output_weight_detects_broken_tie(qwen3_model: torch.nn.Module) -> None:
     import copy
 

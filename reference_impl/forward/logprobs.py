@@ -139,8 +139,8 @@ def fused_logprobs(
 def output_weight(hf_model: torch.nn.Module) -> Tensor:
     """The LM head weight [V, H] of a transformers causal LM or Qwen3-VL model.
 
-    With tied embeddings (`tie_word_embeddings` on the config or its text config) this is the input
-    embedding's weight, and the two must share storage.
+    With tied embeddings (`tie_word_embeddings` of the top-level config, else of its text config) this
+    is the input embedding's weight, and the two must share storage.
 
     Raises:
         ValueError: the model has no output embeddings.
@@ -152,7 +152,9 @@ def output_weight(hf_model: torch.nn.Module) -> Tensor:
     weight: Tensor = head.weight
     cfg = hf_model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    tied = bool(getattr(cfg, "tie_word_embeddings", False) or getattr(text_cfg, "tie_word_embeddings", False))
+    # The top-level flag decides (a VL config's text_config may carry its class default, e.g. True for
+    # Qwen3-VL-MoE whose top level says False); a config without one falls back to its text config.
+    tied = bool(getattr(cfg, "tie_word_embeddings", getattr(text_cfg, "tie_word_embeddings", False)))
     if tied:
         emb = hf_model.get_input_embeddings().weight
         same = (
