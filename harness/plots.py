@@ -75,7 +75,12 @@ def plot_steady_update_time(df: pd.DataFrame, out_path: Path | str) -> Path:
                         fontsize=7,
                     )
             ax.set_xticks(range(len(table)), labels, fontsize=7)
-            ax.set_ylim(0, top * 1.18 if top > 0 else 1.0)
+            positive = [v for v in finite if v > 0]
+            if positive and top / min(positive) > 100:  # ms-scale small models beside s-scale real ones
+                ax.set_yscale("log")
+                ax.set_ylim(min(positive) / 2, top * 3)
+            else:
+                ax.set_ylim(0, top * 1.18 if top > 0 else 1.0)
             ax.legend(title="export mode")
         ax.set_xlabel("scenario (model, TP/PP/EP layout, placement)")
         ax.set_ylabel("steady-state update time (s)")
