@@ -191,6 +191,15 @@ def _under(prefix: str, patterns: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(re.escape(prefix) + p for p in patterns)
 
 
+# Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (vllm/model_executor/models/qwen3_vl.py); the MoE
+# model subclasses it and keeps the mapper (qwen3_vl_moe.py).
+_QWEN3_VL_RENAMES = (
+    PrefixRename("model.visual.", "visual."),
+    PrefixRename("lm_head.", "language_model.lm_head."),
+    PrefixRename("model.language_model.", "language_model.model."),
+)
+
+
 FAMILY_NAMES: dict[str, FamilyNames] = {
     "qwen3": FamilyNames(
         family="qwen3",
@@ -215,11 +224,7 @@ FAMILY_NAMES: dict[str, FamilyNames] = {
     "qwen3_vl": FamilyNames(
         family="qwen3_vl",
         # Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (vllm/model_executor/models/qwen3_vl.py).
-        renames=(
-            PrefixRename("model.visual.", "visual."),
-            PrefixRename("lm_head.", "language_model.lm_head."),
-            PrefixRename("model.language_model.", "language_model.model."),
-        ),
+        renames=_QWEN3_VL_RENAMES,
         # The language model is Qwen3LLMForCausalLM (a Qwen3ForCausalLM) at `language_model.`.
         stacked=_stacked("language_model.model."),
         experts=(),
@@ -235,11 +240,7 @@ FAMILY_NAMES: dict[str, FamilyNames] = {
         family="qwen3_vl_moe",
         # Qwen3VLMoeForConditionalGeneration subclasses Qwen3VLForConditionalGeneration (qwen3_vl_moe.py) and
         # keeps its hf_to_vllm_mapper (qwen3_vl.py).
-        renames=(
-            PrefixRename("model.visual.", "visual."),
-            PrefixRename("lm_head.", "language_model.lm_head."),
-            PrefixRename("model.language_model.", "language_model.model."),
-        ),
+        renames=_QWEN3_VL_RENAMES,
         # The language model is Qwen3MoeLLMForCausalLM (a Qwen3MoeForCausalLM) at `language_model.`.
         stacked=_stacked("language_model.model."),
         experts=_experts("language_model.model."),
