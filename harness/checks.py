@@ -408,7 +408,8 @@ def _chunk_problem(sync: SyncRecord) -> str | None:
         if lost is None:
             return None
         state = "not sent" if not lost.sent else "sent but not received"
-        return f"sync {sync.index} chunk {lost.index}: {state} ({len(lost.names)} names, {lost.bytes} bytes)"
+        why = f"; {lost.note}" if lost.note else ""
+        return f"sync {sync.index} chunk {lost.index}: {state} ({len(lost.names)} names, {lost.bytes} bytes){why}"
     first = next((c for c in sync.chunks if not c.sent), None) if sent < planned else None
     if first is None and received < planned:
         first = next((c for c in sync.chunks if not c.received), None)
@@ -428,13 +429,43 @@ def check_chunks(record: RunRecord) -> CheckResult:
     return _passed(name, verdict)
 
 
+def engine_reports_tensors(record: RunRecord) -> bool:
+    """Whether the record's engine reports per-slot counts and HF-name checksums (the embedded engine
+    does; vLLM answers `{"message"}` only and its /weight_checker speaks vLLM names)."""
+    return str(record.scenario.get("engine") or "embedded") == "embedded"
+
+
+def _sender_coverage(record: RunRecord) -> str | None:
+    """For engines without per-slot counts: every checkpoint tensor sent exactly once per sync."""
+    expected = set(record.checkpoint_checksums)
+    for sync in record.syncs:
+        seen: dict[str, int] = {}
+        for key in sync.names_sent:
+            seen[key] = seen.get(key, 0) + 1
+        missing = sorted(expected - set(seen))
+        twice = sorted(k for k, n in seen.items() if n > 1)
+        if missing:
+            more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+            return (
+                f"sync {sync.index}: checkpoint tensor '{missing[0]}' was never sent{more} (judged from the names "
+                "sent: this engine reports no per-slot counts)"
+            )
+        if twice:
+            return f"sync {sync.index}: '{twice[0]}' was sent {seen[twice[0]]} times, expected exactly once"
+    return None
+
+
 def check_coverage(record: RunRecord) -> CheckResult:
-    """Per sync: every engine slot updated exactly once (and every known slot present)."""
+    """Per sync: every engine slot updated exactly once (and every known slot present). For an engine
+    that reports no slots or counts (vLLM), every checkpoint tensor sent exactly once instead."""
     name, verdict = "coverage", "COVERAGE_GAP"
     if not record.syncs:
         return _skipped(name, verdict, "no sync recorded")
     if not record.engine_slots and not any(s.engine_update_counts for s in record.syncs):
-        return _skipped(name, verdict, "no engine slots or update counts recorded")
+        if engine_reports_tensors(record) or not record.checkpoint_checksums:
+            return _skipped(name, verdict, "no engine slots or update counts recorded")
+        problem = _sender_coverage(record)
+        return _failed(name, verdict, problem) if problem else _passed(name, verdict)
     for sync in record.syncs:
         counts = sync.engine_update_counts
         slots = list(record.engine_slots) + [k for k in counts if k not in set(record.engine_slots)]
@@ -479,6 +510,10 @@ def check_parity_sync0(record: RunRecord) -> CheckResult:
         return _skipped(name, verdict, "no sync 0 recorded")
     if not sync0.engine_checksums and not record.checkpoint_checksums:
         return _failed(name, verdict, "sync 0: no checksums recorded, parity with the checkpoint unshown")
+    if not engine_reports_tensors(record):
+        # vLLM: what the trainer sent must be the checkpoint; what the engine holds is judged by log-probs.
+        diff = _first_difference(record.checkpoint_checksums, sync0.sent_checksums, "checkpoint", "sent")
+        return _failed(name, verdict, f"sync 0: {diff}") if diff else _passed(name, verdict)
     diff = _first_difference(record.checkpoint_checksums, sync0.engine_checksums, "checkpoint", "engine")
     return _failed(name, verdict, f"sync 0: {diff}") if diff else _passed(name, verdict)
 
@@ -489,6 +524,8 @@ def check_parity_sent(record: RunRecord) -> CheckResult:
     later = [s for s in record.syncs if s.index >= 1]
     if not later:
         return _skipped(name, verdict, "no sync after sync 0 recorded")
+    if not engine_reports_tensors(record):
+        return _skipped(name, verdict, "the engine reports no HF-name checksums: log-prob parity judges what it holds")
     for sync in later:
         if not sync.sent_checksums:
             if sync.names_sent or sync.chunks_sent:
@@ -660,8 +697,9 @@ def check_group(record: RunRecord) -> CheckResult:
 
 
 def group_differences(records: Sequence[RunRecord]) -> list[str]:
-    """Differences between the engine checksums of group members, sync by sync (pure; first member is
-    the reference). Each entry names the sync, the tensor and the two scenarios."""
+    """Differences between the engine checksums (and engine log-probs, where both have them) of group
+    members, sync by sync (pure; first member is the reference). Each entry names the sync, the tensor
+    or prompt position, and the two scenarios."""
     if len(records) < 2:
         return []
     ref = records[0]
@@ -671,6 +709,12 @@ def group_differences(records: Sequence[RunRecord]) -> list[str]:
             out.append(f"{other.scenario_id} ran {len(other.syncs)} syncs, {ref.scenario_id} ran {len(ref.syncs)}")
             continue
         for a, b in zip(ref.syncs, other.syncs, strict=True):
+            if a.engine_logprobs and b.engine_logprobs and a.engine_logprobs != b.engine_logprobs:
+                moved = logprob_parity(a.engine_logprobs, b.engine_logprobs)
+                out.append(
+                    f"sync {a.index}: engine log-probs differ between {ref.scenario_id} and {other.scenario_id} "
+                    f"by up to {moved['max_abs']:.3g} ({moved['first_diff']})"
+                )
             diff = sorted(
                 n
                 for n in set(a.engine_checksums) | set(b.engine_checksums)

@@ -62,6 +62,7 @@ class ChunkRecord(BaseModel):
     bytes: int  # planned payload bytes
     sent: bool = False  # the trainer's sender finished its broadcast / handle hand-off
     received: bool = False  # the engine answered 200 to this chunk's /update_weights
+    note: str = ""  # why a chunk was not sent, when the sender knows (e.g. the engine ended the session)
 
 
 class SyncRecord(BaseModel):

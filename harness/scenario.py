@@ -3,7 +3,8 @@
 A matrix file (`scenarios/<name>.yaml`) is a list of entries. An entry is one scenario, or several
 when some of its fields are lists (`tp: [1, 2]` expands to one scenario per value; the product over
 all list-valued axes). Every scenario gets a stable id that reads like a path:
-`<model>/tp<T>-pp<P>[-ep<E>]/<noncolocate|colocate>/<raw|bridge>[/<suffix>]`.
+`[<engine>/]<model>/tp<T>-pp<P>[-ep<E>]/<noncolocate|colocate>/<raw|bridge>[/<suffix>]` (the engine
+only when it is not the embedded one, e.g. `vllm/qwen3/tp2-pp1/noncolocate/raw`).
 
 Validation happens before any process starts: a scenario that cannot run (TP does not divide the
 heads, PP larger than the layers, an unknown model or mode, ...) gets a `config_error` sentence that
@@ -25,7 +26,8 @@ from reference_impl.trainer.parallel import world_size_for
 
 SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 
-AXES = ("model", "tp", "pp", "ep", "colocate", "mode", "bucket_bytes")
+AXES = ("model", "tp", "pp", "ep", "colocate", "mode", "bucket_bytes", "engine")
+ENGINES = ("embedded", "vllm")
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB
 
 
@@ -54,7 +56,9 @@ class Scenario(BaseModel):
     group: str = ""  # scenarios with the same group_key must leave bit-identical engine weights
     deadline_s: float | None = None  # per-sync deadline; None = from bytes and a margin
     logprobs: bool = True  # compare engine and trainer log-probs on fixed prompts after every sync
-    logprob_temperature: float = Field(default=0.7, gt=0)
+    # None: the engine's way. The embedded engine applies temperature to prompt log-probs (0.7 exercises
+    # that path); vLLM computes them before any sampling processor, i.e. at temperature 1.0.
+    logprob_temperature: float | None = Field(default=None, gt=0)
     description: str = ""
 
     @property
@@ -63,6 +67,8 @@ class Scenario(BaseModel):
         layout = f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
         placement = "colocate" if self.colocate else "noncolocate"
         parts = [self.model, layout, placement, self.mode]
+        if self.engine != "embedded":  # the engine leads: `vllm/qwen3/tp2-pp1/noncolocate/raw`
+            parts.insert(0, self.engine)
         if self.suffix:
             parts.append(self.suffix.format(**self.model_dump(exclude={"suffix"})))
         return "/".join(parts)
@@ -77,6 +83,13 @@ class Scenario(BaseModel):
         """Trainer ranks: PP x lcm(TP, EP x ETP) (`reference_impl.trainer.parallel.world_size_for`)."""
         return world_size_for(self.tp, self.pp, self.ep, self.etp)
 
+    @property
+    def temperature(self) -> float:
+        """The temperature log-probs are compared at (`logprob_temperature`, else the engine's default)."""
+        if self.logprob_temperature is not None:
+            return self.logprob_temperature
+        return 1.0 if self.engine == "vllm" else 0.7
+
     def as_dict(self) -> dict[str, Any]:
         """Plain dict with the id (what a record stores)."""
         return {"id": self.id, "group_key": self.group_key, **self.model_dump()}
@@ -86,8 +99,8 @@ def validate(sc: Scenario) -> str | None:
     """None when `sc` can run; else one sentence saying what to change."""
     if sc.mode not in ("raw", "bridge"):
         return f"mode {sc.mode!r} is unknown: use raw or bridge"
-    if sc.engine != "embedded":
-        return f"engine {sc.engine!r} is not available yet: use engine: embedded"
+    if sc.engine not in ENGINES:
+        return f"engine {sc.engine!r} is unknown: use one of {', '.join(ENGINES)}"
     if sc.dtype not in ("float32", "bfloat16"):
         return f"dtype {sc.dtype!r} is not supported: use float32 or bfloat16"
     if min(sc.tp, sc.pp, sc.ep, sc.etp) < 1:
@@ -126,6 +139,52 @@ def validate(sc: Scenario) -> str | None:
 
         if sc.fault not in FAULTS:
             return f"fault {sc.fault!r} is unknown: use one of {sorted(FAULTS)}"
+        if sc.engine != "embedded" and FAULTS[sc.fault].side == "engine":
+            return f"fault {sc.fault!r} is injected into the embedded engine's code: use engine: embedded"
+    if sc.engine == "vllm":
+        return _vllm_problem(sc, f)
+    return None
+
+
+def _vllm_problem(sc: Scenario, f: Any) -> str | None:
+    """What keeps `sc` from running on real vLLM on this host (None when nothing does)."""
+    from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
+
+    if not sc.logprobs:
+        return (
+            "engine vllm needs logprobs: true: vLLM reports no per-tensor checksums in HF names, so log-prob "
+            "parity is the only evidence of what it holds"
+        )
+    if sc.logprob_temperature not in (None, 1.0):
+        return (
+            f"logprob_temperature {sc.logprob_temperature} cannot be compared on vLLM: it computes prompt "
+            "log-probs before any sampling processor (gpu_model_runner _get_prompt_logprobs_dict), i.e. at "
+            "temperature 1.0; leave logprob_temperature unset or set it to 1.0"
+        )
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if sc.colocate:
+        return (
+            "engine vllm with colocate needs CUDA IPC (vLLM's ipc backend) and this host has no CUDA device: "
+            "set colocate: false, or use engine: embedded for colocate on CPU"
+        )
+    if f.vision_heads:
+        return (
+            f"engine vllm on CPU cannot serve {sc.model}: vLLM's Qwen3-VL path imports torchvision, and PyPI has "
+            "no CPU torchvision build for torch 2.13 (its CUDA build fails to import beside torch+cpu): use "
+            "engine: embedded here, or a GPU host"
+        )
+    if f.num_experts:
+        return (
+            f"engine vllm on CPU is not set up for mixture-of-experts models ({sc.model}): use engine: embedded "
+            "here, or a GPU host"
+        )
+    try:
+        vllm_python()
+    except EngineEnvMissing as e:
+        return str(e)
     return None
 
 

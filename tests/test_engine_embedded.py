@@ -652,8 +652,9 @@ def test_rejection_is_atomic(engines: dict[str, Engine]) -> None:
 
 def test_session_errors(engines: dict[str, Engine]) -> None:
     eng = engines["qwen3"]
-    # update without start: the chunk is still received (no hang), then refused.
-    r = eng.send_tensors({"model.norm.weight": torch.ones(64)}, chunk_index=0)
+    # update without start: refused before anything is received (as vLLM's worker), so nothing is broadcast.
+    info = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]], "packed": True, "src": 0}
+    r = eng.post("/update_weights", {"update_info": info})
     assert r.status_code == 400, r.text
     detail = r.json()["detail"]
     assert "start_weight_update" in detail["error"]

@@ -68,7 +68,9 @@ class TrainerWorker:
         self.facts = layout_facts(self.spec, Path(checkpoint))
         return {"rank": self.rank, "build_s": time.perf_counter() - t0, "layout": asdict(self.layout)}
 
-    def connect_engine(self, base_url: str, colocate: bool = False, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    def connect_engine(
+        self, base_url: str, colocate: bool = False, engine: str = "embedded", timeout_s: float = 120.0
+    ) -> list[dict[str, Any]]:
         """Sender only: set up the channel to the engine through /init_weight_transfer_engine.
 
         Non-colocate: a gloo transfer group; the HTTP call blocks until the engine joined, so it runs in
@@ -77,7 +79,8 @@ class TrainerWorker:
         """
         if self.rank != SENDER:
             return []
-        self.client = UpdateClient(base_url)
+        # vLLM's worker ends the update session when a chunk fails (see transport.client).
+        self.client = UpdateClient(base_url, session_ends_on_error=engine == "vllm")
         if colocate:
             from reference_impl.transport.colocate import CudaIpcChannel, SharedMemoryChannel
 

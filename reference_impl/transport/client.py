@@ -4,6 +4,12 @@ A sync is one session: `start()`, `update(...)` once per chunk, `finish(version)
 a `harness.record.HttpCall`-shaped dict to `self.calls` (route, status, ms, sync, chunk, error). A
 non-200 answer raises `EngineRejected` carrying the status and body; a connection failure raises it
 with status 0.
+
+The client also tracks whether the engine holds an open update session (`session_open`), so that a
+sender never broadcasts a chunk nobody will receive: both engines refuse /update_weights without a
+session before taking any bytes, and vLLM's worker also ends the session when a chunk fails
+(`vllm/v1/worker/gpu_worker.py` update_weights: the exception handler clears the session), which the
+client mirrors when built with `session_ends_on_error=True`.
 """
 
 from __future__ import annotations
@@ -34,10 +40,14 @@ class EngineRejected(RuntimeError):
 class UpdateClient:
     """Client of one engine's weight-update routes (base_url like http://127.0.0.1:PORT)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, session_ends_on_error: bool = False) -> None:
+        """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM)."""
         self.base_url, self.timeout_s = base_url, timeout_s
+        self.session_ends_on_error = session_ends_on_error
         self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
         self.calls: list[dict[str, Any]] = []
+        self.session_open = False
+        self.session_closed_by = ""  # why the last session ended early (for the record)
 
     def _post(self, route: str, body: dict[str, Any], sync: int | None = None, chunk: int | None = None) -> Any:
         t0 = time.perf_counter()
@@ -72,14 +82,24 @@ class UpdateClient:
     def start(self, sync: int, weight_version: int | None = None) -> Any:
         """POST /start_weight_update (the version travels as a string, as vLLM declares it)."""
         body = {} if weight_version is None else {"weight_version": str(weight_version)}
-        return self._post("/start_weight_update", body, sync=sync)
+        self.session_open, self.session_closed_by = False, "/start_weight_update was refused"
+        answer = self._post("/start_weight_update", body, sync=sync)
+        self.session_open, self.session_closed_by = True, ""
+        return answer
 
     def update(self, update_info: dict[str, Any], sync: int, chunk: int) -> Any:
         """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, ...}}."""
-        return self._post("/update_weights", {"update_info": update_info}, sync=sync, chunk=chunk)
+        try:
+            return self._post("/update_weights", {"update_info": update_info}, sync=sync, chunk=chunk)
+        except EngineRejected:
+            if self.session_ends_on_error:
+                self.session_open = False
+                self.session_closed_by = f"the engine ended the session when chunk {chunk} failed"
+            raise
 
     def finish(self, sync: int, weight_version: int) -> Any:
         """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it)."""
+        self.session_open, self.session_closed_by = False, ""
         return self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
 
     def checksums(self) -> dict[str, str]:

@@ -9,7 +9,10 @@ On every trainer rank, after its export produced the tensors it owns:
    deadlock); the sender hands the chunk to the channel, which packs it, makes the engine take it
    (`/update_weights`) and returns the engine's answer;
 4. the sender closes the session (`/finish_weight_update`).
-A rejected chunk is recorded and the loop goes on (every rank keeps the same schedule).
+A rejected chunk is recorded and the loop goes on (every rank keeps the same schedule). While the
+engine holds no open session (its start was refused, or it ended the session when a chunk failed, as
+vLLM does) the sender still collects each chunk from its owners but does not send it: nobody would
+receive it, and a broadcast nobody receives hangs. Such chunks are recorded as not sent, with why.
 
 Channels: `noncolocate.BroadcastChannel` (packed bytes broadcast over the transfer group while the
 HTTP call is in flight), `colocate.SharedMemoryChannel` / `colocate.CudaIpcChannel` (packed bytes in a
@@ -161,6 +164,10 @@ def run_sync(
         entry: dict[str, Any] = {"index": chunk.index, "names": info["names"], "bytes": chunk.nbytes, "sent": True}
         if not should_send(chunk, plan):
             res.chunks.append({**entry, "sent": False, "received": False})
+            continue
+        if not client.session_open:
+            why = f"not sent: no open update session ({client.session_closed_by or 'unknown why'})"
+            res.chunks.append({**entry, "sent": False, "received": False, "note": why})
             continue
         try:
             answer = channel.send(client, tensors, info, sync_index)

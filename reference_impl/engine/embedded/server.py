@@ -17,8 +17,10 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
 - POST /start_weight_update `{}` or `{"weight_version": v}` -> opens a session, zeroes the update
   counts -> `{"ok": true}`; 400 when one is open.
 - POST /update_weights `{"update_info": {"names", "dtype_names", "shapes", "packed": true, "src": 0,
-  "chunk_index"}}` -> receives the chunk from the group FIRST (always, so the trainer's broadcast never
-  hangs), then checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
+  "chunk_index"}}` -> with no open session, a 400 (kind "session") before anything is received, as
+  vLLM's worker refuses it before its transfer backend runs (a sender must not broadcast then);
+  otherwise receives the chunk from the group FIRST (so a bad body never leaves the trainer's broadcast
+  hanging), then checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
   "load_s", "loaded"}`. With backend shm / cuda_ipc, update_info also carries `"handle": {"kind": "shm",
   "name", "nbytes"}` / `{"kind": "cuda_ipc", "ipc", "nbytes", "device_uuid"}`
   (`reference_impl.transport.handles`) and the engine reads the chunk from it (no broadcast; views over
@@ -47,7 +49,11 @@ keyed by field). Any other exception is a 500 whose body carries the traceback; 
 
 Differences from vLLM, on purpose: a rejected chunk leaves the session open (nothing of it was
 loaded; the finish counts show the gap) where vLLM's worker drops the session on any exception; a
-tied `lm_head.weight` and a dtype mismatch are errors where vLLM skips / casts silently.
+tied `lm_head.weight` and a dtype mismatch are errors where vLLM skips / casts silently (the harness's
+vLLM plugin refuses a dtype mismatch too); errors are 4xx with `{"detail": {"rejected", "kinds"}}`
+where vLLM answers 500 with the worker's exception text ("Call to collective_rpc method failed ...");
+answers carry counts and load times where vLLM's carry only `{"message"}`. `harness.checks` reads
+both kinds of answer (tests/test_same_verdicts.py sends the same bad inputs to both engines).
 """
 
 from __future__ import annotations
@@ -332,10 +338,10 @@ def create_app(
                 dict.fromkeys(info.names, "bytes"),
             )
         assert st.group is not None
-        payload = st.group.broadcast_chunk(None, src=info.src)  # always receive first
-        received = int(payload.numel())
-        _require_session(info, chunk, f"{received} bytes received and dropped")
-        return received, _apply(info, chunk, payload)
+        # As vLLM's worker: no session, no receive (the sender must not broadcast then; see client.py).
+        _require_session(info, chunk, "nothing received")
+        payload = st.group.broadcast_chunk(None, src=info.src)  # with a session: receive first, check after
+        return int(payload.numel()), _apply(info, chunk, payload)
 
     def _receive_handle(info: UpdateInfo, chunk: str) -> tuple[int, float]:
         assert st.backend is not None
