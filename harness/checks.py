@@ -48,6 +48,9 @@ PRIORITY: tuple[str, ...] = (
 )
 
 ENGINE_REJECTED = "EngineRejected"
+# The reason the sender records for every name of a chunk whose rejection named no tensor
+# (`reference_impl.transport.sync.run_sync`): says nothing about which name, or whether a name, is wrong.
+GENERIC_REJECTION = "chunk rejected: "
 NAME_KIND = "name"
 NON_NAME_KINDS: frozenset[str] = frozenset({"shape", "dtype", "bytes"})
 _EXCERPT = 200
@@ -348,6 +351,23 @@ def check_http_status(record: RunRecord) -> CheckResult:
     return _passed(name, verdict)
 
 
+def _sent_name_for(record: RunRecord, call: HttpCall, key: str) -> str | None:
+    """The HF name the trainer sent in `call`'s chunk that an engine's name `key` refers to.
+
+    vLLM's errors name modules or parameters as its model sees them, without the `model.` prefix of the
+    HF name and often without `.weight` ("There is no module or parameter named
+    'layers.0.self_attn.no_such' in Qwen3Model"): the sent name equal to `key`, else the first sent name
+    that contains it as a dotted run of parts. None when the chunk is unknown or nothing matches.
+    """
+    sync = next((s for s in record.syncs if s.index == call.sync), None)
+    chunk = next((c for c in sync.chunks if c.index == call.chunk), None) if sync else None
+    if chunk is None:
+        return None
+    if key in chunk.names:
+        return key
+    return next((n for n in chunk.names if f".{key}." in f".{n}."), None)
+
+
 def _name_problems(record: RunRecord) -> Iterator[str]:
     """Messages for every name problem in the record, first offender first."""
     kinds_by_sync: dict[int | None, dict[str, str]] = {}
@@ -355,15 +375,19 @@ def _name_problems(record: RunRecord) -> Iterator[str]:
         if call.status == 200:
             continue
         for key, kind, reason in _rejections_in_body(call.error):
-            kinds_by_sync.setdefault(call.sync, {})[key] = kind
+            hf = _sent_name_for(record, call, key)
+            kinds_by_sync.setdefault(call.sync, {})[hf or key] = kind
             if kind == NAME_KIND:
+                said = f"'{hf}' (the engine says '{key}')" if hf and hf != key else f"'{key}'"
                 yield (
-                    f"{_prefix(call)}engine cannot place name '{key}' "
+                    f"{_prefix(call)}engine cannot place name {said} "
                     f"({call.route} {_status_text(call.status)}: {_excerpt(reason, 160)})"
                 )
     for sync in record.syncs:
         known = kinds_by_sync.get(sync.index, {})
         for key, reason in sync.names_rejected.items():
+            if key not in known and reason.startswith(GENERIC_REJECTION):
+                continue  # the engine named no tensor (vLLM's 500): its answer's text was judged above
             kind = known.get(key) or _kind_of_reason(reason)
             if kind == NAME_KIND:
                 yield f"sync {sync.index}: engine rejected name '{key}': {_excerpt(reason, 160)}"
@@ -377,6 +401,25 @@ def _name_problems(record: RunRecord) -> Iterator[str]:
             key = found[0] if found else _first_line(err.message).strip("'\"")
             yield (f"{_error_origin(err)} raised {err.type} on name '{key}': {_excerpt(_first_line(err.message), 160)}")
     yield from _silently_ignored(record)
+    yield from _accepted_unknown(record)
+
+
+def _accepted_unknown(record: RunRecord) -> Iterator[str]:
+    """Engines without per-name reports (vLLM): a name the checkpoint does not have, answered 200.
+
+    vLLM's loaders skip some names without a word (`lm_head.weight` of a tied model, rotary buffers):
+    a 200 says nothing about whether the name went anywhere, and the checkpoint's names are what the
+    engine's model was built from."""
+    if engine_reports_tensors(record) or not record.checkpoint_checksums:
+        return
+    for sync in record.syncs:
+        extra = [key for key in sync.names_accepted if key not in record.checkpoint_checksums]
+        if extra:
+            more = f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""
+            yield (
+                f"sync {sync.index}: engine answered 200 for '{extra[0]}'{more}, which the checkpoint does not have: "
+                "the engine may drop it silently (e.g. lm_head.weight of a tied model)"
+            )
 
 
 def _silently_ignored(record: RunRecord) -> Iterator[str]:
@@ -414,7 +457,11 @@ def _chunk_problem(sync: SyncRecord) -> str | None:
     if first is None and received < planned:
         first = next((c for c in sync.chunks if not c.received), None)
     where = f"sync {sync.index}" + (f" chunk {first.index}" if first is not None else "")
-    return f"{where}: planned {planned} chunks, sent {sent}, received {received}, {len(sync.chunks)} in the plan record"
+    why = f"; {first.note}" if first is not None and first.note else ""
+    return (
+        f"{where}: planned {planned} chunks, sent {sent}, received {received}, {len(sync.chunks)} in the plan "
+        f"record{why}"
+    )
 
 
 def check_chunks(record: RunRecord) -> CheckResult:

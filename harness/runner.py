@@ -6,7 +6,8 @@ slots, counts or checksums, so coverage is judged from the names sent and engine
 (`harness.checks`).
 
 Placement (non-colocate): one placement group per trainer world, one bundle per trainer rank, and a
-separate bundle for the engine actor, which owns the engine server process. Trainer actors (one per
+separate bundle for the engine actor, which owns the engine server process. On a GPU host each bundle
+also holds one GPU; a colocated engine shares the sender's bundle and GPU (half each). Trainer actors (one per
 rank, `reference_impl.trainer.worker.TrainerWorker`) are reused across scenarios of the same world
 size; a scenario that crashes or passes its deadline gets its processes killed and the next scenario
 gets fresh ones. Every record is written as soon as its scenario ends.
@@ -35,9 +36,8 @@ from harness.checks import LOGPROB_BUDGETS, group_differences, judged, logprob_p
 from harness.faults import FAULTS
 from harness.record import ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
 from harness.scenario import Scenario, validate
-from reference_impl.checksum import tensor_checksum
 from reference_impl.forward.reference import fixed_prompts
-from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
+from reference_impl.models.checkpoint import checkpoint_checksums, make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import UpdateClient
 
@@ -72,6 +72,11 @@ def ensure_ray(address: str | None = None) -> None:
         ray.init(num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False)
 
 
+def use_gpus() -> bool:
+    """Whether the Ray cluster has GPUs (then trainer ranks and engines are placed on them)."""
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
+
+
 def order_for_reuse(scenarios: list[Scenario]) -> list[Scenario]:
     """Scenarios grouped by trainer world size (stable within a group), so each pool is made once."""
     first_seen: dict[int, int] = {}
@@ -104,12 +109,11 @@ class EngineActor:
     ) -> str:
         """Start the scenario's engine (`embedded` or `vllm`) and return its base URL."""
         if engine == "vllm":
-            import torch
-
             from reference_impl.engine.vllm.launcher import VllmEngineProcess
 
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            self.proc = VllmEngineProcess(checkpoint, seed, log_path, dtype=dtype, backend=backend)
+            # The harness's gloo backend (wsh-vllm-plugin) on every host: the sender speaks the harness's
+            # wire format, not vLLM's packed NCCL protocol.
+            self.proc = VllmEngineProcess(checkpoint, seed, log_path, dtype=dtype, backend="gloo")
             return self.proc.start()
         from reference_impl.engine.embedded.launcher import EngineProcess
 
@@ -140,10 +144,14 @@ class TrainerPool:
 
         # Bundle r = trainer rank r; the last bundle is the engine's when not colocated. Bundles have 2
         # CPUs so a colocated engine (fractional share) fits beside rank 0.
-        pg = placement_group([{"CPU": 2}] * (world_size + 1), strategy="PACK")
+        gpus = use_gpus()
+        # On a GPU host every bundle also holds one GPU: rank r's, and the engine's own when not colocated.
+        bundle = {"CPU": 2, "GPU": 1} if gpus else {"CPU": 2}
+        pg = placement_group([bundle] * (world_size + 1), strategy="PACK")
         ray.get(pg.ready(), timeout=120)
         port = free_port()
-        worker_cls = ray.remote(num_cpus=1)(TrainerWorker)
+        # Half a GPU per rank leaves the other half of bundle 0's GPU to a colocated engine.
+        worker_cls = ray.remote(num_cpus=1, num_gpus=0.5 if gpus else 0)(TrainerWorker)
         actors = [
             worker_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
@@ -158,6 +166,14 @@ class TrainerPool:
         its devices), else a bundle of its own."""
         bundle = 0 if colocate else self.world_size
         return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+
+    @staticmethod
+    def engine_gpus(colocate: bool) -> float:
+        """GPUs the engine actor asks for (its server process inherits them): the other half of the
+        sender's GPU when colocated, a whole one otherwise; 0 on a CPU host."""
+        if not use_gpus():
+            return 0.0
+        return 0.5 if colocate else 1.0
 
     def kill(self) -> None:
         """End every rank process and free the placement group."""
@@ -271,13 +287,15 @@ class Runner:
             spec = load_model(sc.model)
             record.tied_embeddings = spec.facts().tied_embeddings
             ckpt = make_checkpoint(spec, sc.seed, sc.dtype)
-            record.checkpoint_checksums = {n: tensor_checksum(t) for n, t in read_checkpoint(ckpt).items()}
+            record.checkpoint_checksums = checkpoint_checksums(ckpt)
             ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
             deadline = sc.deadline_s or 120.0 + ckpt_bytes / 20e6
             pool = self.pool(sc.world_size)
             log_path = self.out_dir / "logs" / (sc.id.replace("/", "__") + ".engine.log")
             fault = FAULTS[sc.fault] if sc.fault else None
-            engine = EngineActor.options(scheduling_strategy=pool.engine_strategy(sc.colocate)).remote()
+            engine = EngineActor.options(
+                scheduling_strategy=pool.engine_strategy(sc.colocate), num_gpus=pool.engine_gpus(sc.colocate)
+            ).remote()
             setup_refs = [a.setup.remote(sc.as_dict(), str(ckpt)) for a in pool.actors]
             engine_fault = fault.name if fault and fault.side == "engine" else None
             url = self._get(

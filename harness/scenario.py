@@ -112,6 +112,15 @@ def validate(sc: Scenario) -> str | None:
     except ModelEntryError as e:
         return str(e)
     f = spec.facts()
+    if spec.hf_repo:
+        from reference_impl.models.hf_cache import WeightsMissing, find_snapshot
+
+        if sc.dtype != "bfloat16":
+            return f"{sc.model} serves its released bfloat16 weights: set dtype: bfloat16"
+        try:
+            find_snapshot(spec.hf_repo)
+        except WeightsMissing as e:
+            return str(e)
     if (sc.ep > 1 or sc.etp > 1) and not f.num_experts:
         return f"ep {sc.ep} / etp {sc.etp} needs a mixture-of-experts model; {sc.model} is dense: set ep: 1, etp: 1"
     if f.num_experts and f.num_experts % sc.ep:
@@ -148,8 +157,6 @@ def validate(sc: Scenario) -> str | None:
 
 def _vllm_problem(sc: Scenario, f: Any) -> str | None:
     """What keeps `sc` from running on real vLLM on this host (None when nothing does)."""
-    from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
-
     if not sc.logprobs:
         return (
             "engine vllm needs logprobs: true: vLLM reports no per-tensor checksums in HF names, so log-prob "
@@ -161,15 +168,16 @@ def _vllm_problem(sc: Scenario, f: Any) -> str | None:
             "log-probs before any sampling processor (gpu_model_runner _get_prompt_logprobs_dict), i.e. at "
             "temperature 1.0; leave logprob_temperature unset or set it to 1.0"
         )
-    import torch
-
-    if torch.cuda.is_available():
-        return None
     if sc.colocate:
         return (
-            "engine vllm with colocate needs CUDA IPC (vLLM's ipc backend) and this host has no CUDA device: "
-            "set colocate: false, or use engine: embedded for colocate on CPU"
+            "engine vllm runs non-colocate only: its weights travel over the harness's gloo backend "
+            "(reference_impl/engine/vllm), and the harness does not drive vLLM's CUDA IPC backend yet: set "
+            "colocate: false, or use engine: embedded for colocate"
         )
+    import torch
+
+    if torch.cuda.is_available() or load_model(sc.model).hf_repo:
+        return _env_problem()
     if f.vision_heads:
         return (
             f"engine vllm on CPU cannot serve {sc.model}: vLLM's Qwen3-VL path imports torchvision, and PyPI has "
@@ -181,6 +189,12 @@ def _vllm_problem(sc: Scenario, f: Any) -> str | None:
             f"engine vllm on CPU is not set up for mixture-of-experts models ({sc.model}): use engine: embedded "
             "here, or a GPU host"
         )
+    return _env_problem()
+
+
+def _env_problem() -> str | None:
+    from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
+
     try:
         vllm_python()
     except EngineEnvMissing as e:

@@ -539,3 +539,88 @@ def test_resync_that_moves_logprobs_is_parity_fail(record: RunRecord) -> None:
     verdict, results = judge(record)
     assert verdict == "PARITY_FAIL"
     assert "re-sent unchanged weights" in next(r for r in results if r.name == "resync_logprobs_unchanged").message
+
+
+# --- engines without per-tensor reports (vLLM): coverage from names sent, parity from log-probs ---
+
+
+def vllm_record() -> RunRecord:
+    """`make_record()` as vLLM reports it: no slots, counts or HF-name engine checksums."""
+    rec = make_record()
+    rec.scenario["engine"] = "vllm"
+    rec.engine_slots = []
+    for s in rec.syncs:
+        s.engine_checksums = {}
+        s.engine_update_counts = {}
+    return rec
+
+
+def test_vllm_record_passes_without_engine_reports() -> None:
+    verdict, results = judge(vllm_record())
+    assert verdict == "PASS"
+    by_name = {r.name: r for r in results}
+    assert by_name["coverage"].ok and not by_name["coverage"].skipped
+    assert by_name["parity_sent"].skipped and "log-prob" in by_name["parity_sent"].reason
+
+
+def test_vllm_name_never_sent_is_coverage_gap() -> None:
+    rec = vllm_record()
+    rec.syncs[1].names_sent.remove(NAMES[1])
+    verdict, message = verdict_of(rec)
+    assert verdict == "COVERAGE_GAP"
+    assert message.startswith(f"sync 1: checkpoint tensor '{NAMES[1]}' was never sent")
+
+
+def test_vllm_name_sent_twice_is_coverage_gap() -> None:
+    rec = vllm_record()
+    rec.syncs[2].names_sent.append(NAMES[0])
+    assert verdict_of(rec) == ("COVERAGE_GAP", f"sync 2: '{NAMES[0]}' was sent 2 times, expected exactly once")
+
+
+def test_vllm_sync0_sent_differs_from_checkpoint_is_parity_fail() -> None:
+    rec = vllm_record()
+    rec.syncs[0].sent_checksums[NAMES[2]] = "wrong"
+    verdict, message = verdict_of(rec)
+    assert verdict == "PARITY_FAIL" and f"'{NAMES[2]}' sent checksum" in message
+
+
+def test_vllm_200_for_a_name_the_checkpoint_lacks_is_name_error() -> None:
+    rec = vllm_record()
+    extra = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    rec.syncs[1].names_sent.append(extra)
+    rec.syncs[1].names_accepted.append(extra)
+    verdict, message = verdict_of(rec)
+    assert verdict == "NAME_ERROR" and f"answered 200 for '{extra}'" in message
+
+
+def test_vllm_module_name_is_mapped_to_the_hf_name_sent() -> None:
+    rec = vllm_record()
+    body = (
+        '{"error":{"message":"Call to collective_rpc method failed: Worker failed with error \'There is no module '
+        "or parameter named 'layers.0.self_attn.q_proj' in Qwen3Model'\"}}"
+    )
+    reject_chunk(rec, sync=1, chunk=0, status=500, body=body)
+    rec.syncs[1].names_rejected = {n: f"chunk rejected: {body}" for n in NAMES[:2]}
+    verdict, message = verdict_of(rec)
+    assert verdict == "NAME_ERROR"
+    assert f"'{NAMES[1]}' (the engine says 'layers.0.self_attn.q_proj')" in message
+
+
+def test_generic_chunk_rejection_alone_is_not_a_name_error() -> None:
+    """A 500 that names no tensor (e.g. vLLM's shape assertion) stays an HTTP error, although the sender
+    records every name of the chunk as rejected with the answer's text."""
+    rec = vllm_record()
+    body = "Call to collective_rpc method failed: Worker failed with error 'Attempted to load weight'"
+    reject_chunk(rec, sync=0, chunk=0, status=500, body=body)
+    rec.syncs[0].names_rejected = {n: f"chunk rejected: {body}" for n in NAMES[:2]}
+    assert verdict_of(rec)[0] == "HTTP_ERROR"
+
+
+def test_chunk_not_sent_for_lack_of_session_says_why() -> None:
+    rec = vllm_record()
+    chunk = rec.syncs[1].chunks[1]
+    chunk.sent, chunk.received = False, False
+    chunk.note = "not sent: no open update session (the engine ended the session when chunk 0 failed)"
+    rec.syncs[1].chunks_sent = rec.syncs[1].chunks_received = 1
+    verdict, message = verdict_of(rec)
+    assert verdict == "CHUNK_MISMATCH" and "the engine ended the session when chunk 0 failed" in message

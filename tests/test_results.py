@@ -14,6 +14,7 @@ from harness.record import PHASES, ChunkRecord, HttpCall, RunRecord, SyncRecord
 from harness.results import (
     COLUMNS,
     MARKDOWN_HEADER,
+    engine_comparison,
     http_200_summary,
     markdown_table,
     summarize,
@@ -153,7 +154,7 @@ def test_write_summary(tmp_path: Path, records: list[RunRecord]) -> None:
     assert len(table) == 2
     cells = [c.strip() for c in table[0].strip("|").split("|")]
     assert cells == [
-        "qwen3-vl", "2", "1", "2", "no", "raw", "2.000", "0.600", "5.00",
+        "qwen3-vl", "embedded", "2", "1", "2", "no", "raw", "2.000", "0.600", "5.00",
         "start 4/4 · update 8/8 · finish 4/4", "2", "—", "—", "PASS",
     ]  # fmt: skip
     assert "PARITY_FAIL" in table[1]
@@ -200,3 +201,33 @@ def test_logprob_columns_take_the_worst_sync(records: list[RunRecord]) -> None:
     rec.syncs[1].logprobs = {"max_abs": 5e-6, "mean_exp_abs": 1.000002, "tokens": 4}
     row = summarize([rec]).iloc[0]
     assert row["logprob_max_abs"] == 5e-6 and row["logprob_mean_exp_abs"] == 1.000002
+
+
+def as_vllm(record: RunRecord) -> RunRecord:
+    """The same scenario as run on vLLM (id led by the engine, no engine-side reports)."""
+    rec = record.model_copy(deep=True)
+    rec.scenario["engine"] = "vllm"
+    rec.scenario_id = rec.scenario["id"] = "vllm/" + record.scenario_id
+    rec.engine_slots = []
+    for s in rec.syncs:
+        s.engine_checksums, s.engine_update_counts = {}, {}
+        s.total_s *= 3
+    return rec
+
+
+def test_engines_side_by_side(tmp_path: Path, records: list[RunRecord]) -> None:
+    raw = records[0]
+    df = summarize([raw, as_vllm(raw), records[1]])
+    pairs = engine_comparison(df)
+    assert len(pairs) == 1  # bridge ran on one engine only
+    row = pairs.iloc[0].to_dict()
+    assert (row["model"], row["tp"], row["pp"], row["mode"]) == ("qwen3-vl", 2, 2, "raw")
+    # embedded: first 2.0, steady median(0.5, 0.7, 0.6) = 0.6; vLLM: three times each
+    assert (row["embedded first (s)"], row["embedded steady (s)"]) == ("2.000", "0.600")
+    assert (row["vllm first (s)"], row["vllm steady (s)"], row["vllm / embedded"]) == ("6.000", "1.800", "3.00")
+    assert row["vllm verdict"] == row["embedded verdict"] == "PASS"
+    md = write_summary(df, tmp_path)["md"].read_text()
+    assert "## Engines side by side" in md and "| vllm / embedded |" in md.replace("  ", " ")
+    vllm_line = next(line for line in md.splitlines() if line.startswith("| qwen3-vl | vllm "))
+    assert "| raw " in vllm_line  # the mode cell is not confused by the engine-led id
+    assert engine_comparison(summarize(records)).empty

@@ -84,3 +84,78 @@ def test_scale_down_that_breaks_gqa_is_caught() -> None:
         True,
     )
     assert any("GQA ratio" in p for p in check_scale_down_keeps_facts(broken))
+
+
+def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
+    scenarios = load_matrix("cpu_vllm")
+    vllm = {s.id.removeprefix("vllm/") for s in scenarios if s.engine == "vllm"}
+    embedded = {s.id for s in scenarios if s.engine == "embedded"}
+    assert (
+        vllm
+        == embedded
+        == {f"qwen3/tp{tp}-pp{pp}/noncolocate/{mode}" for tp in (1, 2) for pp in (1, 2) for mode in ("raw", "bridge")}
+    )
+    assert all(s.temperature == 1.0 for s in scenarios)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"model": "qwen3", "colocate": True}, "set colocate: false"),
+        ({"model": "qwen3-vl"}, "torchvision"),
+        ({"model": "qwen3-moe"}, "mixture-of-experts"),
+        ({"model": "qwen3", "logprob_temperature": 0.7}, "temperature 1.0"),
+        ({"model": "qwen3", "logprobs": False}, "logprobs: true"),
+        ({"model": "qwen3", "fault": "ok_without_transfer"}, "use engine: embedded"),
+        ({"model": "qwen3", "engine": "sglang"}, "use one of embedded, vllm"),
+    ],
+)
+def test_vllm_scenarios_that_cannot_run_here_say_why(fields: dict, says: str) -> None:
+    if says in ("torchvision", "mixture-of-experts"):
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a limit of vLLM on CPU hosts; this host has CUDA")
+    sc = Scenario(**{"engine": "vllm", **fields})
+    problem = validate(sc)
+    assert problem is not None and says in problem, problem
+
+
+def test_vllm_without_its_environment_is_a_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("WSH_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
+    problem = validate(Scenario(model="qwen3", engine="vllm"))
+    assert problem is not None and "reference_impl.engine.vllm.env --create" in problem
+
+
+def test_released_weights_need_the_hf_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.delenv("WSH_HF_CACHE", raising=False)
+    problem = validate(Scenario(model="qwen3-4b", dtype="bfloat16"))
+    assert problem is not None and "set WSH_HF_CACHE" in problem and "Qwen/Qwen3-4B" in problem
+    monkeypatch.setenv("WSH_HF_CACHE", str(tmp_path))
+    assert "models--Qwen--Qwen3-4B/snapshots" in (validate(Scenario(model="qwen3-4b", dtype="bfloat16")) or "")
+    snap = tmp_path / "models--Qwen--Qwen3-4B" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap / "model-00001-of-00003.safetensors").write_bytes(b"")
+    assert validate(Scenario(model="qwen3-4b", dtype="bfloat16")) is None
+    assert "dtype: bfloat16" in (validate(Scenario(model="qwen3-4b")) or "")
+
+
+def test_gpu_matrix_covers_the_released_models() -> None:
+    scenarios = load_matrix("gpu")
+    assert {s.model for s in scenarios} == {
+        "qwen3-4b",
+        "qwen3-vl-2b",
+        "qwen3-vl-4b",
+        "qwen3-30b-a3b",
+        "qwen3-vl-30b-a3b",
+    }
+    assert {s.engine for s in scenarios} == {"embedded", "vllm"}
+    assert any(s.colocate for s in scenarios) and all(s.dtype == "bfloat16" for s in scenarios)
+    assert {load_model(s.model).hf_repo for s in scenarios} == {
+        "Qwen/Qwen3-4B",
+        "Qwen/Qwen3-VL-2B-Instruct",
+        "Qwen/Qwen3-VL-4B-Instruct",
+        "Qwen/Qwen3-30B-A3B",
+        "Qwen/Qwen3-VL-30B-A3B-Instruct",
+    }

