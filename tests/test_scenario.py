@@ -87,7 +87,7 @@ def test_scale_down_that_breaks_gqa_is_caught() -> None:
 
 
 def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
-    scenarios = load_matrix("cpu_vllm")
+    scenarios = select(load_matrix("cpu_vllm"), "!tag:full-size")
     vllm = {s.id.removeprefix("vllm/") for s in scenarios if s.engine == "vllm"}
     embedded = {s.id for s in scenarios if s.engine == "embedded"}
     assert (
