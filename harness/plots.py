@@ -14,12 +14,13 @@ import pandas as pd
 
 MODES: tuple[str, ...] = ("raw", "bridge")
 MODE_COLORS: dict[str, str] = {"raw": "#4C72B0", "bridge": "#DD8452"}
-GROUP_KEYS: tuple[str, ...] = ("model", "tp", "pp", "ep", "colocate")
+GROUP_KEYS: tuple[str, ...] = ("model", "tp", "pp", "ep", "colocate", "engine")
 
 
-def _group_label(model: str, tp: object, pp: object, ep: object, colocate: object) -> str:
+def _group_label(model: str, tp: object, pp: object, ep: object, colocate: object, engine: object = "") -> str:
     place = "colocate" if bool(colocate) else "non-colocate"
-    return f"{model}\nTP{tp} PP{pp} EP{ep}\n{place}"
+    on = f" · {engine}" if engine and engine != "embedded" else ""
+    return f"{model}\nTP{tp} PP{pp} EP{ep}\n{place}{on}"
 
 
 def steady_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -30,9 +31,11 @@ def steady_table(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty or "steady_s" not in df:
         return pd.DataFrame(columns=list(MODES))
     data = df.copy()
+    defaults = {"model": "", "engine": "embedded"}
     for key in GROUP_KEYS:
         if key not in data:
-            data[key] = "" if key == "model" else 1
+            data[key] = defaults.get(key, 1)
+    data["engine"] = data["engine"].replace("", "embedded").fillna("embedded")
     data["steady_s"] = pd.to_numeric(data["steady_s"], errors="coerce")
     table = data.groupby([*GROUP_KEYS, "mode"], sort=True)["steady_s"].median().unstack("mode")
     return table.reindex(columns=list(MODES))

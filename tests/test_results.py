@@ -231,3 +231,10 @@ def test_engines_side_by_side(tmp_path: Path, records: list[RunRecord]) -> None:
     vllm_line = next(line for line in md.splitlines() if line.startswith("| qwen3-vl | vllm "))
     assert "| raw " in vllm_line  # the mode cell is not confused by the engine-led id
     assert engine_comparison(summarize(records)).empty
+
+
+def test_steady_plot_keeps_engines_apart(records: list[RunRecord]) -> None:
+    table = steady_table(summarize([records[0], as_vllm(records[0])]))
+    assert len(table) == 2
+    by_engine = {key[-1]: row["raw"] for key, row in table.iterrows()}
+    assert by_engine == {"embedded": pytest.approx(0.6), "vllm": pytest.approx(1.8)}
