@@ -86,11 +86,11 @@ def cpu_matrix_vllm(session: nox.Session) -> None:
 
 
 def _gpu_refusal() -> str | None:
-    """Why the GPU matrix cannot run here (one sentence), or None."""
+    """Why the GPU matrix cannot run here (one sentence; nox adds the full stop), or None."""
     smi = shutil.which("nvidia-smi")
     listed = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout if smi else ""
     if "GPU" not in listed:
-        return "nox -s gpu_matrix needs a CUDA device and nvidia-smi lists none here: run it on a GPU runner."
+        return "nox -s gpu_matrix needs a CUDA device and nvidia-smi lists none here: run it on a GPU runner"
     cache = os.environ.get("WSH_HF_CACHE")
     repos = sorted(
         m.group(1)
@@ -100,7 +100,7 @@ def _gpu_refusal() -> str | None:
     if not cache:
         return (
             "nox -s gpu_matrix reads released weights from WSH_HF_CACHE, which is not set: point it at a "
-            f"Hugging Face hub cache holding {', '.join(repos)}."
+            f"Hugging Face hub cache holding {', '.join(repos)}"
         )
     missing = [
         r
@@ -111,7 +111,7 @@ def _gpu_refusal() -> str | None:
     if missing:
         return (
             f"nox -s gpu_matrix found no weights for {', '.join(missing)} under WSH_HF_CACHE={cache}: "
-            "download them there (huggingface-cli download REPO)."
+            "download them there (huggingface-cli download REPO)"
         )
     return None
 
