@@ -1,5 +1,5 @@
 """Non-colocate channel: the packed chunk is broadcast from the trainer's sender to the engine over
-the transfer group (gloo here, NCCL on GPU hosts) while the chunk's `/update_weights` call is in flight.
+the transfer group (gloo, on every host so far) while the chunk's `/update_weights` call is in flight.
 
 The HTTP call blocks until the engine has received and loaded the chunk, and the engine joins the
 broadcast from inside that call, so the call runs in a thread while this thread broadcasts (vLLM's
