@@ -53,7 +53,8 @@ def _install(session: nox.Session) -> None:
 
 
 def _vllm_env(session: nox.Session, flavor: str = "cpu") -> str:
-    """Build (once) vLLM's environment and return its python."""
+    """Build (once) vLLM's environment and return its python. Keep the path as it is: resolving the
+    symlink would leave the virtual environment for its base interpreter."""
     session.run("python", "-m", "reference_impl.engine.vllm.env", "--create", "--flavor", flavor)
     return str(Path(".venvs") / f"vllm-{flavor}" / "bin" / "python")
 
@@ -64,7 +65,7 @@ def tests(session: nox.Session) -> None:
     _install(session)
     session.run("ruff", "check", ".")
     python = _vllm_env(session)
-    env = {"WSH_VLLM_PYTHON": str(Path(python).resolve()), "WSH_REQUIRE_VLLM": "1"}
+    env = {"WSH_VLLM_PYTHON": str(Path(python).absolute()), "WSH_REQUIRE_VLLM": "1"}
     session.run("pytest", *(session.posargs or ["-q", "tests"]), env=env)
 
 
@@ -81,7 +82,7 @@ def cpu_matrix_vllm(session: nox.Session) -> None:
     summary.md puts both engines' timings side by side. Extra args go to `python -m harness run`."""
     _install(session)
     python = _vllm_env(session)
-    env = {"WSH_VLLM_PYTHON": str(Path(python).resolve())}
+    env = {"WSH_VLLM_PYTHON": str(Path(python).absolute())}
     session.run("python", "-m", "harness", "run", "--matrix", "cpu_vllm", *session.posargs, env=env)
 
 
@@ -125,5 +126,5 @@ def gpu_matrix(session: nox.Session) -> None:
         session.error(refusal)
     _install(session)
     python = _vllm_env(session, "gpu")
-    env = {"WSH_VLLM_PYTHON": str(Path(python).resolve())}
+    env = {"WSH_VLLM_PYTHON": str(Path(python).absolute())}
     session.run("python", "-m", "harness", "run", "--matrix", "gpu", *session.posargs, env=env)

@@ -185,7 +185,8 @@ class TrainerPool:
 
 def dump_stacks(pids: dict[str, int | None], out_dir: Path, timeout_s: float = 30.0) -> list[str]:
     """Python stacks of every process in `pids` (label -> pid) into `out_dir/<label>.txt` with
-    `py-spy dump`; returns the files written. A process py-spy cannot read gets its error in the file."""
+    `py-spy dump --subprocesses` (vLLM's server has its engine core and worker as children); returns the
+    files written. A process py-spy cannot read gets its error in the file."""
     out_dir.mkdir(parents=True, exist_ok=True)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     files = []
@@ -194,7 +195,7 @@ def dump_stacks(pids: dict[str, int | None], out_dir: Path, timeout_s: float = 3
             continue
         try:
             proc = subprocess.run(
-                [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
+                [py_spy, "dump", "--subprocesses", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
             )
             text = proc.stdout + (f"\n[py-spy exit {proc.returncode}] {proc.stderr}" if proc.returncode else "")
         except (OSError, subprocess.TimeoutExpired) as e:
