@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -206,6 +209,18 @@ def dump_stacks(pids: dict[str, int | None], out_dir: Path, timeout_s: float = 3
     return files
 
 
+def kill_server_group(pid: int | None) -> None:
+    """SIGKILL the process group of a vLLM server that its engine actor did not stop (the actor was
+    killed first: the server runs in its own session, so nothing else ends it). Only a live group
+    leader whose command line is vLLM's API server is touched; on another Ray node nothing is found."""
+    if pid is None:
+        return
+    with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+        proc = psutil.Process(pid)
+        if os.getpgid(pid) == pid and "vllm.entrypoints.openai.api_server" in " ".join(proc.cmdline()):
+            os.killpg(pid, signal.SIGKILL)
+
+
 class ScenarioFailed(Exception):
     """Raised inside `run_scenario` to stop a scenario early; its errors are already recorded."""
 
@@ -355,6 +370,8 @@ class Runner:
                 with contextlib.suppress(Exception):
                     ray.get(engine.stop.remote(), timeout=30)
                 ray.kill(engine, no_restart=True)
+                if sc.engine == "vllm":
+                    kill_server_group(pids.get("engine"))
             if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
                 self.drop_pool(sc.world_size)
         return self._finish(record)

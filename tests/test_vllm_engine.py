@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -289,7 +292,7 @@ def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
 
 # Trainer-side faults that a dense non-colocate Qwen3 scenario shows, each run against real vLLM: the
 # verdict must be the one the embedded engine gives (tests/test_faults.py).
-VLLM_FAULTS = ("tied_lm_head_sent", "wrong_dtype", "drop_last_chunk", "gqa_split_wrong")
+VLLM_FAULTS = ("tied_lm_head_sent", "wrong_dtype", "drop_last_chunk", "gqa_split_wrong", "pp_barrier_in_chunk_loop")
 
 
 @pytest.mark.parametrize("name", VLLM_FAULTS)
@@ -302,3 +305,17 @@ def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, name: s
     assert validate(sc) is None
     rec = runner.run_scenario(sc)
     assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
+    if FAULTS[name].expect == "DEADLOCK":  # the engine's stacks include vLLM's engine core and worker
+        engine_stacks = next(Path(p).read_text() for p in rec.stacks if Path(p).stem == "engine")
+        assert "vllm" in engine_stacks and engine_stacks.count("Process ") >= 2, engine_stacks[:2000]
+        server = int(re.search(r"pid (\d+)", engine_stacks).group(1))
+        time.sleep(2)  # the server's whole process group is gone (it runs in a session of its own)
+        left = [p.pid for p in psutil.process_iter() if _alive_in_group(p, server)]
+        assert not left, left
+
+
+def _alive_in_group(proc: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, PermissionError, psutil.Error):
+        return False

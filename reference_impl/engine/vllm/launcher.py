@@ -133,7 +133,7 @@ class VllmEngineProcess:
         """The API server's pid (its engine core is a child in the same process group), None before start."""
         return self.proc.pid if self.proc else None
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = 10.0) -> None:
         """End the server's whole process group by its pid: SIGTERM, SIGKILL after `grace_s` seconds."""
         if self.proc is None:
             return
