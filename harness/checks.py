@@ -698,6 +698,17 @@ def check_logprobs(record: RunRecord) -> CheckResult:
     """After every sync, engine log-probs on the fixed prompts match the trainer's within the budget."""
     name = "logprob_parity"
     measured = [s for s in record.syncs if s.logprobs]
+    if not engine_reports_tensors(record):
+        # Log-probs are the only evidence of what such an engine (vLLM) holds: a finished sync without them
+        # shows nothing, so it cannot pass.
+        bare = next((s for s in record.syncs if s.finished and not s.logprobs), None)
+        if bare is not None:
+            return _failed(
+                name,
+                "PARITY_FAIL",
+                f"sync {bare.index}: no log-prob comparison, and this engine reports nothing else about the "
+                "weights it holds",
+            )
     if not measured or not record.logprob_budget:
         return _skipped(name, "PARITY_FAIL", "no log-prob measurement in this record")
     budget = record.logprob_budget

@@ -45,6 +45,7 @@ from reference_impl.models.registry import load_model
 from reference_impl.transport.client import UpdateClient
 
 SETUP_TIMEOUT_S = 900.0
+FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
 # Seconds from launch to /health 200: the embedded engine loads a small model; vLLM starts an engine
 # core, profiles memory and warms up (18-55 s on 2 shared cores, much more under load).
 ENGINE_START_TIMEOUT_S = {"embedded": 300.0, "vllm": 900.0}
@@ -68,7 +69,10 @@ def ensure_ray(address: str | None = None) -> None:
     """Start (or join, with `address`) Ray once per driver process, without the dashboard."""
     if ray.is_initialized():
         return
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}}
+    env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
+    # What validation read in this driver must be what the engine actors read (also on a joined cluster).
+    env_vars |= {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env = {"env_vars": env_vars}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:

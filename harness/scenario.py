@@ -174,17 +174,15 @@ def _vllm_problem(sc: Scenario, f: Any) -> str | None:
             "(reference_impl/engine/vllm), and the harness does not drive vLLM's CUDA IPC backend yet: set "
             "colocate: false, or use engine: embedded for colocate"
         )
-    import torch
-
-    if torch.cuda.is_available() or load_model(sc.model).hf_repo:
-        return _env_problem()
     if f.vision_heads:
         return (
-            f"engine vllm on CPU cannot serve {sc.model}: vLLM's Qwen3-VL path imports torchvision, and PyPI has "
-            "no CPU torchvision build for torch 2.13 (its CUDA build fails to import beside torch+cpu): use "
-            "engine: embedded here, or a GPU host"
+            f"engine vllm cannot check {sc.model} here: its image prompt needs vLLM's chat route (a tokenizer and "
+            "chat template; /v1/completions takes no images), and on CPU vLLM's Qwen3-VL path imports torchvision, "
+            "which has no CPU build for torch 2.13 on PyPI: use engine: embedded"
         )
-    if f.num_experts:
+    import torch
+
+    if f.num_experts and not torch.cuda.is_available():
         return (
             f"engine vllm on CPU is not set up for mixture-of-experts models ({sc.model}): use engine: embedded "
             "here, or a GPU host"

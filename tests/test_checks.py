@@ -624,3 +624,14 @@ def test_chunk_not_sent_for_lack_of_session_says_why() -> None:
     rec.syncs[1].chunks_sent = rec.syncs[1].chunks_received = 1
     verdict, message = verdict_of(rec)
     assert verdict == "CHUNK_MISMATCH" and "the engine ended the session when chunk 0 failed" in message
+
+
+def test_vllm_sync_without_logprobs_cannot_pass() -> None:
+    """Log-probs are vLLM's only engine-side evidence; the embedded engine's checksums stand in otherwise."""
+    rec = vllm_record()
+    rec.syncs[1].logprobs = {}
+    verdict, message = verdict_of(rec)
+    assert verdict == "PARITY_FAIL" and message.startswith("sync 1: no log-prob comparison")
+    embedded = make_record()
+    embedded.syncs[1].logprobs = {}
+    assert verdict_of(embedded)[0] == "PASS"

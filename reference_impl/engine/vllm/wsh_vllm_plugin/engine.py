@@ -216,7 +216,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Process every reloaded layer (repack) and restore the layers no chunk touched."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException:
+            self._abort_layerwise_reload()  # never leave layers on the meta device
+            raise
         self._repack_cpu_embedding_gemms()
 
     def _repack_cpu_embedding_gemms(self) -> None:
