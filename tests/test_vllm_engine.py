@@ -44,9 +44,8 @@ from reference_impl.forward.reference import ReferenceForward, fixed_prompts
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineRejected, UpdateClient
-from reference_impl.transport.noncolocate import BroadcastChannel
+from reference_impl.transport.noncolocate import BroadcastChannel, connect_broadcast
 from reference_impl.transport.sync import run_sync
-from reference_impl.transport.wire import host_store, join_transfer_group
 
 SEED, ENGINE_SEED = 1234, 4321
 BIG_BUCKET = 64 << 20  # one chunk holds the whole tiny model
@@ -113,24 +112,7 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def _connect(kind: str, proc: Any, url: str, ckpt: Path) -> Connected:
     client = UpdateClient(url, timeout_s=300, session_ends_on_error=kind == "vllm")
-    store = host_store(timeout_s=120)
-    info = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1,
-            "world_size": 2}  # fmt: skip
-    errors: list[BaseException] = []
-
-    def init() -> None:
-        try:
-            client.init_transfer(info)
-        except BaseException as e:
-            errors.append(e)
-
-    th = threading.Thread(target=init, daemon=True)
-    th.start()
-    group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=120, store=store)
-    th.join()
-    if errors:
-        raise errors[0]
-    return Connected(kind, proc, client, BroadcastChannel(group), ckpt)
+    return Connected(kind, proc, client, connect_broadcast(client), ckpt)
 
 
 @pytest.fixture(scope="module")

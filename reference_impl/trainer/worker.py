@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 import traceback
 import zlib
@@ -30,9 +29,8 @@ from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, 
 from reference_impl.trainer.params import iter_global_params
 from reference_impl.transport import sync
 from reference_impl.transport.client import UpdateClient
-from reference_impl.transport.noncolocate import BroadcastChannel
+from reference_impl.transport.noncolocate import connect_broadcast
 from reference_impl.transport.sync import SENDER, Channel
-from reference_impl.transport.wire import host_store, join_transfer_group
 
 
 class TrainerWorker:
@@ -87,30 +85,7 @@ class TrainerWorker:
             self.channel = CudaIpcChannel() if torch.cuda.is_available() else SharedMemoryChannel()
             self.client.init_transfer({"backend": self.channel.backend})
             return self._drain_calls()
-        store = host_store(timeout_s=timeout_s)
-        init_info = {
-            "backend": "gloo",
-            "master_address": "127.0.0.1",
-            "master_port": store.port,
-            "rank_offset": 1,
-            "world_size": 2,
-        }
-        errors: list[BaseException] = []
-
-        def call() -> None:
-            try:
-                assert self.client is not None
-                self.client.init_transfer(init_info)
-            except BaseException as e:  # re-raised below in the caller's thread
-                errors.append(e)
-
-        th = threading.Thread(target=call, daemon=True)
-        th.start()
-        group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=timeout_s, store=store)
-        th.join()
-        if errors:
-            raise errors[0]
-        self.channel = BroadcastChannel(group)
+        self.channel = connect_broadcast(self.client, timeout_s)
         return self._drain_calls()
 
     def _drain_calls(self) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import torch
 
 from reference_impl.transport.client import UpdateClient
 from reference_impl.transport.sync import SENDER
-from reference_impl.transport.wire import TransferGroup, pack
+from reference_impl.transport.wire import TransferGroup, host_store, join_transfer_group, pack
 
 
 class BroadcastChannel:
@@ -45,3 +45,30 @@ class BroadcastChannel:
     def close(self) -> None:
         """Stop the HTTP thread (the group is dropped with the channel)."""
         self.pool.shutdown(wait=True)
+
+
+def connect_broadcast(client: UpdateClient, timeout_s: float = 120.0) -> BroadcastChannel:
+    """Set up the non-colocate channel: host a TCPStore on 127.0.0.1, POST /init_weight_transfer_engine
+    `{"backend": "gloo", "master_address", "master_port", "rank_offset": 1, "world_size": 2}` in a thread
+    (the engine answers once it joined) while this process joins the group as rank 0.
+
+    Raises:
+        EngineRejected: the engine refused the init call.
+        RuntimeError / DistStoreError: the engine did not join within `timeout_s` seconds.
+    """
+    store = host_store(timeout_s=timeout_s)
+    init_info = {
+        "backend": "gloo",
+        "master_address": "127.0.0.1",
+        "master_port": store.port,
+        "rank_offset": 1,
+        "world_size": 2,
+    }
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="init-transfer")
+    try:
+        answer = pool.submit(client.init_transfer, init_info)
+        group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=timeout_s, store=store)
+        answer.result()  # re-raises the init call's error here
+    finally:
+        pool.shutdown(wait=False)  # a failed join does not wait for the HTTP call
+    return BroadcastChannel(group)

@@ -35,9 +35,9 @@ import torch
 from safetensors.torch import load_file
 
 from reference_impl.transport.client import EngineRejected, UpdateClient
-from reference_impl.transport.noncolocate import BroadcastChannel
+from reference_impl.transport.noncolocate import connect_broadcast
 from reference_impl.transport.sync import run_sync
-from reference_impl.transport.wire import dtype_name, host_store, join_transfer_group, pack
+from reference_impl.transport.wire import dtype_name, pack
 
 PROMPT = [500, 17, 42, 99, 311, 7, 256, 123, 64, 5]
 
@@ -155,24 +155,9 @@ def main() -> int:
         report["n_checksums"] = len(before)
 
         # Join the transfer group as the trainer (rank 0) while /init_weight_transfer_engine is in flight.
-        store = host_store(timeout_s=120)
-        init_info = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": store.port,
-                     "rank_offset": 1, "world_size": 2}  # fmt: skip
-        errors: list[BaseException] = []
-
-        def call() -> None:
-            try:
-                client.init_transfer(init_info)
-            except BaseException as e:
-                errors.append(e)
-
         t_init = time.perf_counter()
-        th = threading.Thread(target=call, daemon=True)
-        th.start()
-        group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=120, store=store)
-        th.join()
-        if errors:
-            raise errors[0]
+        channel = connect_broadcast(client)
+        group = channel.group
         report["init_s"] = round(time.perf_counter() - t_init, 2)
 
         # Sync A: one chunk, layer 0's tensors only, sent by hand (header + payload, update_info as sync.py).
@@ -195,7 +180,6 @@ def main() -> int:
         report["sync_a_ok"] = bool(changed) and all(".layers.0." in k for k in changed)
 
         # Sync B: the whole checkpoint through the harness's run_sync + BroadcastChannel (one chunk).
-        channel = BroadcastChannel(group)
         t_b = time.perf_counter()
         res, plan = run_sync(owned=list(weights.items()), rank=0, world_size=1, bucket_bytes=64 << 20,
                              sync_index=1, weight_version=1, client=client, channel=channel)  # fmt: skip
