@@ -204,14 +204,17 @@ def test_logprob_columns_take_the_worst_sync(records: list[RunRecord]) -> None:
 
 
 def as_vllm(record: RunRecord) -> RunRecord:
-    """The same scenario as run on vLLM (id led by the engine, no engine-side reports)."""
+    """The same scenario as run on vLLM (id led by the engine, no engine-side reports; log-probs, vLLM's
+    only engine-side evidence, within budget)."""
     rec = record.model_copy(deep=True)
     rec.scenario["engine"] = "vllm"
     rec.scenario_id = rec.scenario["id"] = "vllm/" + record.scenario_id
     rec.engine_slots = []
+    rec.logprob_budget = {"max_abs": 1e-4, "mean_exp_abs": 1.0001}
     for s in rec.syncs:
         s.engine_checksums, s.engine_update_counts = {}, {}
         s.total_s *= 3
+        s.logprobs = {"tokens": 4, "max_abs": 5e-7, "mean_abs": 1e-7, "mean_exp_abs": 1.0000001, "first_diff": ""}
     return rec
 
 
