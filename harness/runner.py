@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from harness.checks import LOGPROB_BUDGETS, group_differences, judged, logprob_p
 from harness.faults import FAULTS
 from harness.record import ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
 from harness.scenario import Scenario, validate
+from reference_impl.engine.process import free_port
 from reference_impl.forward.reference import fixed_prompts
 from reference_impl.models.checkpoint import checkpoint_checksums, make_checkpoint
 from reference_impl.models.registry import load_model
@@ -56,13 +56,6 @@ ENGINE_NOTES = {
         "judged from the names sent against the checkpoint, engine-side parity from log-probs"
     )
 }
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_ray(address: str | None = None) -> None:

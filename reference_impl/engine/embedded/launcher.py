@@ -12,14 +12,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-
-class EngineStartError(RuntimeError):
-    """The engine process exited or did not answer /health in time (message holds its log tail)."""
+from reference_impl.engine.process import EngineStartError, wait_for_health
 
 
 class EngineProcess:
@@ -71,20 +66,16 @@ class EngineProcess:
             cmd += ["--fault", self.fault]
         env = {**os.environ, "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": str(self.threads)}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineStartError(f"engine exited with {self.proc.returncode}: {self._log_tail()}")
-            if port_file.exists():
-                self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
-                try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                        return self.url
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.1)
-        self.stop()
-        raise EngineStartError(f"engine did not answer /health within {timeout_s:.0f} s: {self._log_tail()}")
+
+        def url() -> str | None:  # known once the server has written the port it bound
+            return f"http://127.0.0.1:{int(port_file.read_text())}" if port_file.exists() else None
+
+        try:
+            self.url = wait_for_health(self.proc, url, timeout_s, self._log_tail)
+        except EngineStartError:
+            self.stop()
+            raise
+        return self.url
 
     def pid(self) -> int | None:
         """The server's pid, None before start."""

@@ -21,25 +21,12 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
+from reference_impl.engine.process import EngineStartError, free_port, wait_for_health
 from reference_impl.engine.vllm.env import vllm_python
-
-
-class EngineStartError(RuntimeError):
-    """The vLLM server exited or did not answer /health in time (message holds its log tail)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class VllmEngineProcess:
@@ -99,7 +86,7 @@ class VllmEngineProcess:
             EngineEnvMissing: no vLLM environment (before anything starts).
             EngineStartError: the process exited, or no /health 200 within `timeout_s` seconds.
         """
-        port = _free_port()
+        port = free_port()
         cmd = self.command(port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115  (kept open for the child's lifetime)
@@ -116,18 +103,11 @@ class VllmEngineProcess:
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir(), start_new_session=True
         )
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineStartError(f"vLLM exited with {self.proc.returncode}: {self._log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise EngineStartError(f"vLLM did not answer /health within {timeout_s:.0f} s: {self._log_tail()}")
+        try:
+            return wait_for_health(self.proc, lambda: self.url, timeout_s, self._log_tail, "vLLM", poll_s=0.5)
+        except EngineStartError:
+            self.stop()
+            raise
 
     def pid(self) -> int | None:
         """The API server's pid (its engine core is a child in the same process group), None before start."""

@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,18 +33,13 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
+from reference_impl.engine.process import free_port
 from reference_impl.transport.client import EngineRejected, UpdateClient
 from reference_impl.transport.noncolocate import connect_broadcast
 from reference_impl.transport.sync import run_sync
 from reference_impl.transport.wire import dtype_name, pack
 
 PROMPT = [500, 17, 42, 99, 311, 7, 256, 123, 64, 5]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(python: str, ckpt: str, port: int, log: Path) -> subprocess.Popen[bytes]:
