@@ -38,6 +38,7 @@ from harness.runner import Runner
 from harness.scenario import Scenario, validate
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.launcher import EngineProcess
+from reference_impl.engine.process import EngineStartError
 from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.forward.reference import ReferenceForward, fixed_prompts
@@ -327,3 +328,18 @@ def _alive_in_group(proc: psutil.Process, pgid: int) -> bool:
         return os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE
     except (ProcessLookupError, PermissionError, psutil.Error):
         return False
+
+
+def test_vllm_that_cannot_start_is_a_start_error_naming_why(tmp_path: Path) -> None:
+    """A vLLM server that exits at start (here: an argument it does not know) ends `start()` with
+    EngineStartError carrying the log's tail, which the runner records as the scenario's CRASH."""
+    _require_vllm()
+    ckpt = make_checkpoint(load_model("qwen3"), SEED)
+    proc = VllmEngineProcess(str(ckpt), ENGINE_SEED, str(tmp_path / "vllm.log"), extra_args=["--no-such-flag"])
+    try:
+        with pytest.raises(EngineStartError) as err:
+            proc.start(timeout_s=300)
+    finally:
+        proc.stop()
+    assert "vLLM exited with" in str(err.value) and "--no-such-flag" in str(err.value)
+    assert proc.proc is not None and proc.proc.returncode not in (0, None)
