@@ -18,6 +18,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from reference_impl.transport.observed import ChunkRecord, HttpCall, SyncReport
+
+__all__ = ["PHASES", "VERDICTS", "ChunkRecord", "ErrorRecord", "HttpCall", "RunRecord", "SyncRecord"]
+
 PHASES: tuple[str, ...] = ("gather", "convert", "transfer", "load")
 
 VERDICTS: tuple[str, ...] = (
@@ -33,17 +37,6 @@ VERDICTS: tuple[str, ...] = (
 )
 
 
-class HttpCall(BaseModel):
-    """One HTTP call from the trainer's update client to the engine."""
-
-    route: str
-    status: int  # HTTP status; 0 when no response arrived (connection error)
-    ms: float  # wall milliseconds from request to response
-    sync: int | None = None  # sync index, None for calls outside a sync (init, checksum)
-    chunk: int | None = None  # chunk index within the sync for /update_weights
-    error: str | None = None  # response body (truncated) when status != 200
-
-
 class ErrorRecord(BaseModel):
     """An exception seen anywhere in the scenario, with where it happened."""
 
@@ -54,37 +47,16 @@ class ErrorRecord(BaseModel):
     traceback: str = ""
 
 
-class ChunkRecord(BaseModel):
-    """One chunk (bucket) of one sync: what was planned, sent and acknowledged."""
-
-    index: int
-    names: list[str]  # HF names planned into this chunk, in order
-    bytes: int  # planned payload bytes
-    sent: bool = False  # the trainer's sender finished its broadcast / handle hand-off
-    received: bool = False  # the engine answered 200 to this chunk's /update_weights
-    note: str = ""  # why a chunk was not sent, when the sender knows (e.g. the engine ended the session)
-
-
-class SyncRecord(BaseModel):
-    """One weight update: start -> update x chunks -> finish."""
+class SyncRecord(SyncReport):
+    """One weight update (start -> update x chunks -> finish): the sender's `SyncReport` with phases and
+    wall time merged over ranks, and what the harness measured after it."""
 
     index: int  # 0 = first sync (engine starts from dummy weights)
     weight_version: int
-    mode: str  # export mode that actually ran: "raw" | "bridge"
-    chunks_planned: int = 0
-    chunks_sent: int = 0
-    chunks_received: int = 0
-    chunks: list[ChunkRecord] = Field(default_factory=list)
-    bytes: int = 0  # payload bytes sent in this sync
-    phases: dict[str, float] = Field(default_factory=dict)  # PHASES -> seconds (max over ranks)
-    total_s: float = 0.0  # wall seconds from the first gather to the engine's finish answer
-    names_sent: list[str] = Field(default_factory=list)
-    names_accepted: list[str] = Field(default_factory=list)
-    names_rejected: dict[str, str] = Field(default_factory=dict)  # HF name -> engine's reason
-    sent_checksums: dict[str, str] = Field(default_factory=dict)  # HF name -> checksum of sent bytes
+    rank: int = 0  # the sender's
+    chunks_sent: int = 0  # chunks the sender sent (broadcast / handle hand-off finished)
+    chunks_received: int = 0  # chunks the engine answered 200
     engine_checksums: dict[str, str] = Field(default_factory=dict)  # HF name -> engine after finish
-    engine_update_counts: dict[str, int] = Field(default_factory=dict)  # engine slot -> updates
-    finished: bool = False  # /finish_weight_update answered 200
     perturbed: bool = True  # the trainer's weights changed since the previous sync (False: a re-sync)
     # Log-prob parity after this sync (`harness.checks.logprob_parity`): forward, temperature, tokens,
     # max_abs, mean_abs, mean_exp_abs (NeMo-RL's mean exp|diff|), first_diff.

@@ -36,13 +36,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness.checks import LOGPROB_BUDGETS, group_differences, judged, logprob_parity
 from harness.faults import FAULTS
-from harness.record import ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
+from harness.record import ErrorRecord, RunRecord, SyncRecord
 from harness.scenario import Scenario, validate
 from reference_impl.engine.process import free_port
 from reference_impl.forward.reference import fixed_prompts
 from reference_impl.models.checkpoint import checkpoint_checksums, make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import UpdateClient
+from reference_impl.transport.observed import HttpCall, SyncReport
 
 SETUP_TIMEOUT_S = 900.0
 FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
@@ -331,7 +332,7 @@ class Runner:
                 record.notes.append(ENGINE_NOTES[sc.engine])
             connect = [a.connect_engine.remote(url, sc.colocate, sc.engine) for a in pool.actors]
             for calls in self._get(connect, deadline, record, "connect engine"):
-                record.http.extend(HttpCall(**c) for c in calls)
+                record.http.extend(calls)
             record.logprob_budget = dict(LOGPROB_BUDGETS[sc.dtype]) if sc.logprobs else {}
             prompts = fixed_prompts(json.loads((ckpt / "config.json").read_text())) if sc.logprobs else []
             # syncs #0..N-1, then one more that re-sends unchanged weights (its log-probs must not move).
@@ -361,7 +362,7 @@ class Runner:
             record.errors.append(_error_from(e, None, "runner"))
         finally:
             if checker is not None:  # the harness's own calls (checksums, log-probs), also on failure
-                record.http.extend(HttpCall(**c) for c in checker.calls)
+                record.http.extend(checker.calls)
                 checker.close()
             if engine is not None:
                 with contextlib.suppress(Exception):
@@ -402,29 +403,22 @@ class Runner:
         }
 
     @staticmethod
-    def _merge_sync(index: int, per_rank: list[dict[str, Any]], record: RunRecord) -> SyncRecord:
-        sender = per_rank[0]
-        record.http.extend(HttpCall(**c) for c in sender["http"])
-        phases = {k: max(r["phases"].get(k, 0.0) for r in per_rank) for k in ("gather", "convert")}
-        phases.update({k: sender["phases"].get(k, 0.0) for k in ("transfer", "load")})
-        chunks = [ChunkRecord(**c) for c in sender["chunks"]]
+    def _merge_sync(index: int, per_rank: list[tuple[SyncReport, list[HttpCall]]], record: RunRecord) -> SyncRecord:
+        """One `SyncRecord` from every rank's report: the sender's (rank 0) observations; gather and convert
+        as the slowest rank's, transfer and load as the sender's; the sender's calls go into the record."""
+        reports = [report for report, _ in per_rank]
+        sender = reports[0]
+        record.http.extend(per_rank[0][1])
+        phases = {k: max(r.phases.get(k, 0.0) for r in reports) for k in ("gather", "convert")}
+        phases.update({k: sender.phases.get(k, 0.0) for k in ("transfer", "load")})
         return SyncRecord(
+            **sender.model_dump(exclude={"rank", "phases", "total_s"}),
             index=index,
             weight_version=index,
-            mode=sender["mode"],
-            chunks_planned=sender["chunks_planned"],
-            chunks_sent=sum(c.sent for c in chunks),
-            chunks_received=sum(c.received for c in chunks),
-            chunks=chunks,
-            bytes=sender["bytes"],
+            chunks_sent=sum(c.sent for c in sender.chunks),
+            chunks_received=sum(c.received for c in sender.chunks),
             phases=phases,
-            total_s=max(r["total_s"] for r in per_rank),
-            names_sent=sender["names_sent"],
-            names_accepted=sender["names_accepted"],
-            names_rejected=sender["names_rejected"],
-            sent_checksums=sender["sent_checksums"],
-            engine_update_counts=sender["engine_update_counts"],
-            finished=sender["finished"],
+            total_s=max(r.total_s for r in reports),
         )
 
     def finish_group(self, members: list[RunRecord]) -> list[RunRecord]:

@@ -30,6 +30,7 @@ from reference_impl.trainer.params import iter_global_params
 from reference_impl.transport import sync
 from reference_impl.transport.client import UpdateClient
 from reference_impl.transport.noncolocate import connect_broadcast
+from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.sync import SENDER, Channel
 
 
@@ -68,7 +69,7 @@ class TrainerWorker:
 
     def connect_engine(
         self, base_url: str, colocate: bool = False, engine: str = "embedded", timeout_s: float = 120.0
-    ) -> list[dict[str, Any]]:
+    ) -> list[HttpCall]:
         """Sender only: set up the channel to the engine through /init_weight_transfer_engine.
 
         Non-colocate: a gloo transfer group; the HTTP call blocks until the engine joined, so it runs in
@@ -88,21 +89,22 @@ class TrainerWorker:
         self.channel = connect_broadcast(self.client, timeout_s)
         return self._drain_calls()
 
-    def _drain_calls(self) -> list[dict[str, Any]]:
+    def _drain_calls(self) -> list[HttpCall]:
         if self.client is None:
             return []
         calls, self.client.calls = self.client.calls, []
         return calls
 
-    def sync(self, index: int, weight_version: int, mode: str, bucket_bytes: int) -> dict[str, Any]:
-        """Export (`mode`) and send one sync. Returns this rank's `SyncResult` as a dict plus its calls."""
+    def sync(self, index: int, weight_version: int, mode: str, bucket_bytes: int) -> tuple[SyncReport, list[HttpCall]]:
+        """Export (`mode`) and send one sync. Returns what this rank observed and the engine calls it made
+        (the sender's; none on other ranks)."""
         assert self.model is not None and self.layout is not None
         t0 = time.perf_counter()
         self.last_sent = {}
         ex = stream.export(mode, self.model, self.layout, self.facts)
         owned, phases = ex.owned, ex.phases
         t_export = time.perf_counter() - t0
-        res, plan = sync.run_sync(
+        res, _ = sync.run_sync(
             owned=owned,
             rank=self.rank,
             world_size=self.world_size,
@@ -115,11 +117,8 @@ class TrainerWorker:
         )
         res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
         res.total_s += t_export
-        out = asdict(res)
-        out["chunks_planned"] = len(plan)
-        out["mode"] = ex.mode  # the mode that ran (a check compares it with the one requested)
-        out["http"] = self._drain_calls()
-        return out
+        res.mode = ex.mode  # the mode that ran (a check compares it with the one requested)
+        return res, self._drain_calls()
 
     def trainer_logprobs(self, temperature: float) -> dict[str, Any]:
         """Sender only: log-probs of the fixed prompts under the tensors the last sync sent.

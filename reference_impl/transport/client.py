@@ -1,9 +1,8 @@
 """The update-session client: vLLM's RLHF routes over HTTP (httpx), every call recorded.
 
 A sync is one session: `start()`, `update(...)` once per chunk, `finish(version)`. Each call appends
-a `harness.record.HttpCall`-shaped dict to `self.calls` (route, status, ms, sync, chunk, error). A
-non-200 answer raises `EngineRejected` carrying the status and body; a connection failure raises it
-with status 0.
+an `observed.HttpCall` to `self.calls` (route, status, ms, sync, chunk, error). A non-200 answer
+raises `EngineRejected` carrying the call; a connection failure raises it with status 0.
 
 The client also tracks whether the engine holds an open update session (`session_open`), so that a
 sender never broadcasts a chunk nobody will receive: both engines refuse /update_weights without a
@@ -20,13 +19,16 @@ from typing import Any
 
 import httpx
 
+from reference_impl.transport.observed import HttpCall
+
 
 class EngineRejected(RuntimeError):
     """The engine answered a route with a non-200 status (or did not answer: status 0)."""
 
-    def __init__(self, route: str, status: int, body: str) -> None:
-        super().__init__(f"{route} -> {status}: {body[:500]}")
-        self.route, self.status, self.body = route, status, body
+    def __init__(self, call: HttpCall, body: str) -> None:
+        super().__init__(f"{call.route} -> {call.status}: {body[:500]}")
+        self.call = call
+        self.route, self.status, self.body = call.route, call.status, body
 
     def rejected_names(self) -> dict[str, str]:
         """HF name -> reason, from an embedded-engine 4xx body ({"detail": {"rejected": ...}})."""
@@ -45,7 +47,7 @@ class UpdateClient:
         self.base_url, self.timeout_s = base_url, timeout_s
         self.session_ends_on_error = session_ends_on_error
         self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[HttpCall] = []
         self.session_open = False
         self.session_closed_by = ""  # why the last session ended early (for the record)
 
@@ -57,22 +59,16 @@ class UpdateClient:
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"
         ms = (time.perf_counter() - t0) * 1e3
-        self.calls.append(
-            {
-                "route": route,
-                "status": status,
-                "ms": ms,
-                "sync": sync,
-                "chunk": chunk,
-                "error": None if status == 200 else text[:4000],
-            }
+        call = HttpCall(
+            route=route, status=status, ms=ms, sync=sync, chunk=chunk, error=None if status == 200 else text[:4000]
         )
+        self.calls.append(call)
         if status != 200:
             # vLLM's server closes the connection after an error answer; start a fresh pool so the next
             # call does not land on the closed keep-alive connection.
             self.http.close()
             self.http = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
-            raise EngineRejected(route, status, text)
+            raise EngineRejected(call, text)
         return json.loads(text) if text else {}
 
     def init_transfer(self, init_info: dict[str, Any]) -> Any:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.transport.client import EngineRejected, UpdateClient
+from reference_impl.transport.observed import ChunkRecord, SyncReport
 from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
 from reference_impl.transport.wire import dtype_from_name, dtype_name
 
@@ -53,23 +53,6 @@ class Channel(Protocol):
     def close(self) -> None:
         """Release buffers / groups."""
         ...
-
-
-@dataclass
-class SyncResult:
-    """What one rank observed in one sync (the runner merges ranks into a `SyncRecord`)."""
-
-    rank: int
-    phases: dict[str, float] = field(default_factory=dict)
-    total_s: float = 0.0
-    chunks: list[dict[str, Any]] = field(default_factory=list)  # sender only
-    names_sent: list[str] = field(default_factory=list)
-    names_accepted: list[str] = field(default_factory=list)
-    names_rejected: dict[str, str] = field(default_factory=dict)
-    sent_checksums: dict[str, str] = field(default_factory=dict)
-    engine_update_counts: dict[str, int] = field(default_factory=dict)
-    finished: bool = False
-    bytes: int = 0
 
 
 def gather_metadata(owned: list[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[TensorMeta]:
@@ -135,7 +118,7 @@ def run_sync(
     client: UpdateClient | None,
     channel: Channel | None,
     keep: dict[str, torch.Tensor] | None = None,
-) -> tuple[SyncResult, list[Chunk]]:
+) -> tuple[SyncReport, list[Chunk]]:
     """One sync's transfer on this rank (see module doc). The sender passes `client` and `channel`.
 
     With `keep`, the sender also stores every tensor it sent there (name -> tensor, no copy), e.g. for
@@ -143,7 +126,7 @@ def run_sync(
     `phases`: `gather` here is the sender's wait for other ranks' tensors; `transfer` is the chunk loop's
     wall time less that wait, less checksum time and less the engine's reported load time (`load`).
     """
-    res = SyncResult(rank=rank)
+    res = SyncReport(rank=rank)
     metas = gather_metadata(owned, rank, world_size)
     plan = plan_chunks(metas, bucket_bytes)
     by_name = dict(owned)
@@ -161,21 +144,20 @@ def run_sync(
         tensors = collect_chunk(chunk, by_name)
         t1 = time.perf_counter()
         info = update_info(chunk)
-        entry: dict[str, Any] = {"index": chunk.index, "names": info["names"], "bytes": chunk.nbytes, "sent": True}
+        entry = ChunkRecord(index=chunk.index, names=info["names"], bytes=chunk.nbytes, sent=True)
         if not should_send(chunk, plan):
-            res.chunks.append({**entry, "sent": False, "received": False})
+            res.chunks.append(entry.model_copy(update={"sent": False}))
             continue
         if not client.session_open:
             why = f"not sent: no open update session ({client.session_closed_by or 'unknown why'})"
-            res.chunks.append({**entry, "sent": False, "received": False, "note": why})
+            res.chunks.append(entry.model_copy(update={"sent": False, "note": why}))
             continue
         try:
             answer = channel.send(client, tensors, info, sync_index)
-            entry["received"] = True
+            entry.received = True
             t_load += float(answer.get("load_s", 0.0))
             res.names_accepted.extend(info["names"])
         except EngineRejected as e:
-            entry["received"] = False
             res.names_rejected.update(e.rejected_names() or {n: f"chunk rejected: {e}" for n in info["names"]})
         res.chunks.append(entry)
         res.names_sent.extend(info["names"])
@@ -197,4 +179,5 @@ def run_sync(
     loop = time.perf_counter() - t_loop0 - t_sum
     res.phases = {"gather": t_recv, "transfer": max(loop - t_recv - t_load, 0.0), "load": t_load}
     res.total_s = loop
+    res.chunks_planned = len(plan)
     return res, plan
