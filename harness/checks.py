@@ -464,22 +464,39 @@ def _chunk_problem(sync: SyncRecord) -> str | None:
     )
 
 
+def _wire_problem(record: RunRecord, sync: SyncRecord) -> str | None:
+    """The sender's own account of a sync against the client's log of the calls on the wire: every chunk
+    recorded as received has one /update_weights call answered 200."""
+    answered = sum(1 for c in record.http if c.route == "/update_weights" and c.sync == sync.index and c.status == 200)
+    if answered == sync.chunks_received:
+        return None
+    calls = {c.chunk for c in record.http if c.route == "/update_weights" and c.sync == sync.index}
+    missing = next((c for c in sync.chunks if c.received and c.index not in calls), None)
+    where = f" (first: chunk {missing.index}, {len(missing.names)} names)" if missing is not None else ""
+    return (
+        f"sync {sync.index}: the sender recorded {sync.chunks_received} chunks as received but the engine answered "
+        f"{answered} /update_weights calls with 200{where}"
+    )
+
+
 def check_chunks(record: RunRecord) -> CheckResult:
-    """Per sync: chunks planned == sent == received, and every planned chunk is in the record."""
+    """Per sync: chunks planned == sent == received, every planned chunk is in the record, and the chunks
+    recorded as received match the /update_weights calls answered 200 on the wire."""
     name, verdict = "chunks", "CHUNK_MISMATCH"
     if not record.syncs:
         return _skipped(name, verdict, "no sync recorded")
     for sync in record.syncs:
-        problem = _chunk_problem(sync)
+        problem = _chunk_problem(sync) or _wire_problem(record, sync)
         if problem:
             return _failed(name, verdict, problem)
     return _passed(name, verdict)
 
 
 def engine_reports_tensors(record: RunRecord) -> bool:
-    """Whether the record's engine reports per-slot counts and HF-name checksums (the embedded engine
-    does; vLLM answers `{"message"}` only and its /weight_checker speaks vLLM names)."""
-    return str(record.scenario.get("engine") or "embedded") == "embedded"
+    """Whether the record's engine reports per-shard counts and HF-name checksums (its capabilities; a
+    record without them, e.g. a CONFIG_ERROR, is judged as if it did)."""
+    caps = record.engine_capabilities
+    return caps is None or caps.per_tensor_reports
 
 
 def _sender_coverage(record: RunRecord) -> str | None:

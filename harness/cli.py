@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.record import RunRecord
-from harness.scenario import Scenario, expand, load_matrix, select, validate
+from harness.scenario import Scenario, expand, load_matrix, select
+from harness.validate import validate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,8 +78,9 @@ def run_scenarios(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from harness.placement import ensure_ray, order_for_reuse, shutdown_ray
     from harness.results import write_env
-    from harness.runner import Runner, ensure_ray, order_for_reuse, shutdown_ray
+    from harness.runner import Runner
 
     console = Console(stderr=True)
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
@@ -97,7 +99,8 @@ def run_scenarios(
             console=console,
         ) as progress:
             task = progress.add_task("starting Ray", total=len(scenarios))
-            if any(validate(sc) is None for sc in scenarios):
+            problems = {sc.id: validate(sc) for sc in scenarios}  # once per scenario, before anything starts
+            if any(problem is None for problem in problems.values()):
                 ensure_ray(ray_address)
             pending = Counter(sc.group_key for sc in scenarios if sc.group_key)
 
@@ -122,7 +125,7 @@ def run_scenarios(
             runner = Runner(out_dir=out, run_id=run_id, on_record=on_record)
             for sc in order_for_reuse(scenarios):
                 progress.update(task, description=sc.id)
-                runner.run_scenario(sc)
+                runner.run_scenario(sc, problems[sc.id], validated=True)
     finally:
         if runner is not None:
             runner.close()

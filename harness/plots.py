@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after matplotlib.use: the backend must be chosen first
 import pandas as pd
 
+from reference_impl.engine import DEFAULT_ENGINE
+
 MODES: tuple[str, ...] = ("raw", "bridge")
 MODE_COLORS: dict[str, str] = {"raw": "#4C72B0", "bridge": "#DD8452"}
 GROUP_KEYS: tuple[str, ...] = ("model", "tp", "pp", "ep", "colocate", "engine")
@@ -19,7 +21,7 @@ GROUP_KEYS: tuple[str, ...] = ("model", "tp", "pp", "ep", "colocate", "engine")
 
 def _group_label(model: str, tp: object, pp: object, ep: object, colocate: object, engine: object = "") -> str:
     place = "colocate" if bool(colocate) else "non-colocate"
-    on = f" · {engine}" if engine and engine != "embedded" else ""
+    on = f" · {engine}" if engine and engine != DEFAULT_ENGINE else ""
     return f"{model}\nTP{tp} PP{pp} EP{ep}\n{place}{on}"
 
 
@@ -31,11 +33,11 @@ def steady_table(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty or "steady_s" not in df:
         return pd.DataFrame(columns=list(MODES))
     data = df.copy()
-    defaults = {"model": "", "engine": "embedded"}
+    defaults = {"model": "", "engine": DEFAULT_ENGINE}
     for key in GROUP_KEYS:
         if key not in data:
             data[key] = defaults.get(key, 1)
-    data["engine"] = data["engine"].replace("", "embedded").fillna("embedded")
+    data["engine"] = data["engine"].replace("", DEFAULT_ENGINE).fillna(DEFAULT_ENGINE)
     data["steady_s"] = pd.to_numeric(data["steady_s"], errors="coerce")
     table = data.groupby([*GROUP_KEYS, "mode"], sort=True)["steady_s"].median().unstack("mode")
     return table.reindex(columns=list(MODES))

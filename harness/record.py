@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from reference_impl.engine.base import Capabilities
 from reference_impl.transport.observed import ChunkRecord, HttpCall, SyncReport
 
 __all__ = ["PHASES", "VERDICTS", "ChunkRecord", "ErrorRecord", "HttpCall", "RunRecord", "SyncRecord"]
@@ -79,9 +80,9 @@ class RunRecord(BaseModel):
     errors: list[ErrorRecord] = Field(default_factory=list)
     syncs: list[SyncRecord] = Field(default_factory=list)
     requested_mode: str = ""  # export mode the scenario asked for
+    engine_capabilities: Capabilities | None = None  # what the scenario's engine can report (None: not run)
     checkpoint_checksums: dict[str, str] = Field(default_factory=dict)  # ground truth, HF names
     engine_slots: list[str] = Field(default_factory=list)  # every engine parameter slot (HF names)
-    tied_embeddings: bool = False
     # Both exports of one trainer state (after the last sync): mode -> HF name -> checksum.
     cross_mode_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
     # Scenarios of one group (scenario["group_key"]) must leave bit-identical engine weights; filled

@@ -28,6 +28,7 @@ import pandas as pd
 
 from harness.checks import expected_verdict, first_failure, judge
 from harness.record import PHASES, RunRecord, SyncRecord
+from reference_impl.engine import DEFAULT_ENGINE
 
 PHASE_COLUMNS: tuple[str, ...] = tuple(f"{phase}_s" for phase in PHASES)
 
@@ -220,8 +221,8 @@ def _mode_cell(row: Mapping[str, Any]) -> str:
     """The export mode, plus what tells apart rows that share it (`bucket-1`, `fault-...`)."""
     scenario = str(row.get("scenario") or "")
     parts = scenario.split("/")
-    if row.get("engine") and row["engine"] != "embedded" and parts and parts[0] == row["engine"]:
-        parts = parts[1:]  # `vllm/qwen3/...`: the engine leads the id
+    if row.get("engine") and row["engine"] != DEFAULT_ENGINE and parts and parts[0] == row["engine"]:
+        parts = parts[1:]  # `vllm/qwen3/...`: an engine other than the default leads the id
     return f"{row['mode']} · {'/'.join(parts[4:])}" if len(parts) > 4 else str(row["mode"])
 
 
@@ -232,7 +233,7 @@ def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
         rows.append(
             [
                 row["model"],
-                row["engine"] or "embedded",
+                row["engine"] or DEFAULT_ENGINE,
                 row["tp"],
                 row["ep"],
                 row["pp"],
@@ -268,33 +269,33 @@ def _env_line(env: Mapping[str, Any] | str | None) -> str:
 
 ENGINE_COMPARISON_NOTE = (
     "Same scenario on each engine (first = sync 0, steady = median of later syncs, seconds; ratio = "
-    "steady time over the embedded engine's)."
+    f"steady time over the {DEFAULT_ENGINE} engine's)."
 )
 
 
 def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
     """Scenarios that ran on more than one engine, one row each: first/steady seconds and verdict per
-    engine, and each engine's steady time as a ratio of the embedded engine's. Empty when no scenario
-    ran on two engines."""
+    engine, and each engine's steady time as a ratio of the default engine's (`DEFAULT_ENGINE`). Empty
+    when no scenario ran on two engines."""
     if not len(df) or df["engine"].nunique() < 2:
         return pd.DataFrame()
     key = ["model", "tp", "ep", "pp", "colocate", "mode"]
-    engines = sorted(df["engine"].unique(), key=lambda e: (e != "embedded", e))
+    engines = sorted(df["engine"].unique(), key=lambda e: (e != DEFAULT_ENGINE, e))
     rows = []
     for values, group in df.groupby(key, sort=False):
         if group["engine"].nunique() < 2:
             continue
         by_engine = {r["engine"]: r for r in group.to_dict(orient="records")}
-        base = by_engine.get("embedded", {}).get("steady_s", _NAN)
+        base = by_engine.get(DEFAULT_ENGINE, {}).get("steady_s", _NAN)
         row: dict[str, Any] = dict(zip(key, values, strict=True))
         row["colocate"] = "yes" if row["colocate"] else "no"
         for engine in engines:
             r = by_engine.get(engine)
             row[f"{engine} first (s)"] = _fmt_float(r["first_s"], 3) if r else "—"
             row[f"{engine} steady (s)"] = _fmt_float(r["steady_s"], 3) if r else "—"
-            if engine != "embedded":
+            if engine != DEFAULT_ENGINE:
                 ratio = r["steady_s"] / base if r and base and not math.isnan(base) else _NAN
-                row[f"{engine} / embedded"] = _fmt_float(ratio, 2)
+                row[f"{engine} / {DEFAULT_ENGINE}"] = _fmt_float(ratio, 2)
             row[f"{engine} verdict"] = r["verdict"] if r else "—"
         rows.append(row)
     return pd.DataFrame(rows)

@@ -1,27 +1,17 @@
-"""Runs scenarios: Ray placement, lifecycle, deadlines, cleanup; fills one `RunRecord` per scenario.
+"""Runs scenarios: lifecycle, deadlines, cleanup; fills one `RunRecord` per scenario.
 
-Engines: `embedded` (ours, reports per-slot update counts and checksums in HF names) or `vllm` (real
-vLLM from its own environment, `reference_impl.engine.vllm`): with vLLM the record has no engine
-slots, counts or checksums, so coverage is judged from the names sent and engine parity from log-probs
-(`harness.checks`).
-
-Placement (non-colocate): one placement group per trainer world, one bundle per trainer rank, and a
-separate bundle for the engine actor, which owns the engine server process. On a GPU host each bundle
-also holds one GPU; a colocated engine shares the sender's bundle and GPU (half each). Trainer actors (one per
-rank, `reference_impl.trainer.worker.TrainerWorker`) are reused across scenarios of the same world
-size; a scenario that crashes or passes its deadline gets its processes killed and the next scenario
-gets fresh ones. Every record is written as soon as its scenario ends.
+Where the processes run is `harness.placement` (Ray, trainer pools, the engine actor). What the engine
+can report comes from its adapter's capabilities (`reference_impl.engine`), recorded in the run record:
+an engine with per-tensor reports (the embedded one) gives update counts per shard and HF-name
+checksums after every sync; one without (vLLM) is judged on the names sent and on log-probs
+(`harness.checks`). A scenario that crashes or passes its deadline gets its processes killed and the
+next scenario gets fresh ones. Every record is written as soon as its scenario ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -29,194 +19,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness.checks import LOGPROB_BUDGETS, group_differences, judged, logprob_parity
 from harness.faults import FAULTS
+from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool
 from harness.record import ErrorRecord, RunRecord, SyncRecord
-from harness.scenario import Scenario, validate
-from reference_impl.engine.process import free_port
+from harness.scenario import Scenario
+from harness.stacks import dump_stacks
+from harness.validate import validate
+from reference_impl.engine import engine_kind
 from reference_impl.forward.reference import fixed_prompts
 from reference_impl.models.checkpoint import checkpoint_checksums, make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import UpdateClient
 from reference_impl.transport.observed import HttpCall, SyncReport
-
-SETUP_TIMEOUT_S = 900.0
-FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
-# Seconds from launch to /health 200: the embedded engine loads a small model; vLLM starts an engine
-# core, profiles memory and warms up (18-55 s on 2 shared cores, much more under load).
-ENGINE_START_TIMEOUT_S = {"embedded": 300.0, "vllm": 900.0}
-ENGINE_NOTES = {
-    "vllm": (
-        "engine vllm: no per-slot update counts or HF-name checksums (vLLM answers {message}; its "
-        "/weight_checker keys are vLLM names and cannot see prepacked linear weights on CPU): coverage is "
-        "judged from the names sent against the checkpoint, engine-side parity from log-probs"
-    )
-}
-
-
-def ensure_ray(address: str | None = None) -> None:
-    """Start (or join, with `address`) Ray once per driver process, without the dashboard."""
-    if ray.is_initialized():
-        return
-    env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
-    # What validation read in this driver must be what the engine actors read (also on a joined cluster).
-    env_vars |= {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    env = {"env_vars": env_vars}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
-    else:
-        ray.init(num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False)
-
-
-def use_gpus() -> bool:
-    """Whether the Ray cluster has GPUs (then trainer ranks and engines are placed on them)."""
-    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
-
-
-def order_for_reuse(scenarios: list[Scenario]) -> list[Scenario]:
-    """Scenarios grouped by trainer world size (stable within a group), so each pool is made once."""
-    first_seen: dict[int, int] = {}
-    for i, sc in enumerate(scenarios):
-        first_seen.setdefault(sc.world_size, i)
-    return sorted(scenarios, key=lambda sc: first_seen[sc.world_size])
-
-
-def shutdown_ray() -> None:
-    """Stop the Ray instance this driver started (its worker processes end with it)."""
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-@ray.remote(num_cpus=0.5)
-class EngineActor:
-    """Owns one engine server process (started in `start`, ended in `stop`)."""
-
-    def __init__(self) -> None:
-        self.proc = None
-
-    def start(
-        self,
-        checkpoint: str,
-        seed: int,
-        log_path: str,
-        fault: str | None = None,
-        engine: str = "embedded",
-        dtype: str = "float32",
-    ) -> str:
-        """Start the scenario's engine (`embedded` or `vllm`) and return its base URL."""
-        if engine == "vllm":
-            from reference_impl.engine.vllm.launcher import VllmEngineProcess
-
-            # The harness's gloo backend (wsh-vllm-plugin) on every host: the sender speaks the harness's
-            # wire format, not vLLM's packed NCCL protocol.
-            self.proc = VllmEngineProcess(checkpoint, seed, log_path, dtype=dtype, backend="gloo")
-            return self.proc.start()
-        from reference_impl.engine.embedded.launcher import EngineProcess
-
-        self.proc = EngineProcess(checkpoint, seed, log_path, fault=fault)
-        return self.proc.start()
-
-    def pid(self) -> int | None:
-        return self.proc.pid() if self.proc else None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-
-
-@dataclass
-class TrainerPool:
-    """Trainer actors of one world size, in one placement group (bundle i = rank i, last = engine)."""
-
-    world_size: int
-    pg: PlacementGroup
-    actors: list[Any] = field(default_factory=list)
-    pids: list[int] = field(default_factory=list)  # OS pids of the rank processes (stack dumps)
-
-    @classmethod
-    def create(cls, world_size: int) -> TrainerPool:
-        """Place `world_size` trainer ranks plus an engine bundle and start the rank actors."""
-        from reference_impl.trainer.worker import TrainerWorker
-
-        # Bundle r = trainer rank r; the last bundle is the engine's when not colocated. Bundles have 2
-        # CPUs so a colocated engine (fractional share) fits beside rank 0.
-        gpus = use_gpus()
-        # On a GPU host every bundle also holds one GPU: rank r's, and the engine's own when not colocated.
-        bundle = {"CPU": 2, "GPU": 1} if gpus else {"CPU": 2}
-        pg = placement_group([bundle] * (world_size + 1), strategy="PACK")
-        ray.get(pg.ready(), timeout=120)
-        port = free_port()
-        # Half a GPU per rank leaves the other half of bundle 0's GPU to a colocated engine.
-        worker_cls = ray.remote(num_cpus=1, num_gpus=0.5 if gpus else 0)(TrainerWorker)
-        actors = [
-            worker_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
-            ).remote(r, world_size, "127.0.0.1", port)
-            for r in range(world_size)
-        ]
-        pids = ray.get([a.pid.remote() for a in actors], timeout=SETUP_TIMEOUT_S)
-        return cls(world_size=world_size, pg=pg, actors=actors, pids=pids)
-
-    def engine_strategy(self, colocate: bool) -> PlacementGroupSchedulingStrategy:
-        """Scheduling for the engine actor: the sender's bundle when colocated (trainer and engine share
-        its devices), else a bundle of its own."""
-        bundle = 0 if colocate else self.world_size
-        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
-
-    @staticmethod
-    def engine_gpus(colocate: bool) -> float:
-        """GPUs the engine actor asks for (its server process inherits them): the other half of the
-        sender's GPU when colocated, a whole one otherwise; 0 on a CPU host."""
-        if not use_gpus():
-            return 0.0
-        return 0.5 if colocate else 1.0
-
-    def kill(self) -> None:
-        """End every rank process and free the placement group."""
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
-        remove_placement_group(self.pg)
-
-
-def dump_stacks(pids: dict[str, int | None], out_dir: Path, timeout_s: float = 30.0) -> list[str]:
-    """Python stacks of every process in `pids` (label -> pid) into `out_dir/<label>.txt` with
-    `py-spy dump --subprocesses` (vLLM's server has its engine core and worker as children); returns the
-    files written. A process py-spy cannot read gets its error in the file."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    files = []
-    for label, pid in pids.items():
-        if pid is None:
-            continue
-        try:
-            proc = subprocess.run(
-                [py_spy, "dump", "--subprocesses", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
-            )
-            text = proc.stdout + (f"\n[py-spy exit {proc.returncode}] {proc.stderr}" if proc.returncode else "")
-        except (OSError, subprocess.TimeoutExpired) as e:
-            text = f"py-spy dump --pid {pid} failed: {e}"
-        path = out_dir / f"{label}.txt"
-        path.write_text(f"# {label} pid {pid}\n{text}")
-        files.append(str(path))
-    return files
-
-
-def kill_server_group(pid: int | None) -> None:
-    """SIGKILL the process group of a vLLM server that its engine actor did not stop (the actor was
-    killed first: the server runs in its own session, so nothing else ends it). Only a live group
-    leader whose command line is vLLM's API server is touched; on another Ray node nothing is found."""
-    if pid is None:
-        return
-    with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
-        proc = psutil.Process(pid)
-        if os.getpgid(pid) == pid and "vllm.entrypoints.openai.api_server" in " ".join(proc.cmdline()):
-            os.killpg(pid, signal.SIGKILL)
+from reference_impl.worker import TrainerSetup
 
 
 class ScenarioFailed(Exception):
@@ -284,22 +102,27 @@ class Runner:
                 record.errors.append(_error_from(e, None, "trainer"))
             raise ScenarioFailed(what) from e
 
-    def run_scenario(self, sc: Scenario) -> RunRecord:
-        """Validate, run and judge one scenario; the record is written before returning."""
+    def run_scenario(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
+        """Run and judge one scenario; the record is written before returning. Unless `validated` (the
+        caller already ran `harness.validate.validate` and passes its answer as `config_error`), the
+        scenario is validated here first."""
         record = RunRecord(
             scenario_id=sc.id, scenario=sc.as_dict(), run_id=self.run_id, started_at=time.time(), requested_mode=sc.mode
         )
-        problem = validate(sc)
+        problem = config_error if validated else validate(sc)
         if problem:
             record.config_error = problem
             return self._finish(record)
+        kind = engine_kind(sc.engine)
+        record.engine_capabilities = kind.capabilities
+        if kind.note:
+            record.notes.append(kind.note)
         engine = None
         checker: UpdateClient | None = None
         healthy = False
         pids: dict[str, int | None] = {}
         try:
             spec = load_model(sc.model)
-            record.tied_embeddings = spec.facts().tied_embeddings
             ckpt = make_checkpoint(spec, sc.seed, sc.dtype)
             record.checkpoint_checksums = checkpoint_checksums(ckpt)
             ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
@@ -310,31 +133,31 @@ class Runner:
             engine = EngineActor.options(
                 scheduling_strategy=pool.engine_strategy(sc.colocate), num_gpus=pool.engine_gpus(sc.colocate)
             ).remote()
-            setup_refs = [a.setup.remote(sc.as_dict(), str(ckpt)) for a in pool.actors]
-            engine_fault = fault.name if fault and fault.side == "engine" else None
+            setup = TrainerSetup(sc.model, str(ckpt), sc.dtype, sc.tp, sc.pp, sc.ep, sc.etp)
+            setup_refs = [a.setup.remote(setup) for a in pool.actors]
+            engine_fault = fault.hook if fault and fault.side == "engine" else None
             url = self._get(
-                [engine.start.remote(str(ckpt), sc.engine_seed, str(log_path), engine_fault, sc.engine, sc.dtype)],
-                ENGINE_START_TIMEOUT_S[sc.engine],
+                [engine.start.remote(sc.engine, str(ckpt), sc.engine_seed, str(log_path), sc.dtype, engine_fault)],
+                kind.start_timeout_s,
                 record,
                 "engine start",
             )[0]
             pids = {f"rank{r}": pid for r, pid in enumerate(pool.pids)}
             pids["engine"] = ray.get(engine.pid.remote(), timeout=30)
             self._get(setup_refs, SETUP_TIMEOUT_S, record, "trainer setup")
-            if fault and fault.apply is not None:
+            if fault and fault.side == "trainer" and fault.apply is not None:
                 self._get([a.run_in_process.remote(fault.apply) for a in pool.actors], 60, record, "apply fault")
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
             checker = UpdateClient(url)
-            reports_tensors = sc.engine == "embedded"  # slots, counts and HF-name checksums (module doc)
+            reports_tensors = kind.capabilities.per_tensor_reports
             if reports_tensors:
                 record.engine_slots = checker.slots()
-            else:
-                record.notes.append(ENGINE_NOTES[sc.engine])
-            connect = [a.connect_engine.remote(url, sc.colocate, sc.engine) for a in pool.actors]
+            connect = [a.connect_engine.remote(url, sc.engine, sc.colocate) for a in pool.actors]
             for calls in self._get(connect, deadline, record, "connect engine"):
                 record.http.extend(calls)
             record.logprob_budget = dict(LOGPROB_BUDGETS[sc.dtype]) if sc.logprobs else {}
             prompts = fixed_prompts(json.loads((ckpt / "config.json").read_text())) if sc.logprobs else []
+            temperature = sc.temperature(kind.capabilities.prompt_logprobs_honour_temperature)
             # syncs #0..N-1, then one more that re-sends unchanged weights (its log-probs must not move).
             for i in range(sc.syncs + 1):
                 resync = i == sc.syncs
@@ -348,7 +171,7 @@ class Runner:
                     sync.engine_checksums = checker.checksums()
                 record.syncs.append(sync)
                 if prompts:
-                    self._measure_logprobs(sync, pool, checker, prompts, sc.temperature, deadline, record)
+                    self._measure_logprobs(sync, pool, checker, prompts, temperature, deadline, record)
             for mode in ("raw", "bridge"):
                 sums = self._get(
                     [a.export_checksums.remote(mode) for a in pool.actors], deadline, record, f"export {mode}"
@@ -368,8 +191,7 @@ class Runner:
                 with contextlib.suppress(Exception):
                     ray.get(engine.stop.remote(), timeout=30)
                 ray.kill(engine, no_restart=True)
-                if sc.engine == "vllm":
-                    kill_server_group(pids.get("engine"))
+                kind.reap(pids.get("engine"))
             if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
                 self.drop_pool(sc.world_size)
         return self._finish(record)

@@ -13,7 +13,8 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A `harness.runner.Runner` on a local Ray instance; trainer processes are shared between tests."""
     import ray
 
-    from harness.runner import Runner, ensure_ray
+    from harness.placement import ensure_ray
+    from harness.runner import Runner
 
     ensure_ray()
     out: Path = tmp_path_factory.mktemp("e2e")

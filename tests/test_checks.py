@@ -26,6 +26,7 @@ from harness.checks import (
     logprob_parity,
 )
 from harness.record import VERDICTS, ChunkRecord, ErrorRecord, HttpCall, RunRecord, SyncRecord
+from reference_impl.engine import engine_kind
 
 NAMES = [
     "model.embed_tokens.weight",
@@ -548,6 +549,7 @@ def vllm_record() -> RunRecord:
     """`make_record()` as vLLM reports it: no slots, counts or HF-name engine checksums."""
     rec = make_record()
     rec.scenario["engine"] = "vllm"
+    rec.engine_capabilities = engine_kind("vllm").capabilities
     rec.engine_slots = []
     for s in rec.syncs:
         s.engine_checksums = {}

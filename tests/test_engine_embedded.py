@@ -30,7 +30,6 @@ import torch
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.checkpoint_view import FAMILY_VIEWS, saved_as
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
-from reference_impl.engine.embedded.receive import FAULTS, FINALIZE_PER_CHUNK, OK_WITHOUT_TRANSFER
 from reference_impl.engine.embedded.vllm_names import (
     FAMILY_NAMES,
     MODEL_TYPE_FAMILY,
@@ -717,6 +716,8 @@ def test_engine_refuses_the_checkpoints_seed() -> None:
 
 
 CLEAN = "no-fault"
+FINALIZE_PER_CHUNK = "harness.faults.engine:finalize_per_chunk"
+OK_WITHOUT_TRANSFER = "harness.faults.engine:ok_without_transfer"
 
 
 @pytest.fixture(scope="module")
@@ -945,8 +946,8 @@ def test_fault_ok_without_transfer(shm_engines: dict[str, EngineProcess], shm_bu
 
 
 def test_fault_is_logged_and_unknown_fault_exits(shm_engines: dict[str, EngineProcess], tmp_path: Path) -> None:
-    assert "FAULT ACTIVE: finalize_per_chunk" in shm_engines[FINALIZE_PER_CHUNK].log_path.read_text()
-    assert "FAULT ACTIVE: ok_without_transfer" in shm_engines[OK_WITHOUT_TRANSFER].log_path.read_text()
+    assert f"FAULT ACTIVE: {FINALIZE_PER_CHUNK}" in shm_engines[FINALIZE_PER_CHUNK].log_path.read_text()
+    assert f"FAULT ACTIVE: {OK_WITHOUT_TRANSFER}" in shm_engines[OK_WITHOUT_TRANSFER].log_path.read_text()
     assert "FAULT ACTIVE" not in shm_engines[CLEAN].log_path.read_text()
     ckpt = str(make_checkpoint(load_model("qwen3"), seed=CKPT_SEED))
     proc = EngineProcess(ckpt, ENGINE_SEED, log_path=str(tmp_path / "bogus.log"), fault="bogus")
@@ -956,5 +957,11 @@ def test_fault_is_logged_and_unknown_fault_exits(shm_engines: dict[str, EnginePr
     finally:
         proc.stop()
     assert proc.proc is not None and proc.proc.returncode not in (0, None)
-    assert "bogus" in str(err.value)
-    assert all(name in str(err.value) for name in FAULTS)
+    assert "bogus" in str(err.value) and "MODULE:FUNCTION" in str(err.value)
+    proc = EngineProcess(ckpt, ENGINE_SEED, log_path=str(tmp_path / "nohook.log"), fault="harness.faults.engine:bogus")
+    try:
+        with pytest.raises(EngineStartError) as err:
+            proc.start(timeout_s=60)
+    finally:
+        proc.stop()
+    assert "harness.faults.engine has no function 'bogus'" in str(err.value)

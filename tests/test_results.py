@@ -21,6 +21,7 @@ from harness.results import (
     write_env,
     write_summary,
 )
+from reference_impl.engine import engine_kind
 
 NAMES = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
 
@@ -208,6 +209,7 @@ def as_vllm(record: RunRecord) -> RunRecord:
     only engine-side evidence, within budget)."""
     rec = record.model_copy(deep=True)
     rec.scenario["engine"] = "vllm"
+    rec.engine_capabilities = engine_kind("vllm").capabilities
     rec.scenario_id = rec.scenario["id"] = "vllm/" + record.scenario_id
     rec.engine_slots = []
     rec.logprob_budget = {"max_abs": 1e-4, "mean_exp_abs": 1.0001}

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from harness.scenario import Scenario, expand, load_matrix, select, validate
+from harness.scenario import Scenario, expand, load_matrix, select
+from harness.validate import validate
 from reference_impl.models.registry import available_models, check_scale_down_keeps_facts, load_model
 
 
@@ -97,7 +98,10 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
         == embedded
         == {f"qwen3/tp{tp}-pp{pp}/noncolocate/{mode}" for tp in (1, 2) for pp in (1, 2) for mode in ("raw", "bridge")}
     )
-    assert all(s.temperature == 1.0 for s in scenarios)
+    # vLLM computes prompt log-probs at 1.0; the embedded rows are pinned to it so the two compare.
+    assert all(s.temperature(honours_temperature=True) == 1.0 for s in scenarios)
+    assert Scenario(model="qwen3").temperature(honours_temperature=True) == 0.7
+    assert Scenario(model="qwen3").temperature(honours_temperature=False) == 1.0
 
 
 @pytest.mark.parametrize(

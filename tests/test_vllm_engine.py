@@ -35,7 +35,8 @@ from safetensors.torch import load_file
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
 from harness.record import HttpCall, RunRecord
 from harness.runner import Runner
-from harness.scenario import Scenario, validate
+from harness.scenario import Scenario
+from harness.validate import validate
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import EngineStartError

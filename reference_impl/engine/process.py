@@ -1,15 +1,24 @@
-"""What both engine launchers share: a free port, the wait for GET /health, and the start error.
+"""What every engine server launcher shares: start a server process, wait for GET /health, stop it.
 
-`embedded.launcher.EngineProcess` and `vllm.launcher.VllmEngineProcess` start a server process and
-call `wait_for_health` until it answers 200, it exits, or the time is up.
+`ServerProcess` owns one server process (`EngineProcess` for the embedded engine, `VllmEngineProcess`
+for vLLM). It starts the process in a session (process group) of its own with its output in a log
+file, waits until `/health` answers 200, and stops the whole group by its pid (SIGTERM, then SIGKILL
+after a grace period): vLLM's API server has an engine-core child, and nothing of either may outlive
+the launcher's `stop`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
+import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
@@ -52,3 +61,70 @@ def wait_for_health(
                 pass
         time.sleep(poll_s)
     raise EngineStartError(f"{what} did not answer /health within {timeout_s:.0f} s: {log_tail()}")
+
+
+class ServerProcess(ABC):
+    """One engine server process, started in its own process group and stopped with it.
+
+    Subclasses say how to launch (`launch`: argv, environment, working folder and how to learn the base
+    URL) and how they are called in messages (`what`).
+    """
+
+    what = "engine"
+    poll_s = 0.1  # seconds between /health polls
+
+    def __init__(self, log_path: str | None, log_suffix: str = ".engine.log") -> None:
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(suffix=log_suffix)[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    @abstractmethod
+    def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
+        """(argv, environment, working folder or None, base-URL getter that returns None until known)."""
+
+    def start(self, timeout_s: float = 180.0) -> str:
+        """Launch the server and wait for GET /health 200; returns the base URL.
+
+        Raises:
+            EngineStartError: the process exited, or no /health 200 within `timeout_s` seconds (the
+                process group is stopped before raising).
+        """
+        argv, env, cwd, url = self.launch()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+            )
+        try:
+            self.url = wait_for_health(self.proc, url, timeout_s, self.log_tail, self.what, self.poll_s)
+        except EngineStartError:
+            self.stop()
+            raise
+        return self.url
+
+    def pid(self) -> int | None:
+        """The server's pid (leader of its process group), None before start."""
+        return self.proc.pid if self.proc else None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """End the server's whole process group by its pid: SIGTERM, SIGKILL after `grace_s` seconds."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(ProcessLookupError):  # whatever of the group is still there
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(grace_s)
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last `n` characters of the server's log ("(no log)" when it cannot be read)."""
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"

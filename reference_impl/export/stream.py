@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from reference_impl.export import MODES
 from reference_impl.export.raw import TABLES, FamilyTable
 from reference_impl.export.raw.rules import LayoutFacts, convert
 from reference_impl.models.registry import ModelSpec
@@ -30,8 +31,6 @@ from reference_impl.trainer.params import (
     tp_gather,
     with_expert_id,
 )
-
-MODES = ("raw", "bridge")
 
 Owned = list[tuple[str, torch.Tensor]]
 

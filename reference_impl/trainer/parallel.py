@@ -8,12 +8,13 @@ scenario and destroyed after it, so trainer processes can be reused.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from reference_impl.trainer.layout import world_size_for
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,6 @@ class RankLayout:
     def is_expert_leader(self) -> bool:
         """EP rank 0, expert-TP rank 0 and expert-DP rank 0 of its stage: owns the stage's gathered experts."""
         return self.ep_rank == 0 and self.etp_rank == 0 and self.edp_rank == 0
-
-
-def world_size_for(tp: int, pp: int, ep: int = 1, etp: int = 1) -> int:
-    """Trainer ranks for a layout: PP x lcm(TP, EP x ETP).
-
-    megatron-core needs the world divisible by TP x PP (dense DP = the rest) and by ETP x EP x PP
-    (expert DP = the rest); the smallest such world is this one.
-    """
-    return pp * math.lcm(tp, ep * etp)
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 600) -> None:

@@ -90,9 +90,16 @@ def collect_chunk(chunk: Chunk, owned: dict[str, torch.Tensor]) -> list[torch.Te
     return out
 
 
-def should_send(chunk: Chunk, plan: list[Chunk]) -> bool:
-    """Whether the sender sends `chunk` (always; a fault injection may replace this)."""
-    return True
+def send_chunk(
+    channel: Channel, client: UpdateClient, tensors: list[torch.Tensor], info: dict[str, Any], sync: int
+) -> Any:
+    """The sender hands one chunk to its channel and returns the engine's answer to it (a seam:
+    `reference_impl.seams`).
+
+    Raises:
+        EngineRejected: the engine answered non-200.
+    """
+    return channel.send(client, tensors, info, sync)
 
 
 def update_info(chunk: Chunk) -> dict[str, Any]:
@@ -145,15 +152,12 @@ def run_sync(
         t1 = time.perf_counter()
         info = update_info(chunk)
         entry = ChunkRecord(index=chunk.index, names=info["names"], bytes=chunk.nbytes, sent=True)
-        if not should_send(chunk, plan):
-            res.chunks.append(entry.model_copy(update={"sent": False}))
-            continue
         if not client.session_open:
             why = f"not sent: no open update session ({client.session_closed_by or 'unknown why'})"
             res.chunks.append(entry.model_copy(update={"sent": False, "note": why}))
             continue
         try:
-            answer = channel.send(client, tensors, info, sync_index)
+            answer = send_chunk(channel, client, tensors, info, sync_index)
             entry.received = True
             t_load += float(answer.get("load_s", 0.0))
             res.names_accepted.extend(info["names"])

@@ -1,4 +1,4 @@
-"""How the embedded engine gets one chunk's bytes and loads them: transfer backends, handles, faults.
+"""How the embedded engine gets one chunk's bytes and loads them: transfer backends and handles.
 
 Backends (`init_info.backend` of /init_weight_transfer_engine):
 
@@ -10,10 +10,7 @@ Backends (`init_info.backend` of /init_weight_transfer_engine):
   over the shared buffer, the loader copies them into the parameters, and every view is dropped before
   the handle is closed. The producer keeps the buffer until the 200 of /update_weights.
 
-Either way the same `apply_chunk` validates, unpacks and loads the chunk.
-
-Faults (server flag `--fault NAME`, for the harness's mutation tests; never active unless asked) make
-the engine commit one historical bug class on purpose; see `FAULTS`.
+Either way the same `ChunkApplier.apply` validates, unpacks and loads the chunk.
 """
 
 from __future__ import annotations
@@ -30,32 +27,6 @@ from reference_impl.transport import handles, wire
 GLOO = "gloo"
 BACKENDS: tuple[str, ...] = (GLOO, handles.SHM, handles.CUDA_IPC)
 HANDLE_BACKENDS: tuple[str, ...] = (handles.SHM, handles.CUDA_IPC)  # backend name == handle kind
-
-FINALIZE_PER_CHUNK = "finalize_per_chunk"
-OK_WITHOUT_TRANSFER = "ok_without_transfer"
-FAULTS: dict[str, str] = {
-    FINALIZE_PER_CHUNK: (
-        "after loading each chunk, every slot NOT in it is restored from a snapshot taken at "
-        "/start_weight_update (a per-chunk finalize that reloads everything else): after a multi-chunk "
-        "sync only the last chunk's tensors hold new values"
-    ),
-    OK_WITHOUT_TRANSFER: (
-        "/update_weights receives each chunk's bytes but loads nothing, still counts the chunk's slots "
-        "as updated and answers 200 (an HTTP 200 that moved nothing)"
-    ),
-}
-
-
-def check_fault(name: str | None) -> str | None:
-    """`name` when it is None or a known fault.
-
-    Raises:
-        ValueError: an unknown fault name (the message lists the known ones).
-    """
-    if name is not None and name not in FAULTS:
-        raise ValueError(f"unknown engine fault {name!r}; known faults: {', '.join(sorted(FAULTS))}")
-    return name
-
 
 class ChunkRejected(Exception):
     """A chunk refused with a 400: `error` sentence, `rejected` {hf_name: reason}, `kinds` {hf_name: kind}."""
@@ -131,18 +102,10 @@ def open_handle(stack: contextlib.ExitStack, handle: dict[str, Any], chunk: str,
 
 
 class ChunkApplier:
-    """Validates, unpacks and loads chunks into `loader`, committing `fault` when one is set."""
+    """Validates, unpacks and loads chunks into `loader`."""
 
-    def __init__(self, loader: EngineLoader, fault: str | None = None) -> None:
+    def __init__(self, loader: EngineLoader) -> None:
         self.loader = loader
-        self.fault = check_fault(fault)
-        self._snapshot: dict[str, torch.Tensor] | None = None
-
-    def start_session(self) -> None:
-        """At /start_weight_update (after the counts were reset)."""
-        if self.fault == FINALIZE_PER_CHUNK:
-            with torch.no_grad():
-                self._snapshot = {n: self.loader.view(s).detach().clone() for n, s in self.loader.slots.items()}
 
     def apply(
         self,
@@ -180,27 +143,8 @@ class ChunkApplier:
                 dict.fromkeys(names, "bytes"),
             ) from None
         try:
-            self._load(names, dtype_names, shapes, tensors)
+            self.loader.load(names, dtype_names, shapes, tensors)
         except LoadRejected as e:
             raise ChunkRejected(str(e), e.rejected, e.kinds) from None
         finally:
             del tensors
-
-    def _load(
-        self,
-        names: Sequence[str],
-        dtype_names: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        tensors: list[torch.Tensor],
-    ) -> None:
-        if self.fault == OK_WITHOUT_TRANSFER:  # the bug: count the slots, load nothing
-            for name in names:
-                self.loader.counts[self.loader.slots[name].target.slot] += 1
-            return
-        self.loader.load(names, dtype_names, shapes, tensors)
-        if self.fault == FINALIZE_PER_CHUNK and self._snapshot is not None:  # the bug: reload everything else
-            loaded = set(names)
-            with torch.no_grad():
-                for name, slot in self.loader.slots.items():
-                    if name not in loaded:
-                        self.loader.view(slot).copy_(self._snapshot[name])

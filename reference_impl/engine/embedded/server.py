@@ -1,9 +1,11 @@
 """The embedded rollout engine: vLLM's RLHF weight-update routes over a transformers model.
 
 Run: `python -m reference_impl.engine.embedded.server --checkpoint DIR --seed N --host 127.0.0.1
---port 0 --port-file FILE [--fault NAME]`. With port 0 it binds a free port and writes the port it serves
-on to FILE (atomically) once it accepts requests. `--fault NAME` makes the engine commit one known bug
-on purpose (`receive.FAULTS`, for the harness's mutation tests); an unknown name exits at startup.
+--port 0 --port-file FILE [--fault MODULE:FUNCTION]`. With port 0 it binds a free port and writes the port
+it serves on to FILE (atomically) once it accepts requests. `--fault MODULE:FUNCTION` loads a fault hook
+at start (the harness's mutation tests: `harness.faults.engine`): the function is called once, before
+the app is built, and may replace what runs at the engine's seams (`reference_impl.seams`); a hook
+that cannot be loaded exits at startup.
 
 Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; older releases
 `vllm/entrypoints/serve/dev/rlhf/api_router.py`), with plain-data answers the harness records:
@@ -61,6 +63,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import socket
@@ -68,6 +71,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -138,9 +142,9 @@ def _http_error(
 class EngineState:
     """Mutable state of one engine: transfer backend and group, update session, version, paused flag."""
 
-    def __init__(self, loader: EngineLoader, fault: str | None = None) -> None:
+    def __init__(self, loader: EngineLoader) -> None:
         self.loader = loader
-        self.applier = receive.ChunkApplier(loader, fault)
+        self.applier = receive.ChunkApplier(loader)
         self.backend: str | None = None  # set by a successful /init_weight_transfer_engine
         self.group: wire.TransferGroup | None = None
         self.session_open = False
@@ -157,21 +161,16 @@ def _request_error(route: str, field: str, msg: str) -> HTTPException:
 
 def create_app(
     loader: EngineLoader,
-    fault: str | None = None,
     config: dict[str, Any] | None = None,
     served_name: str = "wsh-embedded",
 ) -> FastAPI:
     """The FastAPI app over `loader`. Handlers are sync so FastAPI runs them in its threadpool.
 
-    `fault`: a name of `receive.FAULTS` the engine commits on purpose (None: none). `config`: the
-    checkpoint's config.json dict (image processing of VL models; default: the model's config as a
-    dict). `served_name`: the model name /v1/completions answers.
-
-    Raises:
-        ValueError: an unknown fault name.
+    `config`: the checkpoint's config.json dict (image processing of VL models; default: the model's
+    config as a dict). `served_name`: the model name /v1/completions answers.
     """
     app = FastAPI(title="wsh embedded engine")
-    st = EngineState(loader, receive.check_fault(fault))
+    st = EngineState(loader)
     app.state.engine = st
     completer = CompletionEngine(
         loader.model, config if config is not None else loader.model.config.to_dict(), served_name
@@ -275,7 +274,6 @@ def create_app(
             st.session_open = True
             st.session_load_s = 0.0
             st.loader.reset_counts()
-            st.applier.start_session()
             if req is not None and req.weight_version is not None:
                 st.weight_version = req.weight_version
         return {"ok": True}
@@ -445,6 +443,25 @@ def _exit_with_parent(pid: int, period_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
+def load_hook(spec: str) -> Callable[[], None]:
+    """The function named by `MODULE:FUNCTION` (imported, not called).
+
+    Raises:
+        ValueError: `spec` is not MODULE:FUNCTION, the module does not import, or it has no such function.
+    """
+    module_name, sep, func = spec.partition(":")
+    if not sep or not module_name or not func:
+        raise ValueError(f"{spec!r} is not MODULE:FUNCTION (e.g. harness.faults.engine:ok_without_transfer)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r}: {e}") from None
+    hook = getattr(module, func, None)
+    if not callable(hook):
+        raise ValueError(f"{module_name} has no function {func!r}")
+    return hook
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -457,8 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--fault",
         default=None,
-        metavar="NAME",
-        help=f"commit a known bug on purpose (mutation tests only); one of: {', '.join(sorted(receive.FAULTS))}",
+        metavar="MODULE:FUNCTION",
+        help="load a fault hook at start (mutation tests only), e.g. harness.faults.engine:ok_without_transfer",
     )
     ap.add_argument(
         "--exit-with-parent",
@@ -470,16 +487,18 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent)
-    try:
-        fault = receive.check_fault(args.fault)
-    except ValueError as e:
-        ap.exit(2, f"{ap.prog}: error: --fault: {e}\n")
-    if fault is not None:
-        print(f"wsh engine: FAULT ACTIVE: {fault}: {receive.FAULTS[fault]}", file=sys.stderr, flush=True)
+    if args.fault is not None:
+        try:
+            hook = load_hook(args.fault)
+        except ValueError as e:
+            ap.exit(2, f"{ap.prog}: error: --fault: {e}\n")
+        hook()
+        doc = (hook.__doc__ or "").strip().splitlines()
+        print(f"wsh engine: FAULT ACTIVE: {args.fault}: {doc[0] if doc else ''}", file=sys.stderr, flush=True)
     torch.set_num_threads(args.threads)
     loader = EngineLoader.from_checkpoint(args.checkpoint, args.seed)
     config = json.loads((args.checkpoint / "config.json").read_text())
-    app = create_app(loader, fault, config=config, served_name=str(args.checkpoint))
+    app = create_app(loader, config=config, served_name=str(args.checkpoint))
     asyncio.run(_serve(app, args.host, args.port, args.port_file))
 
 

@@ -1,9 +1,11 @@
 """One trainer rank: the object the runner places as a Ray actor (one per rank).
 
-Lifecycle per scenario: `setup` (Megatron parallel state, model built and loaded from the
-checkpoint) -> `connect_engine` (sender only: the transfer group) -> `sync` x N with `perturb`
-between them -> `export_checksums` (raw and bridge on the same state) -> `teardown`. The process and
-its default process group are reused across scenarios of the same world size.
+It composes the trainer (Megatron model and parallel state), the export modes and the transport into
+what an RL framework runs after every step. Lifecycle per scenario: `setup` (Megatron parallel state,
+model built and loaded from the checkpoint) -> `connect_engine` (sender only: the transfer group) ->
+`sync` x N with `perturb` between them -> `export_checksums` (raw and bridge on the same state) ->
+`teardown`. The process and its default process group are reused across scenarios of the same world
+size.
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ from __future__ import annotations
 import gc
 import os
 import time
-import traceback
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from reference_impl.checksum import tensor_checksum
+from reference_impl.engine import engine_kind
 from reference_impl.export import stream
 from reference_impl.export.stream import layout_facts
 from reference_impl.models.registry import load_model
@@ -34,6 +36,20 @@ from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.sync import SENDER, Channel
 
 
+@dataclass(frozen=True)
+class TrainerSetup:
+    """What one scenario asks of the trainer ranks: the model entry, its checkpoint folder, the dtype
+    name, and the parallel layout (TP x PP, EP x ETP for experts)."""
+
+    model: str
+    checkpoint: str
+    dtype: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+
 class TrainerWorker:
     """One trainer rank (see module doc). Methods return plain data (dicts) for the runner."""
 
@@ -45,7 +61,6 @@ class TrainerWorker:
         self.layout: RankLayout | None = None
         self.client: UpdateClient | None = None
         self.channel: Channel | None = None
-        self.scenario: dict[str, Any] = {}
         self.last_sent: dict[str, torch.Tensor] = {}  # sender: the tensors of the last sync, by HF name
         self.reference: Any = None  # sender: the trainer-side log-prob forward (built on first use)
         self.checkpoint = ""
@@ -54,23 +69,24 @@ class TrainerWorker:
         """OS process id (for stack dumps and cleanup)."""
         return os.getpid()
 
-    def setup(self, scenario: dict[str, Any], checkpoint: str) -> dict[str, Any]:
-        """Build and load the model for `scenario` (keys model, tp, pp, dtype). Returns timings."""
+    def setup(self, setup: TrainerSetup) -> dict[str, Any]:
+        """Build this rank's shard of the model and load the checkpoint into it. Returns timings (s)."""
         self.teardown()
         t0 = time.perf_counter()
-        self.scenario = scenario
-        self.checkpoint = checkpoint
-        self.spec = load_model(scenario["model"])
-        tp, pp, ep, etp = (scenario[k] for k in ("tp", "pp", "ep", "etp"))
-        self.layout = init_model_parallel(tp, pp, ep, etp)
-        self.model = build_model(Path(checkpoint), self.spec.family, tp, pp, scenario["dtype"], ep, etp)
-        self.facts = layout_facts(self.spec, Path(checkpoint))
+        self.checkpoint = setup.checkpoint
+        self.spec = load_model(setup.model)
+        self.layout = init_model_parallel(setup.tp, setup.pp, setup.ep, setup.etp)
+        self.model = build_model(
+            Path(setup.checkpoint), self.spec.family, setup.tp, setup.pp, setup.dtype, setup.ep, setup.etp
+        )
+        self.facts = layout_facts(self.spec, Path(setup.checkpoint))
         return {"rank": self.rank, "build_s": time.perf_counter() - t0, "layout": asdict(self.layout)}
 
     def connect_engine(
-        self, base_url: str, colocate: bool = False, engine: str = "embedded", timeout_s: float = 120.0
+        self, base_url: str, engine: str, colocate: bool = False, timeout_s: float = 120.0
     ) -> list[HttpCall]:
-        """Sender only: set up the channel to the engine through /init_weight_transfer_engine.
+        """Sender only: set up the channel to the engine (of kind `engine`, `reference_impl.engine`) through
+        /init_weight_transfer_engine.
 
         Non-colocate: a gloo transfer group; the HTTP call blocks until the engine joined, so it runs in
         a thread while this rank joins as rank 0. Colocate: a shared-memory segment (CUDA IPC on GPU)
@@ -78,8 +94,8 @@ class TrainerWorker:
         """
         if self.rank != SENDER:
             return []
-        # vLLM's worker ends the update session when a chunk fails (see transport.client).
-        self.client = UpdateClient(base_url, session_ends_on_error=engine == "vllm")
+        kind = engine_kind(engine)  # e.g. whether a failed chunk ends the session (see transport.client)
+        self.client = UpdateClient(base_url, session_ends_on_error=kind.capabilities.session_ends_on_error)
         if colocate:
             from reference_impl.transport.colocate import CudaIpcChannel, SharedMemoryChannel
 
@@ -183,16 +199,8 @@ class TrainerWorker:
         destroy_model_parallel()
         gc.collect()
 
-    def ping(self) -> str:
-        """Liveness probe."""
-        return "ok"
-
     def run_in_process(self, fn: Any) -> None:
         """Call `fn()` in this rank's process (the runner uses it to apply a scenario's fault injection;
         the pool is discarded after that scenario)."""
         fn()
 
-    @staticmethod
-    def format_exc() -> str:
-        """The current exception's traceback (helper for error records)."""
-        return traceback.format_exc()

@@ -1,0 +1,61 @@
+"""Engine-side fault injections: hooks the embedded engine's process loads at start (`--fault
+harness.faults.engine:<name>`), each replacing what runs at an engine seam (`reference_impl.seams`).
+
+The engine's own code has no fault branches: a hook is called once, before the server builds its
+app, and changes the loader's behaviour for the whole life of that process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from reference_impl import seams
+
+
+def finalize_per_chunk() -> None:
+    """After loading each chunk, every shard NOT in it is restored from a snapshot taken at
+    /start_weight_update (a per-chunk finalize that reloads everything else): after a multi-chunk sync
+    only the last chunk's tensors hold new values."""
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+
+    def at_start(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_counts(self):  # type: ignore[no-untyped-def]
+            orig(self)
+            with torch.no_grad():
+                snapshots[id(self)] = {n: self.view(s).detach().clone() for n, s in self.slots.items()}
+
+        return reset_counts
+
+    def at_load(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load(self, names, dtype_names, shapes, tensors):  # type: ignore[no-untyped-def]
+            orig(self, names, dtype_names, shapes, tensors)
+            snapshot = snapshots.get(id(self))
+            if snapshot is None:
+                return
+            loaded = set(names)
+            with torch.no_grad():
+                for name, slot in self.slots.items():
+                    if name not in loaded:
+                        self.view(slot).copy_(snapshot[name])
+
+        return load
+
+    seams.replace("engine_session_start", at_start)
+    seams.replace("engine_load", at_load)
+
+
+def ok_without_transfer() -> None:
+    """/update_weights receives each chunk's bytes but loads nothing, still counts the chunk's shards as
+    updated and answers 200 (an HTTP 200 that moved nothing)."""
+
+    def at_load(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load(self, names, dtype_names, shapes, tensors):  # type: ignore[no-untyped-def]
+            for name in names:
+                self.counts[self.slots[name].target.slot] += 1
+
+        return load
+
+    seams.replace("engine_load", at_load)

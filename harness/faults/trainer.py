@@ -1,0 +1,215 @@
+"""Trainer-side fault injections: each replaces what runs at one or two named seams
+(`reference_impl.seams`) inside the trainer rank processes of one scenario.
+
+Every function here is called once per rank process (`TrainerWorker.run_in_process`); the runner
+discards those processes after the scenario.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from reference_impl import seams
+
+
+def pp_barrier_in_chunk_loop() -> None:
+    """Stages hit a barrier once per chunk they take part in; the sender once per chunk of the whole
+    plan. With PP = 2 the counts differ, and the ranks wait for each other forever."""
+    import torch.distributed as dist
+
+    def hand_off(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def send_owned(plan, owned, rank):  # type: ignore[no-untyped-def]
+            for chunk in plan:
+                if any(m.owner == rank for m in chunk.tensors):
+                    orig([chunk], owned, rank)
+                    dist.barrier()
+
+        return send_owned
+
+    def collect(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def collect_chunk(chunk, owned):  # type: ignore[no-untyped-def]
+            out = orig(chunk, owned)
+            dist.barrier()
+            return out
+
+        return collect_chunk
+
+    seams.replace("hand_off", hand_off)
+    seams.replace("collect", collect)
+
+
+def legacy_vision_names() -> None:
+    """Vision parameters sent as `model.visual.` + the Megatron suffix (the name before the vision
+    tower had its own conversion table): `model.visual.decoder.layers.0.self_attention.linear_proj.weight`."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def convert(name, tensor, rules, facts):  # type: ignore[no-untyped-def]
+            if name.startswith("vision_model."):
+                return [("model.visual." + name.removeprefix("vision_model."), tensor)]
+            return orig(name, tensor, rules, facts)
+
+        return convert
+
+    seams.replace("convert", make)
+
+
+def noncolocate_ignores_bridge() -> None:
+    """The non-colocate path calls the raw exporter whatever mode was asked for."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def export(mode, model, layout, facts):  # type: ignore[no-untyped-def]
+            return orig("raw", model, layout, facts)
+
+        return export
+
+    seams.replace("export", make)
+
+
+def gqa_split_wrong() -> None:
+    """The language model's `linear_qkv` split as three contiguous blocks [q; k; v] (the HF layout, as if
+    heads were ungrouped) instead of per query group with head_dim: shapes are right, values are not."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def convert(name, tensor, rules, facts):  # type: ignore[no-untyped-def]
+            out = orig(name, tensor, rules, facts)
+            names = [n for n, _ in out]
+            if len(out) == 3 and [n.rsplit(".", 2)[-2] for n in names] == ["q_proj", "k_proj", "v_proj"]:
+                q_rows, kv_rows = facts.num_heads * facts.head_dim, facts.num_kv_heads * facts.head_dim
+                blocks = (tensor[:q_rows], tensor[q_rows : q_rows + kv_rows], tensor[q_rows + kv_rows :])
+                return [(n, b.contiguous()) for n, b in zip(names, blocks, strict=True)]
+            return out
+
+        return convert
+
+    seams.replace("convert", make)
+
+
+def ep_local_expert_ids() -> None:
+    """Experts keep their local ids at EP = 2: each EP rank's expert K is sent as expert K, so the
+    experts of EP rank 1 collide with rank 0's and experts E/2..E-1 are never updated."""
+    seams.replace("ep_gather", lambda orig: lambda full, group, size: [full])
+
+
+def drop_last_chunk() -> None:
+    """The sender's loop is off by one at the end: it records the last chunk of the plan as sent and
+    answered, but never hands it to the channel (nothing reaches the engine)."""
+    plan_length: list[int] = [0]
+
+    def plan(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def plan_chunks(tensors, bucket_bytes):  # type: ignore[no-untyped-def]
+            chunks = orig(tensors, bucket_bytes)
+            plan_length[0] = len(chunks)
+            return chunks
+
+        return plan_chunks
+
+    def send(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def send_chunk(channel, client, tensors, info, sync):  # type: ignore[no-untyped-def]
+            if info["chunk_index"] == plan_length[0] - 1:
+                return {}
+            return orig(channel, client, tensors, info, sync)
+
+        return send_chunk
+
+    seams.replace("plan_chunks", plan)
+    seams.replace("send_chunk", send)
+
+
+def tied_lm_head_sent() -> None:
+    """A separate `lm_head.weight` (the embedding) is sent to an engine whose lm_head is tied."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def convert(name, tensor, rules, facts):  # type: ignore[no-untyped-def]
+            out = orig(name, tensor, rules, facts)
+            if name.endswith("embedding.word_embeddings.weight"):
+                out = [*out, ("lm_head.weight", out[0][1])]
+            return out
+
+        return convert
+
+    seams.replace("convert", make)
+
+
+def wrong_dtype() -> None:
+    """Chunks declared bfloat16 while their bytes are float32."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def update_info(chunk):  # type: ignore[no-untyped-def]
+            info = orig(chunk)
+            info["dtype_names"] = ["bfloat16"] * len(info["dtype_names"])
+            return info
+
+        return update_info
+
+    seams.replace("update_info", make)
+
+
+def ipc_buffer_reused_early() -> None:
+    """The colocate producer reuses its buffer before the engine acknowledged the current chunk: the next
+    chunk's staging (a zero fill) starts between packing and the engine reading it."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def pack(tensors, out=None):  # type: ignore[no-untyped-def]
+            view = orig(tensors, out=out)
+            view.zero_()
+            return view
+
+        return pack
+
+    seams.replace("colocate_pack", make)
+
+
+def fused_drops_visual_kwargs() -> None:
+    """The language model's forward no longer accepts `visual_pos_masks` / `deepstack_visual_embeds`
+    (a refactor of the fused forward dropped the vision path's extra arguments)."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(
+            self,
+            input_ids=None,
+            attention_mask=None,
+            position_ids=None,
+            past_key_values=None,  # type: ignore[no-untyped-def]
+            inputs_embeds=None,
+            use_cache=None,
+            cache_position=None,
+        ):
+            return orig(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                cache_position=cache_position,
+            )
+
+        return forward
+
+    seams.replace("vl_text_forward", make)
+
+
+def temperature_not_passed() -> None:
+    """The trainer's fused log-prob path never receives the sampling temperature (it computes at T = 1)."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda hidden, weight, targets, temperature=1.0, **kw: orig(hidden, weight, targets, **kw)
+
+    seams.replace("fused_logprobs", make)
+
+
+def position_ids_wrong_shape() -> None:
+    """The caller passes text-style [batch, seq] position ids to the mRoPE model."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def vl_hidden_states(model, input_ids, pixel_values, image_grid_thw, position_ids=None):  # type: ignore[no-untyped-def]
+            flat = torch.arange(input_ids.shape[1])[None].expand_as(input_ids)
+            return orig(model, input_ids, pixel_values, image_grid_thw, flat)
+
+        return vl_hidden_states
+
+    seams.replace("vl_hidden_states", make)

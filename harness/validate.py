@@ -1,0 +1,104 @@
+"""Whether a scenario can run: one `validate` call per scenario, before any process starts.
+
+A scenario that cannot run (TP does not divide the heads, PP larger than the layers, an unknown model,
+mode or engine, a limit of the engine on this host, ...) gets one sentence that says what to change; it
+is recorded as CONFIG_ERROR without launching anything. Model facts come from the model entry
+(`reference_impl.models`), engine limits from the engine's adapter (`reference_impl.engine`).
+"""
+
+from __future__ import annotations
+
+from harness.scenario import Scenario
+from reference_impl.engine import ENGINES, EngineRequest, engine_kind
+from reference_impl.export import MODES
+from reference_impl.models.registry import ModelEntryError, ModelSpec, load_model
+
+DTYPES = ("float32", "bfloat16")
+
+
+def validate(sc: Scenario) -> str | None:
+    """None when `sc` can run here; else one sentence saying what to change."""
+    if sc.mode not in MODES:
+        return f"mode {sc.mode!r} is unknown: use {' or '.join(MODES)}"
+    try:
+        engine = engine_kind(sc.engine)
+    except ValueError as e:
+        return str(e)
+    if sc.dtype not in DTYPES:
+        return f"dtype {sc.dtype!r} is not supported: use {' or '.join(DTYPES)}"
+    if min(sc.tp, sc.pp, sc.ep, sc.etp) < 1:
+        return "tp, pp, ep and etp must be >= 1"
+    if sc.bucket_bytes < 1:
+        return f"bucket_bytes must be >= 1 (got {sc.bucket_bytes})"
+    try:
+        spec = load_model(sc.model)
+    except ModelEntryError as e:
+        return str(e)
+    problem = _weights_problem(sc, spec) or _layout_problem(sc, spec) or _fault_problem(sc)
+    if problem:
+        return problem
+    return engine.validate(EngineRequest(spec, sc.dtype, sc.colocate, sc.logprobs, sc.logprob_temperature))
+
+
+def _weights_problem(sc: Scenario, spec: ModelSpec) -> str | None:
+    """Released weights (`hf_repo` entries) must be in the local HF cache, in their own dtype."""
+    if not spec.hf_repo:
+        return None
+    from reference_impl.models.hf_cache import WeightsMissing, find_snapshot
+
+    if sc.dtype != "bfloat16":
+        return f"{sc.model} serves its released bfloat16 weights: set dtype: bfloat16"
+    try:
+        find_snapshot(spec.hf_repo)
+    except WeightsMissing as e:
+        return str(e)
+    return None
+
+
+def _layout_problem(sc: Scenario, spec: ModelSpec) -> str | None:
+    """The TP / PP / EP / ETP layout fits the model (megatron-core's divisibility rules)."""
+    f = spec.facts()
+    if (sc.ep > 1 or sc.etp > 1) and not f.num_experts:
+        return f"ep {sc.ep} / etp {sc.etp} needs a mixture-of-experts model; {sc.model} is dense: set ep: 1, etp: 1"
+    if f.num_experts and f.num_experts % sc.ep:
+        return f"EP {sc.ep} does not divide {sc.model}'s {f.num_experts} experts: pick an EP that divides it"
+    if sc.etp not in (1, sc.tp):
+        return f"ETP {sc.etp} must be 1 or equal TP {sc.tp}"
+    if f.num_heads % sc.tp or f.num_kv_heads % sc.tp:
+        return (
+            f"TP {sc.tp} does not divide {sc.model}'s {f.num_heads} attention heads and {f.num_kv_heads} "
+            f"KV heads: pick a TP that divides both (e.g. {_divisors_of_both(f.num_heads, f.num_kv_heads)})"
+        )
+    if f.vision_heads and f.vision_heads % sc.tp:
+        return f"TP {sc.tp} does not divide {sc.model}'s {f.vision_heads} vision heads: pick a TP that divides it"
+    if sc.pp > f.num_layers:
+        return f"PP {sc.pp} is larger than {sc.model}'s {f.num_layers} layers: use PP <= {f.num_layers}"
+    if f.num_layers % sc.pp:
+        return f"PP {sc.pp} does not divide {sc.model}'s {f.num_layers} layers: use a PP that divides it"
+    if f.deepstack_indexes and sc.pp > 1 and f.num_layers // sc.pp < len(f.deepstack_indexes):
+        return (
+            f"at PP {sc.pp} the first stage of {sc.model} holds {f.num_layers // sc.pp} text layers but the vision "
+            f"tower feeds {len(f.deepstack_indexes)} deepstack layers into it: lower PP or add text layers"
+        )
+    return None
+
+
+def _fault_problem(sc: Scenario) -> str | None:
+    """A fault must be registered, and an engine-side fault needs an engine that loads fault hooks."""
+    if sc.fault is None:
+        return None
+    from harness.faults import FAULTS
+
+    if sc.fault not in FAULTS:
+        return f"fault {sc.fault!r} is unknown: use one of {sorted(FAULTS)}"
+    if FAULTS[sc.fault].side == "engine" and not engine_kind(sc.engine).capabilities.fault_hooks:
+        hooks = [name for name, kind in ENGINES.items() if kind.capabilities.fault_hooks]
+        return (
+            f"fault {sc.fault!r} is a hook the engine loads at start and engine {sc.engine} loads none: "
+            f"use engine: {' or '.join(hooks)}"
+        )
+    return None
+
+
+def _divisors_of_both(a: int, b: int) -> list[int]:
+    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]

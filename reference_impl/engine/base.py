@@ -1,0 +1,101 @@
+"""An engine kind is one adapter: how to launch it, what it cannot run, and what it can do.
+
+The harness never compares engine names: it asks the scenario's `EngineKind` (`engine.engine_kind`)
+to validate a scenario before anything starts, to make the server process, to turn the engine's
+non-200 answers into `Rejection`s, and for its `Capabilities`, which go into the run record so that
+checks and tables read what the engine can report instead of which engine it was. Adding an engine
+(SGLang, say) is one adapter module registered in `engine/__init__.py`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict
+
+from reference_impl.engine.process import ServerProcess
+from reference_impl.models.registry import ModelSpec
+from reference_impl.transport.observed import Rejection
+
+
+class Capabilities(BaseModel):
+    """What an engine kind can do and report; recorded in every run record.
+
+    Attributes:
+        per_tensor_reports: /finish_weight_update answers update counts per engine shard and
+            /weight_checker answers checksums in HF checkpoint names (so coverage and parity are
+            judged on the engine's own report).
+        session_ends_on_error: a failed /update_weights ends the update session (vLLM's worker clears
+            it in its exception handler), so the sender must not send later chunks of that sync.
+        prompt_logprobs_honour_temperature: prompt log-probs are computed at the request's
+            temperature (vLLM computes them before any sampling processor, i.e. at 1.0).
+        colocate: can take chunks by handle from a trainer on the same devices.
+        tensor_parallel: can run with TP > 1 on the engine side.
+        replicas: several engines of this kind can be fed by one transfer group.
+        fault_hooks: loads a fault hook (`--fault MODULE:FUNCTION`) at start, for mutation tests.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    per_tensor_reports: bool
+    session_ends_on_error: bool
+    prompt_logprobs_honour_temperature: bool
+    colocate: bool
+    tensor_parallel: bool = False
+    replicas: bool = False
+    fault_hooks: bool = False
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What a scenario asks of its engine, as `EngineKind.validate` reads it.
+
+    Attributes:
+        model: the model entry (its config says vision tower, experts, ...).
+        dtype: the checkpoint's dtype name ("float32" | "bfloat16").
+        colocate: the engine shares the sender's devices (chunks by handle).
+        logprobs: log-prob parity after every sync is asked for.
+        logprob_temperature: the temperature the scenario fixes for the comparison, None for the engine's.
+    """
+
+    model: ModelSpec
+    dtype: str
+    colocate: bool
+    logprobs: bool
+    logprob_temperature: float | None
+
+
+class EngineKind(ABC):
+    """One kind of rollout engine (see the module doc). Instances are stateless."""
+
+    name: str
+    capabilities: Capabilities
+    start_timeout_s: float  # seconds from launch to /health 200 on a loaded 2-core host
+    note: str = ""  # a sentence for every record of this engine (what its checks rest on), "" for none
+
+    def validate(self, request: EngineRequest) -> str | None:
+        """None when this engine can run `request` on this host, else one sentence saying what to change.
+
+        The default checks the capabilities (colocate); adapters add their own limits.
+        """
+        if request.colocate and not self.capabilities.colocate:
+            return f"engine {self.name} runs non-colocate only: set colocate: false, or use another engine for colocate"
+        return None
+
+    @abstractmethod
+    def server(
+        self, checkpoint: str, seed: int, log_path: str, dtype: str, fault_hook: str | None = None
+    ) -> ServerProcess:
+        """The (not yet started) server process for `checkpoint` with dummy weights of `seed`."""
+
+    @abstractmethod
+    def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:
+        """This engine's non-200 answer to `route` as `Rejection`s (pure). `sent_names` are the HF names of
+        the chunk for /update_weights (engine-side names are mapped back to them), empty otherwise."""
+
+    def reap(self, pid: int | None) -> None:
+        """End what is left of a server whose launcher was killed before its `stop` (default: nothing;
+        the embedded server exits with its launcher)."""
+        return None

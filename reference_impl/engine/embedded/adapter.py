@@ -1,0 +1,40 @@
+"""The embedded engine as an engine kind: our FastAPI server over a transformers model (`server.py`).
+
+It is the fast, strict default: it reports update counts per engine shard and checksums in HF names,
+honours the request's temperature in prompt log-probs, takes chunks by broadcast or by handle
+(colocate), and loads fault hooks for the harness's mutation tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from reference_impl.engine.base import Capabilities, EngineKind
+from reference_impl.engine.embedded.launcher import EngineProcess
+from reference_impl.transport.observed import Rejection
+
+
+class EmbeddedEngine(EngineKind):
+    """`engine: embedded`."""
+
+    name = "embedded"
+    capabilities = Capabilities(
+        per_tensor_reports=True,
+        session_ends_on_error=False,
+        prompt_logprobs_honour_temperature=True,
+        colocate=True,
+        fault_hooks=True,
+    )
+    start_timeout_s = 300.0  # loads a small transformers model
+
+    def server(
+        self, checkpoint: str, seed: int, log_path: str, dtype: str, fault_hook: str | None = None
+    ) -> EngineProcess:
+        """An `EngineProcess` (the checkpoint's own dtype; `dtype` is not needed)."""
+        return EngineProcess(checkpoint, seed, log_path, fault=fault_hook)
+
+    def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:
+        """The server's `{"detail": {"error", "rejected", "kinds"}}` bodies (`answers`)."""
+        from reference_impl.engine.embedded import answers
+
+        return answers.parse_rejections(route, status, body, sent_names)

@@ -1,0 +1,90 @@
+"""The named seams of the weight-sync path: the only places where a fault injection may replace code.
+
+A seam is a module attribute that production code calls through its module (so replacing the attribute
+changes what runs) and that has a purpose of its own on the sync path; nothing here exists only to be
+patched. The harness's fault injections (`harness/faults/`) reach the system under test through
+`replace` and nothing else: a fault names the seam it changes, and a seam that moves breaks loudly here
+instead of silently patching nothing.
+
+Trainer side (replaced inside the trainer rank processes of one scenario):
+
+| seam | what runs there |
+| --- | --- |
+| `convert` | raw export: one full Megatron parameter -> its HF (name, tensor) pairs |
+| `export` | the export mode dispatch (raw / bridge) |
+| `ep_gather` | one local expert's tensor from every EP rank |
+| `plan_chunks` | the chunk (bucket) plan every rank computes |
+| `update_info` | one chunk's `update_info` body |
+| `send_chunk` | the sender hands one chunk to its channel |
+| `hand_off` / `collect` | non-sender ranks hand their tensors to the sender / the sender collects them |
+| `colocate_pack` | the colocate producer packs a chunk into its shared buffer |
+| `fused_logprobs` | the trainer-side fused log-prob kernel |
+| `vl_hidden_states` | the trainer-side Qwen3-VL forward (vision path kwargs, mRoPE ids) |
+| `vl_text_forward` | transformers' Qwen3-VL language model forward (the library's own) |
+
+Engine side (replaced inside the embedded engine's process by a fault hook it loads at start):
+
+| seam | what runs there |
+| --- | --- |
+| `engine_load` | the loader copies one validated chunk into the engine's parameters |
+| `engine_session_start` | the loader's per-session reset at /start_weight_update |
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+SEAMS: dict[str, tuple[str, str]] = {
+    "convert": ("reference_impl.export.stream", "convert"),
+    "export": ("reference_impl.export.stream", "export"),
+    "ep_gather": ("reference_impl.export.stream", "ep_gather"),
+    "plan_chunks": ("reference_impl.transport.sync", "plan_chunks"),
+    "update_info": ("reference_impl.transport.sync", "update_info"),
+    "send_chunk": ("reference_impl.transport.sync", "send_chunk"),
+    "hand_off": ("reference_impl.transport.sync", "send_owned"),
+    "collect": ("reference_impl.transport.sync", "collect_chunk"),
+    "colocate_pack": ("reference_impl.transport.colocate", "pack"),
+    "fused_logprobs": ("reference_impl.forward.logprobs", "fused_logprobs"),
+    "vl_hidden_states": ("reference_impl.forward.reference", "vl_hidden_states"),
+    "vl_text_forward": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextModel.forward"),
+    "engine_load": ("reference_impl.engine.embedded.loader", "EngineLoader.load"),
+    "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),
+}
+
+
+def _owner(seam: str) -> tuple[Any, str]:
+    """(object that holds the seam's attribute, attribute name).
+
+    Raises:
+        KeyError: an unknown seam (the message lists the known ones).
+    """
+    if seam not in SEAMS:
+        raise KeyError(f"no seam named {seam!r}; known seams: {', '.join(SEAMS)}")
+    module_name, path = SEAMS[seam]
+    owner: Any = importlib.import_module(module_name)
+    *parents, attr = path.split(".")
+    for name in parents:
+        owner = getattr(owner, name)
+    if not hasattr(owner, attr):
+        raise KeyError(f"seam {seam!r}: {module_name} has no {path} (the seam moved; update reference_impl.seams)")
+    return owner, attr
+
+
+def current(seam: str) -> Callable[..., Any]:
+    """What runs at `seam` now."""
+    owner, attr = _owner(seam)
+    return getattr(owner, attr)
+
+
+def replace(seam: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
+    """Replace what runs at `seam` by `make(current)` in this process; returns the previous callable.
+
+    Raises:
+        KeyError: an unknown or moved seam.
+    """
+    owner, attr = _owner(seam)
+    previous = getattr(owner, attr)
+    setattr(owner, attr, make(previous))
+    return previous

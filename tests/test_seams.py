@@ -1,0 +1,66 @@
+"""The named seams resolve to what production code calls, and every fault reaches the system under test
+only through them."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from harness.faults import FAULTS, engine, trainer
+from reference_impl import seams
+
+
+@pytest.mark.parametrize("name", sorted(seams.SEAMS))
+def test_every_seam_resolves_to_a_callable(name: str) -> None:
+    assert callable(seams.current(name))
+
+
+def test_replace_swaps_and_returns_the_previous_callable() -> None:
+    from reference_impl.transport import sync
+
+    before = sync.update_info
+    try:
+        previous = seams.replace("update_info", lambda orig: lambda chunk: ("wrapped", orig(chunk)))
+        assert previous is before
+        assert sync.update_info is not before and sync.update_info.__code__.co_name == "<lambda>"
+    finally:
+        sync.update_info = before
+
+
+def test_unknown_seam_says_which_exist() -> None:
+    with pytest.raises(KeyError, match="known seams: convert"):
+        seams.replace("no_such_seam", lambda orig: orig)
+
+
+def test_faults_patch_only_through_seams() -> None:
+    """No fault module assigns to an attribute of the system under test: every change goes through
+    `seams.replace` (the only place that sets attributes)."""
+    for module in (trainer, engine):
+        tree = ast.parse(Path(inspect.getfile(module)).read_text())
+        targets = [t for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets]
+        assert not [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute)], module.__name__
+        called = {node.args[0].value for node in ast.walk(tree) if _is_replace_call(node)}
+        assert called <= set(seams.SEAMS)
+
+
+def test_every_fault_is_applied_from_its_side() -> None:
+    for fault in FAULTS.values():
+        assert fault.apply is not None
+        assert fault.apply.__module__ == f"harness.faults.{fault.side}", fault.name
+        if fault.side == "engine":
+            assert fault.hook == f"harness.faults.engine:{fault.name}"
+
+
+def _is_replace_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "replace"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "seams"
+        and bool(node.args)
+        and isinstance(node.args[0], ast.Constant)
+    )
