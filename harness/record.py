@@ -58,6 +58,8 @@ class SyncRecord(SyncReport):
     chunks_sent: int = 0  # chunks the sender sent (broadcast / handle hand-off finished)
     chunks_received: int = 0  # chunks the engine answered 200
     engine_checksums: dict[str, str] = Field(default_factory=dict)  # HF name -> engine after finish
+    # HF name -> checksum of the state every export must produce after this sync (`harness.oracles.expected`).
+    expected_checksums: dict[str, str] = Field(default_factory=dict)
     perturbed: bool = True  # the trainer's weights changed since the previous sync (False: a re-sync)
     # Log-prob parity after this sync (`harness.checks.logprob_parity`): forward, temperature, tokens,
     # max_abs, mean_abs, mean_exp_abs (NeMo-RL's mean exp|diff|), first_diff.

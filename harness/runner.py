@@ -23,6 +23,7 @@ import ray
 
 from harness.checks import LOGPROB_BUDGETS, group_differences, judged, logprob_parity
 from harness.faults import FAULTS
+from harness.oracles.expected import ExpectedState
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool
 from harness.record import ErrorRecord, RunRecord, SyncRecord
 from harness.scenario import Scenario
@@ -159,14 +160,19 @@ class Runner:
             prompts = fixed_prompts(json.loads((ckpt / "config.json").read_text())) if sc.logprobs else []
             temperature = sc.temperature(kind.capabilities.prompt_logprobs_honour_temperature)
             # syncs #0..N-1, then one more that re-sends unchanged weights (its log-probs must not move).
+            expected = ExpectedState(ckpt, sc.seed)  # the oracle: checkpoint + the trainer's elementwise step
             for i in range(sc.syncs + 1):
                 resync = i == sc.syncs
                 if 0 < i < sc.syncs:
-                    self._get([a.perturb.remote(i, sc.seed) for a in pool.actors], deadline, record, f"perturb {i}")
+                    refs = [a.perturb.remote(i, sc.seed) for a in pool.actors]
+                    expected.advance(i)  # while the ranks step
+                    self._get(refs, deadline, record, f"perturb {i}")
                 refs = [a.sync.remote(i, i, sc.mode, sc.bucket_bytes) for a in pool.actors]
+                expected_sums = expected.checksums()  # while the ranks sync
                 per_rank = self._get(refs, deadline, record, f"sync {i}")
                 sync = self._merge_sync(i, per_rank, record)
                 sync.perturbed = not resync
+                sync.expected_checksums = expected_sums
                 if reports_tensors:
                     sync.engine_checksums = checker.checksums()
                 record.syncs.append(sync)

@@ -10,6 +10,7 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 
 | seam | what runs there |
 | --- | --- |
+| `train_step` | the trainer's step between syncs over every (global name, parameter) |
 | `convert` | raw export: one full Megatron parameter -> its HF (name, tensor) pairs |
 | `export` | the export mode dispatch (raw / bridge) |
 | `ep_gather` | one local expert's tensor from every EP rank |
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 SEAMS: dict[str, tuple[str, str]] = {
+    "train_step": ("reference_impl.trainer.step", "apply"),
     "convert": ("reference_impl.export.stream", "convert"),
     "export": ("reference_impl.export.stream", "export"),
     "ep_gather": ("reference_impl.export.stream", "ep_gather"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import os
 import time
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from reference_impl.engine import engine_kind
 from reference_impl.export import stream
 from reference_impl.export.stream import layout_facts
 from reference_impl.models.registry import load_model
+from reference_impl.trainer import step as train_step
 from reference_impl.trainer.model import TrainerModel, build_model
 from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
 from reference_impl.trainer.params import iter_global_params
@@ -160,17 +160,11 @@ class TrainerWorker:
         return {"forward": FORWARD_NAME, "prompts": out}
 
     def perturb(self, step: int, seed: int) -> None:
-        """Deterministic weight change standing in for a training step: p += 1e-3 * N(0, 1).
-
-        The noise is seeded by (seed, step, global name) and, for TP-sharded parameters, the TP rank,
-        so replicated parameters stay identical across TP ranks.
-        """
-        assert self.model is not None and self.layout is not None
-        with torch.no_grad():
-            for name, p in iter_global_params(self.model.chunks):
-                tp_rank = self.layout.tp_rank if getattr(p, "tensor_model_parallel", False) else 0
-                g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{step}:{name}:{tp_rank}".encode()))
-                p.add_((1e-3 * torch.randn(p.shape, generator=g)).to(p.dtype))
+        """Deterministic weight change standing in for a training step: every parameter goes through
+        `trainer.step.step` (elementwise, a function of each value, the step index and the seed only), so
+        the harness can compute the state every export must produce from the checkpoint alone."""
+        assert self.model is not None
+        train_step.apply(iter_global_params(self.model.chunks), step, seed)
 
     def export_checksums(self, mode: str) -> dict[str, str]:
         """Checksums of every HF tensor `mode` exports from the current state (complete on the sender)."""

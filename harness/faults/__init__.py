@@ -162,6 +162,22 @@ FAULTS: dict[str, Fault] = {
             {"model": "qwen3-vl", **_SMALL},
             trainer.position_ids_wrong_shape,
         ),
+        Fault(
+            "stale_cache_in_sync_loop",
+            "the sync loop re-sends the tensors it cached at sync 0 at every later sync",
+            "PARITY_FAIL",
+            "trainer",
+            {"model": "qwen3", "pp": 2, "mode": "bridge", "syncs": 3, "bucket_bytes": 65536},
+            trainer.stale_cache_in_sync_loop,
+        ),
+        Fault(
+            "step_skips_one_parameter",
+            "the trainer's step never reaches one parameter (the final norm)",
+            "PARITY_FAIL",
+            "trainer",
+            {"model": "qwen3", "syncs": 3, "bucket_bytes": 65536},
+            trainer.step_skips_one_parameter,
+        ),
     ]
 }
 

@@ -213,3 +213,35 @@ def position_ids_wrong_shape() -> None:
         return vl_hidden_states
 
     seams.replace("vl_hidden_states", make)
+
+
+def stale_cache_in_sync_loop() -> None:
+    """The sender caches each chunk's tensors the first time it collects them and re-sends that cache at
+    every later sync (a cache in the sync loop, not in the exporter): sync 0 is right, every later sync
+    moves sync 0's weights again while the engine answers 200 to all of it."""
+    cache: dict[tuple[str, ...], list[torch.Tensor]] = {}
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def collect_chunk(chunk, owned):  # type: ignore[no-untyped-def]
+            fresh = orig(chunk, owned)  # still receives from every owner: the schedule stays the same
+            key = tuple(m.name for m in chunk.tensors)
+            if key not in cache:
+                cache[key] = [t.detach().clone() for t in fresh]
+            return cache[key]
+
+        return collect_chunk
+
+    seams.replace("collect", make)
+
+
+def step_skips_one_parameter() -> None:
+    """The trainer's step never reaches the final norm's weight (a parameter left out of the optimizer's
+    groups): the export of every later sync still carries its old value."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def apply(params, k, seed):  # type: ignore[no-untyped-def]
+            return orig(((n, p) for n, p in params if not n.endswith("final_layernorm.weight")), k, seed)
+
+        return apply
+
+    seams.replace("train_step", make)

@@ -1,0 +1,89 @@
+"""The trainer's deterministic stand-in for an optimizer step between syncs: an elementwise function of
+each value.
+
+`step(x, k, seed)` = x * (1 + EPS * h_k(x)), where h_k(x) is a pseudo-random number in +-[0.5, 1)
+computed from the bits of x (its fp32 / bf16 / fp16 bit pattern), the step index k and the seed only.
+Because it depends on nothing but the value, it commutes with every layout change a converter makes
+(TP gathers, splits and concatenations, transposes, vocab-padding trims, expert re-indexing and
+stacking): stepping the Megatron shards and exporting gives, bit for bit, what exporting and then
+stepping the HF tensors gives. That is what lets the harness compute the expected state after every
+sync from the checkpoint alone, sharing no code with the export or the transport.
+
+EPS = 2**-6 makes every element change in every dtype used here: the relative change lies in
+[2**-7, 2**-6], at least the largest half-spacing of bfloat16 (2**-8), so a rounded step never
+leaves a bf16 value as it was (zeros stay zero). The arithmetic is int32 hashing and fp32 math,
+rounded to the tensor's dtype, elementwise on CPU: reproducible bit for bit in any process. It walks
+the tensor in blocks of 64 Ki elements (about 8 ms per million elements on one core here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+EPS_LOG2 = -6
+EPS = 2.0**EPS_LOG2
+BLOCK = 1 << 16  # elements per block: the block's temporaries stay in cache
+_BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_GOLDEN = -1640531535  # 0x9E3779B1 as a signed int32 (Fibonacci hashing)
+_MIX = 0x2C1B3C6D  # a murmur-style int32 finaliser constant
+
+
+def _key(k: int, seed: int) -> int:
+    """A 31-bit key of (seed, step)."""
+    return (seed * 1_000_003 + k * 7_919 + 0x5851F42D) & 0x7FFFFFFF
+
+
+def _hash(bits: torch.Tensor, key: int) -> torch.Tensor:
+    """int32 hash of int32 bit patterns (wrapping arithmetic, deterministic)."""
+    z = bits * _GOLDEN + key
+    z = z ^ (z >> 15)
+    z = z * _MIX
+    return z ^ (z >> 12)
+
+
+def noise(x: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """h_k(x): fp32 tensor of x's shape, values in +-[0.5, 1), a function of each element's bits only.
+
+    The magnitude comes from the hash's low 24 bits, the sign from its top bit.
+
+    Raises:
+        TypeError: a dtype other than float32 / bfloat16 / float16.
+    """
+    if x.dtype not in _BITS_DTYPE:
+        raise TypeError(f"the trainer step is defined for float32, bfloat16 and float16 tensors, not {x.dtype}")
+    z = _hash(x.detach().contiguous().view(_BITS_DTYPE[x.dtype]).to(torch.int32), _key(k, seed))
+    h = (z & 0xFFFFFF).to(torch.float32).mul_(2.0**-25).add_(0.5)
+    return torch.where(z < 0, -h, h)
+
+
+def step(x: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """One step: x * (1 + EPS * h_k(x)) in fp32, rounded to x's dtype (a new tensor, same shape).
+
+    Raises:
+        TypeError: a dtype other than float32 / bfloat16 / float16.
+    """
+    src = x.detach().contiguous().reshape(-1)
+    out = torch.empty_like(src)
+    for i in range(0, src.numel(), BLOCK):
+        block = src[i : i + BLOCK]
+        factor = noise(block, k, seed).mul_(EPS).add_(1.0)
+        out[i : i + BLOCK] = (block.float() * factor).to(x.dtype)
+    return out.reshape(x.shape)
+
+
+def step_(x: torch.Tensor, k: int, seed: int) -> None:
+    """`step` in place (x must not require grad, e.g. a parameter under `torch.no_grad()`)."""
+    x.copy_(step(x, k, seed))
+
+
+def apply(params: Iterable[tuple[str, torch.Tensor]], k: int, seed: int) -> int:
+    """Step k on every (name, parameter) in place, under no_grad (what the trainer runs between syncs;
+    a seam: `reference_impl.seams`). Returns how many tensors were stepped."""
+    n = 0
+    with torch.no_grad():
+        for _, p in params:
+            step_(p, k, seed)
+            n += 1
+    return n
