@@ -38,6 +38,7 @@ from harness.checks import LOGPROB_BUDGETS, group_differences, judged, logprob_p
 from harness.faults import FAULTS
 from harness.record import ErrorRecord, RunRecord, SyncRecord
 from harness.scenario import Scenario, validate
+from reference_impl.engine import rejection_parser
 from reference_impl.engine.process import free_port
 from reference_impl.forward.reference import fixed_prompts
 from reference_impl.models.checkpoint import checkpoint_checksums, make_checkpoint
@@ -324,7 +325,7 @@ class Runner:
             if fault and fault.apply is not None:
                 self._get([a.run_in_process.remote(fault.apply) for a in pool.actors], 60, record, "apply fault")
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
-            checker = UpdateClient(url)
+            checker = UpdateClient(url, parse_rejections=rejection_parser(sc.engine))
             reports_tensors = sc.engine == "embedded"  # slots, counts and HF-name checksums (module doc)
             if reports_tensors:
                 record.engine_slots = checker.slots()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from reference_impl.checksum import tensor_checksum
+from reference_impl.engine import rejection_parser
 from reference_impl.export import stream
 from reference_impl.export.stream import layout_facts
 from reference_impl.models.registry import load_model
@@ -79,7 +80,9 @@ class TrainerWorker:
         if self.rank != SENDER:
             return []
         # vLLM's worker ends the update session when a chunk fails (see transport.client).
-        self.client = UpdateClient(base_url, session_ends_on_error=engine == "vllm")
+        self.client = UpdateClient(
+            base_url, session_ends_on_error=engine == "vllm", parse_rejections=rejection_parser(engine)
+        )
         if colocate:
             from reference_impl.transport.colocate import CudaIpcChannel, SharedMemoryChannel
 
