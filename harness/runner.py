@@ -149,7 +149,7 @@ class Runner:
             if fault and fault.side == "trainer" and fault.apply is not None:
                 self._get([a.run_in_process.remote(fault.apply) for a in pool.actors], 60, record, "apply fault")
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
-            checker = UpdateClient(url)
+            checker = UpdateClient(url, parse_rejections=kind.parse_rejections)
             reports_tensors = kind.capabilities.per_tensor_reports
             if reports_tensors:
                 record.engine_slots = checker.slots()

@@ -95,7 +95,11 @@ class TrainerWorker:
         if self.rank != SENDER:
             return []
         kind = engine_kind(engine)  # e.g. whether a failed chunk ends the session (see transport.client)
-        self.client = UpdateClient(base_url, session_ends_on_error=kind.capabilities.session_ends_on_error)
+        self.client = UpdateClient(
+            base_url,
+            session_ends_on_error=kind.capabilities.session_ends_on_error,
+            parse_rejections=kind.parse_rejections,
+        )
         if colocate:
             from reference_impl.transport.colocate import CudaIpcChannel, SharedMemoryChannel
 

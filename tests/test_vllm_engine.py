@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from harness.runner import Runner
 from harness.scenario import Scenario
 from harness.validate import validate
 from reference_impl.checksum import tensor_checksum
+from reference_impl.engine import engine_kind
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import EngineStartError
 from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
@@ -47,6 +48,7 @@ from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineRejected, UpdateClient
 from reference_impl.transport.noncolocate import BroadcastChannel, connect_broadcast
+from reference_impl.transport.observed import SyncReport
 from reference_impl.transport.sync import run_sync
 
 SEED, ENGINE_SEED = 1234, 4321
@@ -85,13 +87,14 @@ class Connected:
             client=self.client,
             channel=self.channel,
         )
-        per_rank = {**asdict(res), "chunks_planned": len(plan), "mode": "raw", "http": self.client.calls}
-        rec = self.record([per_rank], index)
+        assert res.chunks_planned == len(plan)
+        res.mode = "raw"
+        rec = self.record([(res, list(self.client.calls))], index)
         if self.kind == "embedded":  # as the runner does: the embedded engine reports HF-name checksums
             rec.syncs[0].engine_checksums = self.client.checksums()
         return rec
 
-    def record(self, per_rank: list[dict[str, Any]], index: int) -> RunRecord:
+    def record(self, per_rank: list[tuple[SyncReport, list[HttpCall]]], index: int) -> RunRecord:
         rec = RunRecord(
             scenario_id=f"{self.kind}/same-verdicts",
             scenario={"engine": self.kind, "syncs": 1, "mode": "raw"},
@@ -101,7 +104,7 @@ class Connected:
         if per_rank:
             rec.syncs.append(Runner._merge_sync(index, per_rank, rec))
         else:
-            rec.http.extend(HttpCall(**c) for c in self.client.calls)
+            rec.http.extend(self.client.calls)
         return rec
 
 
@@ -113,7 +116,13 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def _connect(kind: str, proc: Any, url: str, ckpt: Path) -> Connected:
-    client = UpdateClient(url, timeout_s=300, session_ends_on_error=kind == "vllm")
+    caps = engine_kind(kind).capabilities
+    client = UpdateClient(
+        url,
+        timeout_s=300,
+        session_ends_on_error=caps.session_ends_on_error,
+        parse_rejections=engine_kind(kind).parse_rejections,
+    )
     return Connected(kind, proc, client, connect_broadcast(client), ckpt)
 
 
@@ -188,6 +197,8 @@ def test_unknown_name_is_name_error_on_both(engines: dict[str, Connected]) -> No
     assert vllm_call.status == 500 and "no_such" in (vllm_call.error or "")
     embedded_call = next(c for c in records["embedded"].http if c.status != 200)
     assert embedded_call.status == 400
+    for call in (vllm_call, embedded_call):  # each engine's parser read its answer as the same data
+        assert [(r.name, r.kind) for r in call.rejections] == [(bad, "name")], call
 
 
 def test_wrong_shape_is_http_error_on_both(engines: dict[str, Connected]) -> None:
@@ -201,6 +212,11 @@ def test_wrong_shape_is_http_error_on_both(engines: dict[str, Connected]) -> Non
         verdict, message = _verdict(rec)
         assert verdict == "HTTP_ERROR", (kind, verdict, message)
         assert "/update_weights" in message, (kind, message)
+    # vLLM's loader names no tensor ("Attempted to load weight (torch.Size([63])) into parameter ...").
+    calls = {kind: next(c for c in rec.http if c.status != 200) for kind, rec in records.items()}
+    assert [(r.name, r.kind) for r in calls["embedded"].rejections] == [(target, "shape")]
+    assert [(r.name, r.kind) for r in calls["vllm"].rejections] == [("/update_weights", "other")]
+    assert "torch.Size([63])" in calls["vllm"].rejections[0].reason
 
 
 def test_wrong_dtype_is_http_error_on_both(engines: dict[str, Connected]) -> None:
@@ -214,6 +230,9 @@ def test_wrong_dtype_is_http_error_on_both(engines: dict[str, Connected]) -> Non
         verdict, message = _verdict(rec)
         assert verdict == "HTTP_ERROR", (kind, verdict, message)
         assert "dtype" in message and target in message, (kind, message)
+        call = next(c for c in rec.http if c.status != 200)
+        assert [(r.name, r.kind) for r in call.rejections] == [(target, "dtype")], (kind, call)
+        assert list(rec.syncs[0].names_rejected) == [target], kind
 
 
 def test_update_without_start_is_http_error_on_both(engines: dict[str, Connected]) -> None:
@@ -226,6 +245,7 @@ def test_update_without_start_is_http_error_on_both(engines: dict[str, Connected
             conn.client.update(info, sync=4, chunk=0)
         assert exc.value.status in (400, 409, 500), (kind, exc.value)
         assert "start_weight_update" in exc.value.body, (kind, exc.value.body)
+        assert [r.kind for r in exc.value.rejections] == ["session"], (kind, exc.value.rejections)
         verdict, message = _verdict(conn.record([], 4))
         assert verdict == "HTTP_ERROR", (kind, verdict, message)
 

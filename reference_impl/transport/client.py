@@ -2,7 +2,10 @@
 
 A sync is one session: `start()`, `update(...)` once per chunk, `finish(version)`. Each call appends
 an `observed.HttpCall` to `self.calls` (route, status, ms, sync, chunk, error). A non-200 answer
-raises `EngineRejected` carrying the call; a connection failure raises it with status 0.
+raises `EngineRejected` carrying the call; a connection failure raises it with status 0. The engine's
+answer to a non-200 becomes data here, once: the client is built with its engine kind's parser
+(`EngineKind.parse_rejections`), which turns the whole body into `Rejection`s before the
+stored body is cut to 4000 characters.
 
 The client also tracks whether the engine holds an open update session (`session_open`), so that a
 sender never broadcasts a chunk nobody will receive: both engines refuse /update_weights without a
@@ -15,11 +18,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
-from reference_impl.transport.observed import HttpCall
+from reference_impl.transport.observed import HttpCall, Rejection
+
+MAX_STORED_BODY = 4000  # characters of a non-200 body kept in `HttpCall.error`
+
+# (route, status, body, sent_names) -> what the engine refused; sent_names are the chunk's HF names for
+# /update_weights, empty otherwise. One per engine kind (`EngineKind.parse_rejections`).
+RejectionParser = Callable[[str, int, str, Sequence[str]], list[Rejection]]
 
 
 class EngineRejected(RuntimeError):
@@ -30,28 +40,41 @@ class EngineRejected(RuntimeError):
         self.call = call
         self.route, self.status, self.body = call.route, call.status, body
 
-    def rejected_names(self) -> dict[str, str]:
-        """HF name -> reason, from an embedded-engine 4xx body ({"detail": {"rejected": ...}})."""
-        try:
-            detail = json.loads(self.body).get("detail", {})
-        except (ValueError, AttributeError):
-            return {}
-        return dict(detail.get("rejected", {})) if isinstance(detail, dict) else {}
+    @property
+    def rejections(self) -> list[Rejection]:
+        """What the engine refused in this answer, as its engine's parser read it (`HttpCall.rejections`)."""
+        return self.call.rejections
 
 
 class UpdateClient:
     """Client of one engine's weight-update routes (base_url like http://127.0.0.1:PORT)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, session_ends_on_error: bool = False) -> None:
-        """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM)."""
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        session_ends_on_error: bool = False,
+        *,
+        parse_rejections: RejectionParser,
+    ) -> None:
+        """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM).
+        `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`)."""
         self.base_url, self.timeout_s = base_url, timeout_s
         self.session_ends_on_error = session_ends_on_error
+        self.parse_rejections = parse_rejections
         self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
         self.calls: list[HttpCall] = []
         self.session_open = False
         self.session_closed_by = ""  # why the last session ended early (for the record)
 
-    def _post(self, route: str, body: dict[str, Any], sync: int | None = None, chunk: int | None = None) -> Any:
+    def _post(
+        self,
+        route: str,
+        body: dict[str, Any],
+        sync: int | None = None,
+        chunk: int | None = None,
+        sent_names: Sequence[str] = (),
+    ) -> Any:
         t0 = time.perf_counter()
         try:
             resp = self.http.post(route, json=body)
@@ -59,9 +82,10 @@ class UpdateClient:
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"
         ms = (time.perf_counter() - t0) * 1e3
-        call = HttpCall(
-            route=route, status=status, ms=ms, sync=sync, chunk=chunk, error=None if status == 200 else text[:4000]
-        )
+        call = HttpCall(route=route, status=status, ms=ms, sync=sync, chunk=chunk)
+        if status != 200:  # parsed whole, stored cut short
+            call.rejections = self.parse_rejections(route, status, text, sent_names)
+            call.error = text[:MAX_STORED_BODY]
         self.calls.append(call)
         if status != 200:
             # vLLM's server closes the connection after an error answer; start a fresh pool so the next
@@ -85,8 +109,10 @@ class UpdateClient:
 
     def update(self, update_info: dict[str, Any], sync: int, chunk: int) -> Any:
         """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, ...}}."""
+        names = update_info.get("names")
+        sent = [str(n) for n in names] if isinstance(names, list) else []
         try:
-            return self._post("/update_weights", {"update_info": update_info}, sync=sync, chunk=chunk)
+            return self._post("/update_weights", {"update_info": update_info}, sync=sync, chunk=chunk, sent_names=sent)
         except EngineRejected:
             if self.session_ends_on_error:
                 self.session_open = False

@@ -17,6 +17,9 @@ from pydantic import BaseModel, Field
 # or something the engine's answer does not say ("other").
 RejectionKind = Literal["name", "shape", "dtype", "bytes", "session", "request", "other"]
 REJECTION_KINDS: tuple[str, ...] = ("name", "shape", "dtype", "bytes", "session", "request", "other")
+# `SyncReport.names_rejected` reason of every name of a chunk whose rejection named none of its tensors
+# (e.g. vLLM's 500 for a wrong shape): it says nothing about which name, if any, was wrong.
+GENERIC_REJECTION = "chunk rejected: "
 
 
 class Rejection(BaseModel):
@@ -69,7 +72,7 @@ class SyncReport(BaseModel):
     total_s: float = 0.0  # wall seconds from the first gather to the engine's finish answer
     names_sent: list[str] = Field(default_factory=list)
     names_accepted: list[str] = Field(default_factory=list)
-    names_rejected: dict[str, str] = Field(default_factory=dict)  # HF name -> engine's reason
+    names_rejected: dict[str, str] = Field(default_factory=dict)  # HF name -> engine's reason (GENERIC_REJECTION)
     sent_checksums: dict[str, str] = Field(default_factory=dict)  # HF name -> checksum of sent bytes
     engine_update_counts: dict[str, int] = Field(default_factory=dict)  # engine slot -> updates
     finished: bool = False  # /finish_weight_update answered 200

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.transport.client import EngineRejected, UpdateClient
-from reference_impl.transport.observed import ChunkRecord, SyncReport
+from reference_impl.transport.observed import GENERIC_REJECTION, ChunkRecord, SyncReport
 from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
 from reference_impl.transport.wire import dtype_from_name, dtype_name
 
@@ -114,6 +114,18 @@ def update_info(chunk: Chunk) -> dict[str, Any]:
     }
 
 
+def names_rejected(names: list[str], rejected: EngineRejected) -> dict[str, str]:
+    """HF name -> the engine's reason, for the names of a chunk (`names`) that the engine's answer refused.
+
+    The tensors the answer's rejections name; when they name none of the chunk's tensors (vLLM's 500 for a
+    wrong shape, a refused session), every name of the chunk with the generic reason
+    `GENERIC_REJECTION` + the exception's text, which says nothing about which name (if any) was wrong.
+    """
+    sent = set(names)
+    named = {r.name: r.reason for r in rejected.rejections if r.name in sent}
+    return named or {n: f"{GENERIC_REJECTION}{rejected}" for n in names}
+
+
 def run_sync(
     *,
     owned: list[tuple[str, torch.Tensor]],
@@ -162,7 +174,7 @@ def run_sync(
             t_load += float(answer.get("load_s", 0.0))
             res.names_accepted.extend(info["names"])
         except EngineRejected as e:
-            res.names_rejected.update(e.rejected_names() or {n: f"chunk rejected: {e}" for n in info["names"]})
+            res.names_rejected.update(names_rejected(info["names"], e))
         res.chunks.append(entry)
         res.names_sent.extend(info["names"])
         res.bytes += chunk.nbytes

@@ -33,6 +33,7 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
+from reference_impl.engine import engine_kind
 from reference_impl.engine.process import free_port
 from reference_impl.transport.client import EngineRejected, UpdateClient
 from reference_impl.transport.noncolocate import connect_broadcast
@@ -140,7 +141,7 @@ def main() -> int:
     t0 = time.perf_counter()
     proc = start_server(args.vllm_python, ckpt, port, Path(args.log))
     report["server_pid"] = proc.pid
-    client = UpdateClient(url, timeout_s=300)
+    client = UpdateClient(url, timeout_s=300, parse_rejections=engine_kind("vllm").parse_rejections)
     try:
         report["health_s"] = round(wait_health(url, proc, args.health_timeout), 1)
         report["world_size"] = httpx.get(url + "/get_world_size").json()

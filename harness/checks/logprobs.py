@@ -1,0 +1,99 @@
+"""Log-prob parity: after every sync the engine's prompt log-probs match the trainer's within the dtype's
+budget, and a re-sync of unchanged weights leaves the engine's log-probs exactly as they were."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from harness.checks.base import CheckResult, engine_reports_tensors, failed, passed, skipped
+from harness.record import RunRecord
+
+# Log-prob budgets by checkpoint dtype. fp32 on CPU: trainer (fused, chunked, fp32 logits from the
+# hidden states) and engine (full logits, log_softmax) differ only by summation order, ~1e-6; 1e-4
+# leaves room for long prompts. bf16: both forwards run in bf16 but the trainer's fused path multiplies
+# in fp32 and the engine's lm_head in bf16; logits of magnitude ~10 carry ~0.04 of rounding (8-bit
+# mantissa), so max |diff| <= 0.1 and NeMo-RL's mean exp|diff| <= 1.02 (they flag ~1.05 as a broken sync).
+LOGPROB_BUDGETS: dict[str, dict[str, float]] = {
+    "float32": {"max_abs": 1e-4, "mean_exp_abs": 1.0001},
+    "bfloat16": {"max_abs": 0.1, "mean_exp_abs": 1.02},
+}
+
+
+def logprob_parity(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """Differences between trainer and engine log-probs of the same prompts (pure): tokens, max_abs,
+    mean_abs, mean_exp_abs (mean of exp|diff|, NeMo-RL's token_mult_prob_error) and the first position
+    where they differ most. Log-probs are natural-log probabilities, one list of floats per prompt.
+
+    Raises:
+        ValueError: the two sides have different prompt counts or lengths.
+    """
+    if len(trainer) != len(engine) or any(len(a) != len(b) for a, b in zip(trainer, engine, strict=False)):
+        raise ValueError(
+            f"trainer and engine log-probs do not line up: {[len(a) for a in trainer]} vs {[len(b) for b in engine]}"
+        )
+    diffs = [
+        (abs(a - b), p, i, a, b)
+        for p, (ta, tb) in enumerate(zip(trainer, engine, strict=True))
+        for i, (a, b) in enumerate(zip(ta, tb, strict=True))
+    ]
+    if not diffs:
+        return {"tokens": 0, "max_abs": 0.0, "mean_abs": 0.0, "mean_exp_abs": 1.0, "first_diff": ""}
+    worst = max(diffs)
+    return {
+        "tokens": len(diffs),
+        "max_abs": worst[0],
+        "mean_abs": sum(d[0] for d in diffs) / len(diffs),
+        "mean_exp_abs": sum(math.exp(d[0]) for d in diffs) / len(diffs),
+        "first_diff": f"prompt {worst[1]} position {worst[2] + 1}: trainer {worst[3]:.6f} engine {worst[4]:.6f}",
+    }
+
+
+def check_logprobs(record: RunRecord) -> CheckResult:
+    """After every sync, engine log-probs on the fixed prompts match the trainer's within the budget."""
+    name, verdict = "logprob_parity", "PARITY_FAIL"
+    measured = [s for s in record.syncs if s.logprobs]
+    if not engine_reports_tensors(record):
+        # Log-probs are the only evidence of what such an engine (vLLM) holds: a finished sync without them
+        # shows nothing, so it cannot pass.
+        bare = next((s for s in record.syncs if s.finished and not s.logprobs), None)
+        if bare is not None:
+            return failed(
+                name,
+                verdict,
+                f"sync {bare.index}: no log-prob comparison, and this engine reports nothing else about the "
+                "weights it holds",
+            )
+    if not measured or not record.logprob_budget:
+        return skipped(name, verdict, "no log-prob measurement in this record")
+    budget = record.logprob_budget
+    for s in measured:
+        lp = s.logprobs
+        if lp["max_abs"] > budget["max_abs"] or lp["mean_exp_abs"] > budget["mean_exp_abs"]:
+            return failed(
+                name,
+                verdict,
+                f"sync {s.index}: log-prob max |diff| {lp['max_abs']:.3g} (budget {budget['max_abs']:.3g}), "
+                f"mean exp|diff| {lp['mean_exp_abs']:.6f} (budget {budget['mean_exp_abs']}); worst at "
+                f"{lp['first_diff']} (temperature {lp.get('temperature')})",
+            )
+    return passed(name, verdict)
+
+
+def check_resync_unchanged(record: RunRecord) -> CheckResult:
+    """A sync of unchanged weights leaves the engine's log-probs exactly as they were."""
+    name, verdict = "resync_logprobs_unchanged", "PARITY_FAIL"
+    for prev, s in zip(record.syncs, record.syncs[1:], strict=False):
+        if s.perturbed or not s.engine_logprobs or not prev.engine_logprobs:
+            continue
+        if s.engine_logprobs != prev.engine_logprobs:
+            diff = logprob_parity(prev.engine_logprobs, s.engine_logprobs)
+            return failed(
+                name,
+                verdict,
+                f"sync {s.index} re-sent unchanged weights but the engine's "
+                f"log-probs moved by up to {diff['max_abs']:.3g} ({diff['first_diff']})",
+            )
+        return passed(name, verdict)
+    return skipped(name, verdict, "no re-sync of unchanged weights with log-probs in this record")

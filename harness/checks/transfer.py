@@ -1,0 +1,183 @@
+"""The transfer itself: the scenario was valid, made progress, raised nothing unexplained, every call
+answered 200, every chunk planned was sent and received, and every sync ran to its end.
+
+Exceptions that are *not* crashes (they are judged by the HTTP / name checks instead):
+
+- ``EngineRejected``: the update client's exception when the engine answers non-200.
+- Name-class exceptions (`names.is_name_error`).
+- Engine-side exceptions when the engine did answer some call with an error status (>= 400): the engine
+  handled the exception and the trainer saw it as that non-200. An engine that died (no response,
+  status 0) stays a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from harness.checks.base import (
+    ENGINE_REJECTED,
+    CheckResult,
+    as_int,
+    describe,
+    error_origin,
+    excerpt,
+    failed,
+    first_line,
+    more,
+    passed,
+    prefix,
+    skipped,
+    status_text,
+)
+from harness.checks.names import check_names, is_name_error
+from harness.record import ErrorRecord, RunRecord, SyncRecord
+
+
+def check_config(record: RunRecord) -> CheckResult:
+    """The scenario was valid (CONFIG_ERROR carries the sentence that says what to change)."""
+    name, verdict = "config", "CONFIG_ERROR"
+    if record.config_error:
+        return failed(name, verdict, f"invalid scenario: {record.config_error}")
+    return passed(name, verdict)
+
+
+def check_deadlock(record: RunRecord) -> CheckResult:
+    """The run made progress until its end (the watchdog did not fire)."""
+    name, verdict = "deadlock", "DEADLOCK"
+    if not record.deadlock:
+        return passed(name, verdict)
+    where = "before the first sync"
+    if record.syncs:
+        last = record.syncs[-1]
+        where = (
+            f"in sync {last.index} after {last.chunks_sent}/{last.chunks_planned} chunks sent, "
+            f"{last.chunks_received} received"
+        )
+    stacks = f"; stacks saved: {', '.join(record.stacks)}" if record.stacks else "; no stacks saved"
+    return failed(name, verdict, f"no progress before the deadline {where}{stacks}")
+
+
+def is_crash(record: RunRecord, err: ErrorRecord) -> bool:
+    """Whether an error is a crash, or is judged by the HTTP / name checks instead (module doc)."""
+    if err.type == ENGINE_REJECTED or is_name_error(err):
+        return False
+    return not (err.where == "engine" and any(call.status >= 400 for call in record.http))
+
+
+def check_crash(record: RunRecord) -> CheckResult:
+    """No exception other than engine rejections and name problems (those have their own checks)."""
+    name, verdict = "crash", "CRASH"
+    crashes = [err for err in record.errors if is_crash(record, err)]
+    if not crashes:
+        return passed(name, verdict)
+    first = crashes[0]
+    text = first_line(first.message) or "<no message>"
+    return failed(name, verdict, f"{error_origin(first)} raised {first.type}: {text}{more(len(crashes) - 1)}")
+
+
+def check_http_status(record: RunRecord) -> CheckResult:
+    """Every call to the engine answered 200 (and no EngineRejected went unrecorded). The message names the
+    first non-200 call and what the engine refused in it (its first rejection, or the stored body)."""
+    name, verdict = "http_status", "HTTP_ERROR"
+    bad = [call for call in record.http if call.status != 200]
+    if bad:
+        first = bad[0]
+        if first.rejections:
+            said = f": {describe(first.rejections[0], first.route)}{more(len(first.rejections) - 1, 'more rejected')}"
+        else:
+            said = f": {excerpt(first.error)}" if first.error else ""
+        answered = f"{first.route} answered {status_text(first.status)}"
+        return failed(name, verdict, f"{prefix(first)}{answered}{said}{more(len(bad) - 1, 'more non-200')}")
+    rejected = [err for err in record.errors if err.type == ENGINE_REJECTED]
+    if rejected:
+        first_err = rejected[0]
+        return failed(
+            name,
+            verdict,
+            f"{error_origin(first_err)}: engine rejected a call not in the HTTP log: {excerpt(first_err.message)}",
+        )
+    return passed(name, verdict)
+
+
+def _chunk_problem(sync: SyncRecord) -> str | None:
+    planned, sent, received = sync.chunks_planned, sync.chunks_sent, sync.chunks_received
+    if planned == sent == received == len(sync.chunks):
+        lost = next((c for c in sync.chunks if not (c.sent and c.received)), None)
+        if lost is None:
+            return None
+        state = "not sent" if not lost.sent else "sent but not received"
+        why = f"; {lost.note}" if lost.note else ""
+        return f"sync {sync.index} chunk {lost.index}: {state} ({len(lost.names)} names, {lost.bytes} bytes){why}"
+    first = next((c for c in sync.chunks if not c.sent), None) if sent < planned else None
+    if first is None and received < planned:
+        first = next((c for c in sync.chunks if not c.received), None)
+    where = f"sync {sync.index}" + (f" chunk {first.index}" if first is not None else "")
+    why = f"; {first.note}" if first is not None and first.note else ""
+    return (
+        f"{where}: planned {planned} chunks, sent {sent}, received {received}, {len(sync.chunks)} in the plan "
+        f"record{why}"
+    )
+
+
+def _wire_problem(record: RunRecord, sync: SyncRecord) -> str | None:
+    """The sender's own account of a sync against the client's log of the calls on the wire: every chunk
+    recorded as received has one /update_weights call answered 200."""
+    calls = [c for c in record.http if c.route == "/update_weights" and c.sync == sync.index]
+    answered = sum(1 for c in calls if c.status == 200)
+    if answered == sync.chunks_received:
+        return None
+    indexes = {c.chunk for c in calls}
+    missing = next((c for c in sync.chunks if c.received and c.index not in indexes), None)
+    where = f" (first: chunk {missing.index}, {len(missing.names)} names)" if missing is not None else ""
+    return (
+        f"sync {sync.index}: the sender recorded {sync.chunks_received} chunks as received but the engine answered "
+        f"{answered} /update_weights calls with 200{where}"
+    )
+
+
+def check_chunks(record: RunRecord) -> CheckResult:
+    """Per sync: chunks planned == sent == received, every planned chunk is in the record, and the chunks
+    recorded as received match the /update_weights calls answered 200 on the wire."""
+    name, verdict = "chunks", "CHUNK_MISMATCH"
+    if not record.syncs:
+        return skipped(name, verdict, "no sync recorded")
+    for sync in record.syncs:
+        problem = _chunk_problem(sync) or _wire_problem(record, sync)
+        if problem:
+            return failed(name, verdict, problem)
+    return passed(name, verdict)
+
+
+# Failures that explain syncs missing or unfinished (so syncs_ran does not add a CRASH of its own).
+_EXPLAINING: tuple[Callable[[RunRecord], CheckResult], ...] = (
+    check_config,
+    check_deadlock,
+    check_crash,
+    check_names,
+    check_http_status,
+    check_chunks,
+)
+
+
+def check_syncs_ran(record: RunRecord) -> CheckResult:
+    """At least one sync (and as many as the scenario asks) ran, and every sync finished."""
+    name, verdict = "syncs_ran", "CRASH"
+    problem: str | None = None
+    wanted = as_int(record.scenario.get("syncs"))
+    if not record.syncs:
+        problem = "no sync recorded"
+    elif wanted and len(record.syncs) < wanted:
+        problem = f"{len(record.syncs)} of {wanted} syncs recorded (last: sync {record.syncs[-1].index})"
+    else:
+        unfinished = next((s for s in record.syncs if not s.finished), None)
+        if unfinished is not None:
+            problem = (
+                f"sync {unfinished.index} did not finish (no 200 from /finish_weight_update) and no error explains it"
+            )
+    if problem is None:
+        return passed(name, verdict)
+    for check in _EXPLAINING:
+        earlier = check(record)
+        if earlier.failed:
+            return skipped(name, verdict, f"{problem}; explained by {earlier.verdict_on_fail}")
+    return failed(name, verdict, problem)

@@ -1,0 +1,70 @@
+"""Log-prob parity after every sync, and a re-sync of unchanged weights that must not move the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.checks import LOGPROB_BUDGETS, check_logprobs, check_resync_unchanged, judge, logprob_parity
+from harness.record import RunRecord
+
+from .records import make_record, verdict_of, vllm_record
+
+
+def test_logprob_parity_numbers_by_hand() -> None:
+    got = logprob_parity([[-1.0, -2.0], [-0.5]], [[-1.5, -2.0], [-0.25]])
+    assert got["tokens"] == 3
+    assert got["max_abs"] == pytest.approx(0.5)
+    assert got["mean_abs"] == pytest.approx(0.25)
+    assert got["mean_exp_abs"] == pytest.approx((math.exp(0.5) + 1.0 + math.exp(0.25)) / 3)
+    assert got["first_diff"] == "prompt 0 position 1: trainer -1.000000 engine -1.500000"
+    with pytest.raises(ValueError, match="do not line up"):
+        logprob_parity([[-1.0]], [[-1.0, -2.0]])
+
+
+def test_budgets_by_dtype() -> None:
+    assert LOGPROB_BUDGETS["float32"]["max_abs"] < LOGPROB_BUDGETS["bfloat16"]["max_abs"]
+    assert LOGPROB_BUDGETS["bfloat16"]["mean_exp_abs"] == pytest.approx(1.02)
+
+
+def test_logprobs_over_budget_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[1].logprobs = logprob_parity([[-1.0, -2.0]], [[-1.0, -2.3]]) | {"temperature": 0.7}
+    assert judge(record)[0] == "PARITY_FAIL"
+    result = check_logprobs(record)
+    assert result.failed and result.message.startswith("sync 1: log-prob max |diff| 0.3 (budget 0.0001)")
+    assert "position 2" in result.message and "temperature 0.7" in result.message
+
+
+def test_logprobs_skipped_without_measurement(record: RunRecord) -> None:
+    for s in record.syncs:
+        s.logprobs = {}
+    result = check_logprobs(record)
+    assert result.skipped and "no log-prob measurement" in result.reason
+    assert verdict_of(record)[0] == "PASS"  # the embedded engine's checksums stand in
+
+
+def test_vllm_sync_without_logprobs_cannot_pass() -> None:
+    """Log-probs are vLLM's only engine-side evidence."""
+    rec = vllm_record()
+    rec.syncs[1].logprobs = {}
+    verdict, message = verdict_of(rec)
+    assert verdict == "PARITY_FAIL" and message.startswith("sync 1: no log-prob comparison")
+    embedded = make_record()
+    embedded.syncs[1].logprobs = {}
+    assert verdict_of(embedded)[0] == "PASS"
+
+
+def test_resync_that_moves_logprobs_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[-1].engine_logprobs = [[-1.0, -2.5]]
+    assert verdict_of(record)[0] == "PARITY_FAIL"
+    result = check_resync_unchanged(record)
+    assert result.failed and result.message.startswith("sync 2 re-sent unchanged weights")
+    assert "moved by up to 0.49" in result.message and "position 2" in result.message
+
+
+def test_resync_skipped_without_a_resync(record: RunRecord) -> None:
+    for s in record.syncs:
+        s.perturbed = True
+    result = check_resync_unchanged(record)
+    assert result.skipped and "no re-sync" in result.reason

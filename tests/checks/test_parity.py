@@ -1,0 +1,150 @@
+"""Parity of the weights: sync 0 against the checkpoint, later syncs against what was sent, raw against
+bridge, the requested export mode, and scenario groups."""
+
+from __future__ import annotations
+
+from harness.checks import (
+    check_group,
+    check_parity_cross_mode,
+    check_parity_expected,
+    check_parity_sent,
+    check_parity_sync0,
+    group_differences,
+    judge,
+)
+from harness.record import RunRecord
+
+from .records import NAMES, verdict_of, vllm_record
+
+
+def test_sync0_checksum_differs_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[0].engine_checksums[NAMES[1]] = "dummy"
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        f"sync 0: '{NAMES[1]}' engine checksum dummy != checkpoint ck-01 (1 of 3 tensors differ)",
+    )
+
+
+def test_sync0_missing_and_extra_names_are_parity_fail(record: RunRecord) -> None:
+    del record.syncs[0].engine_checksums[NAMES[0]]
+    message = check_parity_sync0(record).message
+    assert message == f"sync 0: '{NAMES[0]}' in checkpoint but missing from engine (1 of 3 tensors differ)"
+    record.syncs[0].engine_checksums[NAMES[0]] = "ck-00"
+    record.syncs[0].engine_checksums["extra.weight"] = "e" * 40
+    message = check_parity_sync0(record).message
+    assert message == "sync 0: 'extra.weight' on engine but not in checkpoint (1 of 4 tensors differ)"
+
+
+def test_sync0_without_checksums_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[0].engine_checksums, record.checkpoint_checksums = {}, {}
+    result = check_parity_sync0(record)
+    assert result.failed and "no checksums recorded" in result.message
+
+
+def test_vllm_sync0_sent_differs_from_checkpoint_is_parity_fail() -> None:
+    rec = vllm_record()
+    rec.syncs[0].sent_checksums[NAMES[2]] = "wrong"
+    assert verdict_of(rec) == (
+        "PARITY_FAIL",
+        f"sync 0: '{NAMES[2]}' sent checksum wrong != checkpoint ck-02 (1 of 3 tensors differ)",
+    )
+
+
+def test_later_sync_differs_from_sent_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[1].engine_checksums[NAMES[2]] = "stale-" + "0" * 30
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        f"sync 1: '{NAMES[2]}' engine checksum stale-0000000000… != sent s1-02 (1 of 3 tensors differ)",
+    )
+
+
+def test_later_sync_without_sent_checksums_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[1].sent_checksums = {}
+    result = check_parity_sent(record)
+    assert result.failed and result.message == "sync 1: no sent checksums recorded"
+
+
+def test_parity_sent_skipped_on_vllm() -> None:
+    result = check_parity_sent(vllm_record())
+    assert result.skipped and "log-prob" in result.reason
+
+
+def test_cross_mode_mismatch_is_parity_fail(record: RunRecord) -> None:
+    record.cross_mode_checksums["raw"][NAMES[1]] = "gqa-wrong"
+    verdict, message = verdict_of(record)
+    assert verdict == "PARITY_FAIL"
+    assert (
+        message
+        == f"raw vs bridge: '{NAMES[1]}' bridge export checksum s1-01 != raw export gqa-wrong (1 of 3 tensors differ)"
+    )
+
+
+def test_cross_mode_skipped_when_absent(record: RunRecord) -> None:
+    record.cross_mode_checksums = {"raw": {"a": "1"}}
+    result = check_parity_cross_mode(record)
+    assert result.ok and result.skipped and "bridge" in result.reason
+
+
+def test_mode_mismatch_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[1].mode = "raw"
+    assert verdict_of(record) == ("PARITY_FAIL", "requested mode bridge but raw ran (sync 1)")
+
+
+def test_group_members_with_identical_weights_pass(record: RunRecord) -> None:
+    other = record.model_copy(deep=True, update={"scenario_id": "m/tp1-pp1/noncolocate/raw/bucket-1"})
+    assert group_differences([record, other]) == []
+    record.group_members = [other.scenario_id]
+    assert judge(record)[0] == "PASS"
+
+
+def test_group_member_with_different_weights_is_parity_fail(record: RunRecord) -> None:
+    other = record.model_copy(deep=True, update={"scenario_id": "m/tp1-pp1/noncolocate/raw/bucket-1"})
+    name = sorted(other.syncs[-1].engine_checksums)[0]
+    other.syncs[-1].engine_checksums[name] = "f" * 32
+    other.syncs[1].engine_logprobs = [[-1.0, -2.5]]
+    diffs = group_differences([record, other])
+    assert diffs == [
+        f"sync 1: engine log-probs differ between {record.scenario_id} and {other.scenario_id} by up to 0.49 "
+        "(prompt 0 position 2: trainer -2.010000 engine -2.500000)",
+        f"sync 2: {name} differs between {record.scenario_id} and {other.scenario_id} (1 tensors differ)",
+    ]
+    record.group_members, record.group_differences = [other.scenario_id], diffs
+    assert verdict_of(record)[0] == "PARITY_FAIL"
+    assert check_group(record).message == diffs[0] + " (and 1 more)"
+
+
+def test_group_member_with_fewer_syncs_is_named(record: RunRecord) -> None:
+    other = record.model_copy(deep=True, update={"scenario_id": "other"})
+    other.syncs = other.syncs[:1]
+    assert group_differences([record, other]) == [f"other ran 1 syncs, {record.scenario_id} ran 3"]
+
+
+def test_stale_resend_that_the_engine_holds_is_parity_fail_against_the_expected_state(record: RunRecord) -> None:
+    """Sync 1 re-sends sync 0's tensors and the engine holds exactly them: only the expected state sees it."""
+    record.syncs[1].sent_checksums = dict(record.syncs[0].sent_checksums)
+    record.syncs[1].engine_checksums = dict(record.syncs[0].sent_checksums)
+    assert check_parity_sent(record).ok and check_parity_sync0(record).ok
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        f"sync 1: '{NAMES[0]}' sent checksum ck-00 != expected s1-00 (3 of 3 tensors differ)",
+    )
+
+
+def test_engine_differs_from_the_expected_state_after_a_right_send(record: RunRecord) -> None:
+    record.syncs[2].engine_checksums[NAMES[1]] = "old"
+    result = check_parity_expected(record)
+    assert result.failed and result.message.startswith(f"sync 2: '{NAMES[1]}' engine checksum old != expected")
+
+
+def test_vllm_later_sync_sent_differs_from_the_expected_state() -> None:
+    rec = vllm_record()
+    rec.syncs[1].sent_checksums[NAMES[2]] = "unstepped"
+    result = check_parity_expected(rec)
+    assert result.failed and f"sync 1: '{NAMES[2]}' sent checksum unstepped != expected s1-02" in result.message
+
+
+def test_without_an_expected_state_the_check_is_skipped(record: RunRecord) -> None:
+    for sync in record.syncs:
+        sync.expected_checksums = {}
+    result = check_parity_expected(record)
+    assert result.skipped and "no expected state" in result.reason

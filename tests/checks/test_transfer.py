@@ -1,0 +1,191 @@
+"""The transfer checks: config, deadlock, crash, HTTP status, chunks, syncs ran."""
+
+from __future__ import annotations
+
+from harness.checks import check_chunks, check_crash, check_http_status, check_syncs_ran, judge
+from harness.record import ErrorRecord, RunRecord
+
+from .records import NAMES, reject_chunk, rejection, verdict_of, vllm_record
+
+
+def test_config_error_and_nothing_ran_is_explained() -> None:
+    bad = RunRecord(scenario_id="x", scenario={"id": "x", "syncs": 2}, config_error="PP=3 does not divide 28 layers")
+    assert verdict_of(bad) == ("CONFIG_ERROR", "invalid scenario: PP=3 does not divide 28 layers")
+    results = {r.name: r for r in judge(bad)[1]}
+    assert results["syncs_ran"].skipped and "CONFIG_ERROR" in results["syncs_ran"].reason
+
+
+def test_deadlock_says_where_and_which_stacks(record: RunRecord) -> None:
+    record.deadlock = True
+    record.stacks = ["stacks/rank1.txt"]
+    s = record.syncs[-1]
+    s.chunks_sent, s.chunks_received, s.finished = 1, 1, False
+    record.errors.append(ErrorRecord(where="runner", type="TimeoutError", message="watchdog fired"))
+    assert verdict_of(record) == (
+        "DEADLOCK",
+        f"no progress before the deadline in sync {s.index} after 1/2 chunks sent, 1 received; "
+        "stacks saved: stacks/rank1.txt",
+    )
+
+
+def test_crash_names_rank_type_and_first_line(record: RunRecord) -> None:
+    for rank in (3, 0):
+        record.errors.append(
+            ErrorRecord(where="trainer", rank=rank, type="RuntimeError", message="CUDA error: illegal access\nmore")
+        )
+    assert verdict_of(record) == ("CRASH", "rank 3 (trainer) raised RuntimeError: CUDA error: illegal access (+1 more)")
+
+
+def test_trainer_attribute_error_stays_crash(record: RunRecord) -> None:
+    record.errors.append(
+        ErrorRecord(where="trainer", rank=0, type="AttributeError", message="'NoneType' object has no attribute 'x'")
+    )
+    verdict, message = verdict_of(record)
+    assert verdict == "CRASH" and "AttributeError: 'NoneType' object has no attribute 'x'" in message
+
+
+def test_engine_rejected_is_never_a_crash(record: RunRecord) -> None:
+    reject_chunk(record, sync=1, chunk=1, status=400, rejections=[rejection(NAMES[2], "shape", "shape [4] != [8]")])
+    record.errors.append(ErrorRecord(where="trainer", rank=0, type="EngineRejected", message="engine answered 400"))
+    verdict, message = verdict_of(record)
+    assert verdict == "HTTP_ERROR"
+    assert message == f"sync 1 chunk 1: /update_weights answered status 400: shape of '{NAMES[2]}': shape [4] != [8]"
+    results = {r.name: r for r in judge(record)[1]}
+    assert results["crash"].ok and not results["crash"].skipped
+    assert results["syncs_ran"].skipped and "HTTP_ERROR" in results["syncs_ran"].reason
+
+
+def test_engine_error_behind_an_error_answer_is_not_a_crash(record: RunRecord) -> None:
+    reject_chunk(record, sync=0, chunk=0, status=400, rejections=[rejection(NAMES[0], "bytes", "12 bytes, header 16")])
+    record.errors.append(ErrorRecord(where="engine", type="ValueError", message="chunk has 12 bytes, header 16"))
+    assert check_crash(record).ok
+    assert verdict_of(record)[0] == "HTTP_ERROR"
+
+
+def test_engine_died_is_a_crash(record: RunRecord) -> None:
+    record.http[-1].status = 0
+    record.http[-1].rejections = [rejection("/finish_weight_update", "other", "ConnectError: connection refused")]
+    record.syncs[-1].finished = False
+    record.errors.append(ErrorRecord(where="engine", type="SegmentationFault", message="engine exited -11"))
+    assert verdict_of(record) == ("CRASH", "engine raised SegmentationFault: engine exited -11")
+
+
+def test_http_non_200_quotes_the_engines_reason(record: RunRecord) -> None:
+    record.http[2].status = 503
+    record.http[2].rejections = [rejection("/update_weights", "other", "Service Unavailable")]
+    record.http[-1].status = 500
+    assert verdict_of(record) == (
+        "HTTP_ERROR",
+        "sync 0 chunk 0: /update_weights answered status 503: Service Unavailable (+1 more non-200)",
+    )
+
+
+def test_http_message_counts_more_rejections_in_the_answer(record: RunRecord) -> None:
+    refused = [rejection(NAMES[0], "dtype", "declared bfloat16, engine float32"), rejection(NAMES[1], "dtype", "x")]
+    reject_chunk(record, sync=0, chunk=0, status=400, rejections=refused)
+    result = check_http_status(record)
+    assert result.message == (
+        f"sync 0 chunk 0: /update_weights answered status 400: dtype of '{NAMES[0]}': declared bfloat16, "
+        "engine float32 (+1 more rejected)"
+    )
+
+
+def test_session_and_request_rejections_are_http_errors(record: RunRecord) -> None:
+    refused = [rejection("/start_weight_update", "session", "start_weight_update called while a session is open")]
+    record.http[1].status, record.http[1].rejections = 400, refused
+    assert verdict_of(record) == (
+        "HTTP_ERROR",
+        "sync 0: /start_weight_update answered status 400: session: start_weight_update called while a session is open",
+    )
+    other = vllm_record()
+    reject_chunk(other, 0, 0, 400, [rejection("body.update_info.names", "request", "Input should be a valid list")])
+    assert verdict_of(other) == (
+        "HTTP_ERROR",
+        "sync 0 chunk 0: /update_weights answered status 400: request of 'body.update_info.names': Input should be "
+        "a valid list",
+    )
+
+
+def test_http_without_rejections_quotes_the_stored_answer(record: RunRecord) -> None:
+    """A record whose calls carry no parsed rejections still says what the engine answered."""
+    record.http[-1].status, record.http[-1].error = 502, "Bad Gateway\n  upstream closed"
+    message = check_http_status(record).message
+    assert (
+        message
+        == f"sync {record.syncs[-1].index}: /finish_weight_update answered status 502: Bad Gateway upstream closed"
+    )
+
+
+def test_http_no_response(record: RunRecord) -> None:
+    record.http[-1].status = 0
+    verdict, message = verdict_of(record)
+    assert verdict == "HTTP_ERROR"
+    assert message.startswith(f"sync {record.syncs[-1].index}: /finish_weight_update answered no response (status 0)")
+
+
+def test_http_check_reports_unlogged_rejection(record: RunRecord) -> None:
+    record.errors.append(ErrorRecord(where="trainer", rank=0, type="EngineRejected", message="409 conflict"))
+    result = check_http_status(record)
+    assert result.failed and result.verdict_on_fail == "HTTP_ERROR"
+    assert result.message == "rank 0 (trainer): engine rejected a call not in the HTTP log: 409 conflict"
+
+
+def test_dropped_chunk_is_chunk_mismatch(record: RunRecord) -> None:
+    s = record.syncs[1]
+    s.chunks_sent = s.chunks_received = 1
+    s.chunks[1].sent = s.chunks[1].received = False
+    assert verdict_of(record) == (
+        "CHUNK_MISMATCH",
+        "sync 1 chunk 1: planned 2 chunks, sent 1, received 1, 2 in the plan record",
+    )
+
+
+def test_unacknowledged_chunk_flag_is_chunk_mismatch(record: RunRecord) -> None:
+    record.syncs[0].chunks[1].received = False
+    result = check_chunks(record)
+    assert result.failed and result.verdict_on_fail == "CHUNK_MISMATCH"
+    assert result.message == "sync 0 chunk 1: sent but not received (1 names, 400 bytes)"
+
+
+def test_chunk_missing_from_plan_record(record: RunRecord) -> None:
+    record.syncs[0].chunks = record.syncs[0].chunks[:1]
+    verdict, message = verdict_of(record)
+    assert verdict == "CHUNK_MISMATCH" and message.endswith("1 in the plan record")
+
+
+def test_chunk_not_sent_for_lack_of_session_says_why() -> None:
+    rec = vllm_record()
+    chunk = rec.syncs[1].chunks[1]
+    chunk.sent, chunk.received = False, False
+    chunk.note = "not sent: no open update session (the engine ended the session when chunk 0 failed)"
+    rec.syncs[1].chunks_sent = rec.syncs[1].chunks_received = 1
+    verdict, message = verdict_of(rec)
+    assert verdict == "CHUNK_MISMATCH" and "the engine ended the session when chunk 0 failed" in message
+
+
+def test_unfinished_sync_without_cause_is_crash(record: RunRecord) -> None:
+    record.syncs[1].finished = False
+    assert verdict_of(record) == (
+        "CRASH",
+        "sync 1 did not finish (no 200 from /finish_weight_update) and no error explains it",
+    )
+
+
+def test_missing_syncs_is_crash(record: RunRecord) -> None:
+    record.syncs = record.syncs[:1]
+    result = check_syncs_ran(record)
+    assert result.failed and result.message == "1 of 2 syncs recorded (last: sync 0)"
+    record.syncs = []
+    assert verdict_of(record) == ("CRASH", "no sync recorded")
+
+
+def test_chunk_recorded_as_received_without_its_call_on_the_wire_is_chunk_mismatch(record: RunRecord) -> None:
+    """The sender marks its last chunk done without handing it to the channel: its own counts agree, the
+    client's log of the wire does not."""
+    record.http = [c for c in record.http if not (c.route == "/update_weights" and c.sync == 1 and c.chunk == 1)]
+    verdict, message = verdict_of(record)
+    assert verdict == "CHUNK_MISMATCH"
+    assert message == (
+        "sync 1: the sender recorded 2 chunks as received but the engine answered 1 /update_weights calls with 200 "
+        "(first: chunk 1, 1 names)"
+    )
