@@ -12,7 +12,7 @@ and the verdict the harness must give (`scenarios/faults.yaml` lists them as sce
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -135,8 +135,7 @@ def _wrong_dtype() -> None:
 
     def update_info(chunk):  # type: ignore[no-untyped-def]
         info = orig(chunk)
-        info["dtype_names"] = ["bfloat16"] * len(info["dtype_names"])
-        return info
+        return replace(info, dtype_names=["bfloat16"] * len(info.dtype_names))
 
     sync.update_info = update_info
 
@@ -144,8 +143,9 @@ def _wrong_dtype() -> None:
 def _ipc_buffer_reused_early() -> None:
     """The colocate producer reuses its buffer for the next chunk before the engine acknowledged the
     current one (here: overwritten with zeros between packing and the engine reading it)."""
+    from wsh_vllm_plugin.protocol import pack
+
     from reference_impl.transport import colocate
-    from reference_impl.transport.wire import pack
 
     def send(self, client, tensors, info, sync):  # type: ignore[no-untyped-def]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -153,7 +153,7 @@ def _ipc_buffer_reused_early() -> None:
         view = self.buffer.tensor(nbytes)
         pack(tensors, out=view)
         view.zero_()  # the next chunk's staging starts before this one was acknowledged
-        return client.update({**info, "handle": self.buffer.handle(nbytes)}, sync, info["chunk_index"])
+        return client.update(replace(info, handle=self.buffer.handle(nbytes)), sync, info.chunk_index)
 
     colocate.SharedMemoryChannel.send = send
 

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 import httpx
+from wsh_vllm_plugin.protocol import InitInfo, UpdateInfo
 
 
 class EngineRejected(RuntimeError):
@@ -75,9 +78,14 @@ class UpdateClient:
             raise EngineRejected(route, status, text)
         return json.loads(text) if text else {}
 
-    def init_transfer(self, init_info: dict[str, Any]) -> Any:
-        """POST /init_weight_transfer_engine {"init_info": ...} (blocks until the engine joined)."""
-        return self._post("/init_weight_transfer_engine", {"init_info": init_info})
+    def init_transfer(self, init_info: InitInfo | Mapping[str, Any]) -> Any:
+        """POST /init_weight_transfer_engine {"init_info": ...} (blocks until the engine joined).
+
+        A mapping is read as `InitInfo` keyword arguments (TypeError on an unknown key); the body always
+        carries every `InitInfo` field.
+        """
+        info = init_info if isinstance(init_info, InitInfo) else InitInfo(**init_info)
+        return self._post("/init_weight_transfer_engine", {"init_info": asdict(info)})
 
     def start(self, sync: int, weight_version: int | None = None) -> Any:
         """POST /start_weight_update (the version travels as a string, as vLLM declares it)."""
@@ -87,10 +95,10 @@ class UpdateClient:
         self.session_open, self.session_closed_by = True, ""
         return answer
 
-    def update(self, update_info: dict[str, Any], sync: int, chunk: int) -> Any:
-        """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, ...}}."""
+    def update(self, update_info: UpdateInfo, sync: int, chunk: int) -> Any:
+        """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, src, chunk_index, handle}}."""
         try:
-            return self._post("/update_weights", {"update_info": update_info}, sync=sync, chunk=chunk)
+            return self._post("/update_weights", {"update_info": asdict(update_info)}, sync=sync, chunk=chunk)
         except EngineRejected:
             if self.session_ends_on_error:
                 self.session_open = False

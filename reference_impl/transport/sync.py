@@ -28,13 +28,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from wsh_vllm_plugin.protocol import SENDER_RANK, UpdateInfo, dtype_from_name, dtype_name
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.transport.client import EngineRejected, UpdateClient
 from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
-from reference_impl.transport.wire import dtype_from_name, dtype_name
 
-SENDER = 0
+SENDER = SENDER_RANK
 
 
 class Channel(Protocol):
@@ -42,8 +42,9 @@ class Channel(Protocol):
 
     backend: str  # init_info backend: "gloo" | "shm" | "cuda_ipc"
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: dict[str, Any], sync: int) -> Any:
-        """Pack `tensors`, make the engine take them with POST /update_weights `info`, return its answer.
+    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+        """Pack `tensors`, make the engine take them with POST /update_weights `info` (a channel adds its
+        handle with `dataclasses.replace`), return the engine's answer.
 
         Raises:
             EngineRejected: the engine answered non-200 (the chunk's bytes were still consumed).
@@ -112,16 +113,17 @@ def should_send(chunk: Chunk, plan: list[Chunk]) -> bool:
     return True
 
 
-def update_info(chunk: Chunk) -> dict[str, Any]:
-    """The `update_info` body of one chunk (vLLM's names / dtype_names / shapes / packed)."""
-    return {
-        "names": [m.name for m in chunk.tensors],
-        "dtype_names": [m.dtype for m in chunk.tensors],
-        "shapes": [list(m.shape) for m in chunk.tensors],
-        "packed": True,
-        "src": SENDER,
-        "chunk_index": chunk.index,
-    }
+def update_info(chunk: Chunk) -> UpdateInfo:
+    """The `update_info` of one chunk: names, dtype names and shapes in plan order, packed, from the
+    sender, no handle (a colocate channel adds its own)."""
+    return UpdateInfo(
+        names=[m.name for m in chunk.tensors],
+        dtype_names=[m.dtype for m in chunk.tensors],
+        shapes=[list(m.shape) for m in chunk.tensors],
+        packed=True,
+        src=SENDER,
+        chunk_index=chunk.index,
+    )
 
 
 def run_sync(
@@ -161,7 +163,7 @@ def run_sync(
         tensors = collect_chunk(chunk, by_name)
         t1 = time.perf_counter()
         info = update_info(chunk)
-        entry: dict[str, Any] = {"index": chunk.index, "names": info["names"], "bytes": chunk.nbytes, "sent": True}
+        entry: dict[str, Any] = {"index": chunk.index, "names": info.names, "bytes": chunk.nbytes, "sent": True}
         if not should_send(chunk, plan):
             res.chunks.append({**entry, "sent": False, "received": False})
             continue
@@ -173,12 +175,12 @@ def run_sync(
             answer = channel.send(client, tensors, info, sync_index)
             entry["received"] = True
             t_load += float(answer.get("load_s", 0.0))
-            res.names_accepted.extend(info["names"])
+            res.names_accepted.extend(info.names)
         except EngineRejected as e:
             entry["received"] = False
-            res.names_rejected.update(e.rejected_names() or {n: f"chunk rejected: {e}" for n in info["names"]})
+            res.names_rejected.update(e.rejected_names() or {n: f"chunk rejected: {e}" for n in info.names})
         res.chunks.append(entry)
-        res.names_sent.extend(info["names"])
+        res.names_sent.extend(info.names)
         res.bytes += chunk.nbytes
         t2 = time.perf_counter()
         for m, t in zip(chunk.tensors, tensors, strict=True):
