@@ -5,11 +5,11 @@ Run: `python -m reference_impl.engine.embedded.server --checkpoint DIR --seed N 
 on to FILE (atomically) once it accepts requests. `--fault NAME` makes the engine commit one known bug
 on purpose (`receive.FAULTS`, for the harness's mutation tests); an unknown name exits at startup.
 
+Request bodies are the protocol's (`wsh_vllm_plugin.protocol`: `InitInfo`, `UpdateInfo`, the handle
+layouts), validated by pydantic from those dataclasses.
+
 Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; older releases
 `vllm/entrypoints/serve/dev/rlhf/api_router.py`), with plain-data answers the harness records:
-
-Bodies are the protocol's (`wsh_vllm_plugin.protocol`: `InitInfo`, `UpdateInfo`, the handle layouts),
-validated by pydantic from those dataclasses.
 
 - POST /init_weight_transfer_engine `{"init_info": {"backend": "gloo", "master_address", "master_port",
   "rank_offset", "world_size", "timeout_s"}}` -> joins the transfer group as rank `rank_offset` (blocks until the
