@@ -52,6 +52,9 @@ def _install(session: nox.Session) -> None:
     # flashinfer, ...): install it alone; what it needs is pinned in requirements/trainer.txt.
     session.install("--no-deps", "-r", "requirements/trainer-nodeps.txt")
     session.install("--no-deps", "-e", ".")
+    # wsh_vllm_plugin.protocol, the weight-update protocol both the trainer and the engines speak (the
+    # same package is installed into vLLM's environment by reference_impl.engine.vllm.env).
+    session.install("--no-deps", "-e", "reference_impl/engine/vllm")
 
 
 def _vllm_env(session: nox.Session, flavor: str = "cpu") -> dict[str, str]:

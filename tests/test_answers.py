@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from wsh_vllm_plugin.protocol import UpdateInfo
 
 from reference_impl.engine import engine_kind
 from reference_impl.engine.embedded.answers import parse_rejections as embedded
@@ -342,7 +343,7 @@ def long_rejection() -> Iterator[tuple[str, str]]:
 def test_client_parses_the_whole_answer_before_storing_it_cut_short(long_rejection: tuple[str, str]) -> None:
     url, last = long_rejection
     client = UpdateClient(url, timeout_s=10, parse_rejections=engine_kind("embedded").parse_rejections)
-    info = {"names": [last], "dtype_names": ["float32"], "shapes": [[16]], "packed": True}
+    info = UpdateInfo(names=[last], dtype_names=["float32"], shapes=[[16]])
     try:
         with pytest.raises(EngineRejected) as err:
             client.update(info, sync=3, chunk=7)

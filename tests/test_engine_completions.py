@@ -21,12 +21,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from wsh_vllm_plugin import protocol
 
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.forward import prompts
 from reference_impl.models.checkpoint import build_hf_model, make_checkpoint
 from reference_impl.models.registry import ModelSpec, load_model
-from reference_impl.transport import wire
 from reference_impl.transport.handles import SharedMemoryBuffer
 
 CKPT_SEED = 1234
@@ -232,7 +232,7 @@ def test_completions_read_the_updated_weights(served: dict[str, Served]) -> None
     def sync(t: torch.Tensor, version: int) -> None:
         n = t.numel() * t.element_size()
         buf.grow(n)
-        wire.pack([t], out=buf.tensor(n))
+        protocol.pack([t], out=buf.tensor(n))
         info = {"names": [name], "dtype_names": ["float32"], "shapes": [list(t.shape)], "handle": buf.handle(n)}
         assert s.post("/start_weight_update").status_code == 200
         assert s.post("/update_weights", {"update_info": info}).status_code == 200

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from wsh_vllm_plugin import protocol
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.checkpoint_view import FAMILY_VIEWS, saved_as
@@ -39,7 +40,6 @@ from reference_impl.engine.embedded.vllm_names import (
 )
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
-from reference_impl.transport import wire
 from reference_impl.transport.handles import SharedMemoryBuffer, cuda_ipc_handle, open_cuda_ipc_handle
 
 CKPT_SEED = 1234
@@ -83,7 +83,7 @@ class Engine:
     checkpoint: Path
     proc: subprocess.Popen
     url: str
-    group: wire.TransferGroup | None = None
+    group: protocol.TransferGroup | None = None
 
     def post(self, route: str, body: dict | None = None) -> httpx.Response:
         return httpx.post(f"{self.url}{route}", json=body if body is not None else {}, timeout=60)
@@ -108,16 +108,16 @@ class Engine:
         }
         with ThreadPoolExecutor(1) as ex:
             fut = ex.submit(self.post, "/update_weights", {"update_info": info})
-            self.group.broadcast_chunk(payload, src=0)
+            self.group.send_chunk(payload)
             return fut.result(timeout=60)
 
     def send_tensors(self, tensors: dict[str, torch.Tensor], chunk_index: int = 0) -> httpx.Response:
         names = list(tensors)
         return self.send_chunk(
             names,
-            [wire.dtype_name(t.dtype) for t in tensors.values()],
+            [protocol.dtype_name(t.dtype) for t in tensors.values()],
             [list(t.shape) for t in tensors.values()],
-            wire.pack(list(tensors.values())),
+            protocol.pack(list(tensors.values())),
             chunk_index,
         )
 
@@ -163,7 +163,7 @@ def _wait_port(proc: subprocess.Popen, port_file: Path, log: Path, deadline_s: f
 
 def _link(engine: Engine) -> None:
     """Join the transfer group: rank 0 here, the engine as rank 1 via /init_weight_transfer_engine."""
-    store = wire.host_store(timeout_s=60)
+    store = protocol.host_store(timeout_s=60)
     init = {
         "init_info": {
             "backend": "gloo",
@@ -175,7 +175,7 @@ def _link(engine: Engine) -> None:
     }
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(engine.post, "/init_weight_transfer_engine", init)
-        engine.group = wire.join_transfer_group(
+        engine.group = protocol.join_transfer_group(
             "127.0.0.1", store.port, rank=0, world_size=2, timeout_s=60, store=store
         )
         r = fut.result(timeout=60)
@@ -533,7 +533,7 @@ def test_rejected_chunk_is_400_and_server_keeps_serving(engines: dict[str, Engin
     eng = engines["qwen3"]
     names, dtypes, shapes, payload, kind, words = BAD_CHUNKS[case]
     assert eng.post("/start_weight_update", {}).status_code == 200
-    r = eng.send_chunk(names, dtypes, shapes, wire.pack([payload]), chunk_index=7)
+    r = eng.send_chunk(names, dtypes, shapes, protocol.pack([payload]), chunk_index=7)
     assert r.status_code == 400, r.text
     detail = r.json()["detail"]
     assert all(w in detail["error"] for w in words), detail["error"]
@@ -607,7 +607,7 @@ def test_moe_and_tied_rejections(engines: dict[str, Engine], case: str) -> None:
     before = eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"]
     assert eng.post("/start_weight_update", {}).status_code == 200
     payload = torch.zeros(shape)
-    r = eng.send_chunk([name], ["float32"], [shape], wire.pack([payload]))
+    r = eng.send_chunk([name], ["float32"], [shape], protocol.pack([payload]))
     assert r.status_code == 400, r.text
     detail = r.json()["detail"]
     assert detail["kinds"] == {name: kind}
@@ -639,7 +639,7 @@ def test_rejection_is_atomic(engines: dict[str, Engine]) -> None:
         ["model.norm.weight", "model.nope.weight"],
         ["float32", "float32"],
         [[64], [7]],
-        wire.pack([good, bad]),
+        protocol.pack([good, bad]),
     )
     assert r.status_code == 400
     assert r.json()["detail"]["kinds"] == {"model.nope.weight": "name"}
@@ -758,10 +758,10 @@ def _shm_chunk(
     `handle_edits`; {"drop": True} sends none)."""
     n = sum(t.numel() * t.element_size() for t in tensors.values())
     buf.grow(n)
-    wire.pack(list(tensors.values()), out=buf.tensor(n))  # views of the segment die here
+    protocol.pack(list(tensors.values()), out=buf.tensor(n))  # views of the segment die here
     info = {
         "names": list(tensors),
-        "dtype_names": [wire.dtype_name(t.dtype) for t in tensors.values()],
+        "dtype_names": [protocol.dtype_name(t.dtype) for t in tensors.values()],
         "shapes": [list(t.shape) for t in tensors.values()],
         "packed": True,
         "chunk_index": chunk_index,
@@ -817,7 +817,7 @@ def test_shm_full_sync_matches_checkpoint(
         assert _segment_exists(shm_buffer.name)
     last = [tensors[n] for n in names[2::3]]
     n = sum(t.numel() * t.element_size() for t in last)
-    assert torch.equal(shm_buffer.tensor(n).clone(), wire.pack(last))  # and unmodified
+    assert torch.equal(shm_buffer.tensor(n).clone(), protocol.pack(last))  # and unmodified
 
 
 SHM_BAD = {

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from wsh_vllm_plugin.protocol import pack, unpack
 
 from reference_impl.transport.plan import TensorMeta, plan_chunks
-from reference_impl.transport.wire import pack, unpack
 
 
 def metas(*sizes: int, owner: int = 0) -> list[TensorMeta]:

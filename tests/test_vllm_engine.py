@@ -31,6 +31,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from wsh_vllm_plugin.protocol import UpdateInfo
 
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
 from harness.record import HttpCall, RunRecord
@@ -237,8 +238,7 @@ def test_wrong_dtype_is_http_error_on_both(engines: dict[str, Connected]) -> Non
 
 def test_update_without_start_is_http_error_on_both(engines: dict[str, Connected]) -> None:
     """Neither engine takes bytes without a session, so nothing is broadcast (a broadcast would hang)."""
-    info = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]], "packed": True,
-            "src": 0, "chunk_index": 0}  # fmt: skip
+    info = UpdateInfo(names=["model.norm.weight"], dtype_names=["float32"], shapes=[[64]], chunk_index=0)
     for kind, conn in engines.items():
         conn.client.calls = []
         with pytest.raises(EngineRejected) as exc:

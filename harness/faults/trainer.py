@@ -7,6 +7,7 @@ discards those processes after the scenario.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -108,7 +109,7 @@ def drop_last_chunk() -> None:
 
     def send(orig: Callable[..., Any]) -> Callable[..., Any]:
         def send_chunk(channel, client, tensors, info, sync):  # type: ignore[no-untyped-def]
-            if info["chunk_index"] == plan_length[0] - 1:
+            if info.chunk_index == plan_length[0] - 1:
                 return {}
             return orig(channel, client, tensors, info, sync)
 
@@ -139,8 +140,7 @@ def wrong_dtype() -> None:
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def update_info(chunk):  # type: ignore[no-untyped-def]
             info = orig(chunk)
-            info["dtype_names"] = ["bfloat16"] * len(info["dtype_names"])
-            return info
+            return dataclasses.replace(info, dtype_names=["bfloat16"] * len(info.dtype_names))
 
         return update_info
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import httpx
+from wsh_vllm_plugin.protocol import InitInfo, UpdateInfo
 
 from reference_impl.transport.observed import HttpCall, Rejection
 
@@ -95,9 +97,14 @@ class UpdateClient:
             raise EngineRejected(call, text)
         return json.loads(text) if text else {}
 
-    def init_transfer(self, init_info: dict[str, Any]) -> Any:
-        """POST /init_weight_transfer_engine {"init_info": ...} (blocks until the engine joined)."""
-        return self._post("/init_weight_transfer_engine", {"init_info": init_info})
+    def init_transfer(self, init_info: InitInfo | Mapping[str, Any]) -> Any:
+        """POST /init_weight_transfer_engine {"init_info": ...} (blocks until the engine joined).
+
+        A mapping is read as `InitInfo` keyword arguments (TypeError on an unknown key); the body always
+        carries every `InitInfo` field.
+        """
+        info = init_info if isinstance(init_info, InitInfo) else InitInfo(**init_info)
+        return self._post("/init_weight_transfer_engine", {"init_info": asdict(info)})
 
     def start(self, sync: int, weight_version: int | None = None) -> Any:
         """POST /start_weight_update (the version travels as a string, as vLLM declares it)."""
@@ -107,12 +114,11 @@ class UpdateClient:
         self.session_open, self.session_closed_by = True, ""
         return answer
 
-    def update(self, update_info: dict[str, Any], sync: int, chunk: int) -> Any:
-        """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, ...}}."""
-        names = update_info.get("names")
-        sent = [str(n) for n in names] if isinstance(names, list) else []
+    def update(self, update_info: UpdateInfo, sync: int, chunk: int) -> Any:
+        """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, src, chunk_index, handle}}."""
         try:
-            return self._post("/update_weights", {"update_info": update_info}, sync=sync, chunk=chunk, sent_names=sent)
+            body = {"update_info": asdict(update_info)}
+            return self._post("/update_weights", body, sync=sync, chunk=chunk, sent_names=update_info.names)
         except EngineRejected:
             if self.session_ends_on_error:
                 self.session_open = False

@@ -11,13 +11,14 @@ The producer keeps the buffer alive and unmodified until the engine has acknowle
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
+from wsh_vllm_plugin.protocol import CUDA_IPC, SHM, UpdateInfo, pack
 
 from reference_impl.transport.client import UpdateClient
 from reference_impl.transport.handles import SharedMemoryBuffer, cuda_ipc_handle
-from reference_impl.transport.wire import pack
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -27,12 +28,12 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 class SharedMemoryChannel:
     """Chunks through one reusable shared-memory segment (grown when a chunk needs more)."""
 
-    backend = "shm"
+    backend = SHM
 
     def __init__(self, capacity: int = 1 << 20) -> None:
         self.buffer = SharedMemoryBuffer(capacity)
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: dict[str, Any], sync: int) -> Any:
+    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
         """Pack into the segment, post /update_weights with its handle, return the engine's answer.
 
         Raises:
@@ -41,7 +42,7 @@ class SharedMemoryChannel:
         nbytes = _nbytes(tensors)
         self.buffer.grow(nbytes)
         pack(tensors, out=self.buffer.tensor(nbytes))
-        return client.update({**info, "handle": self.buffer.handle(nbytes)}, sync, info["chunk_index"])
+        return client.update(replace(info, handle=self.buffer.handle(nbytes)), sync, info.chunk_index)
 
     def close(self) -> None:
         """Close and unlink the segment."""
@@ -51,21 +52,21 @@ class SharedMemoryChannel:
 class CudaIpcChannel:
     """Chunks through one reusable CUDA buffer shared by IPC handle (GPU hosts only)."""
 
-    backend = "cuda_ipc"
+    backend = CUDA_IPC
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaIpcChannel needs a CUDA device; on CPU use SharedMemoryChannel")
         self.buffer = torch.empty(0, dtype=torch.uint8, device="cuda")
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: dict[str, Any], sync: int) -> Any:
+    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
         """Pack into the CUDA buffer, post /update_weights with its IPC handle, return the engine's answer."""
         nbytes = _nbytes(tensors)
         if self.buffer.numel() < nbytes:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         payload = pack([t.cuda() for t in tensors], out=self.buffer)
         torch.cuda.synchronize()
-        return client.update({**info, "handle": cuda_ipc_handle(payload)}, sync, info["chunk_index"])
+        return client.update(replace(info, handle=cuda_ipc_handle(payload)), sync, info.chunk_index)
 
     def close(self) -> None:
         """Drop the buffer."""

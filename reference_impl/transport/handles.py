@@ -1,19 +1,19 @@
 """Colocate handles: how a trainer hands one packed chunk to an engine on the same host (or GPU) by name.
 
-The trainer (producer) packs a chunk (`wire.pack(..., out=...)`) into a buffer it owns and sends
-`update_info["handle"]` with /update_weights; the engine (consumer) opens the handle, unpacks views
-over the shared bytes, copies them into its parameters and closes the handle again. Handle shapes
-(plain JSON):
+The trainer (producer) packs a chunk (`protocol.pack(..., out=...)`) into a buffer it owns and sends
+`update_info.handle` with /update_weights; the engine (consumer) opens the handle, unpacks views over
+the shared bytes, copies them into its parameters and closes the handle again. The handle layouts are
+the protocol's (`wsh_vllm_plugin.protocol.ShmHandle`: kind "shm", name, nbytes; `CudaIpcHandle`: kind
+"cuda_ipc", ipc, nbytes, device_uuid), sent as plain JSON (`dataclasses.asdict`); this module makes
+and opens them:
 
-- CPU, POSIX shared memory: `{"kind": "shm", "name": str, "nbytes": int}`. `name` is the segment's
-  name as `multiprocessing.shared_memory` spells it (no leading "/"); the chunk is its first `nbytes`
-  bytes (the segment may be larger: one reusable buffer serves chunks of different sizes).
-- GPU, CUDA IPC: `{"kind": "cuda_ipc", "ipc": str, "nbytes": int, "device_uuid": str}`. `ipc` is
-  base64 of the pickled `torch.multiprocessing.reductions.reduce_tensor(buf)` tuple (rebuild function,
-  args), as vLLM's `ipc` weight-transfer backend passes it over HTTP (`ipc_handles_pickled` in
-  vllm/distributed/weight_transfer/ipc_engine.py, rebuilt with `rebuild_cuda_tensor(*args)` after
-  setting the device index, args[6], to the consumer's own index of that GPU). `device_uuid` names the
-  physical GPU so the consumer can find its own index of it whatever its CUDA_VISIBLE_DEVICES.
+- CPU, POSIX shared memory: one reusable segment (`SharedMemoryBuffer`) on the producer, attached
+  untracked by the consumer (`open_shm_handle`).
+- GPU, CUDA IPC: `cuda_ipc_handle` pickles torch's `reduce_tensor` of the buffer, as vLLM's `ipc`
+  weight-transfer backend passes it over HTTP (`ipc_handles_pickled` in
+  vllm/distributed/weight_transfer/ipc_engine.py); `open_cuda_ipc_handle` rebuilds it with
+  `rebuild_cuda_tensor(*args)` after setting the device index, args[6], to the consumer's own index of
+  the GPU that `device_uuid` names, whatever its CUDA_VISIBLE_DEVICES.
 
 Lifetime contract (both kinds): the producer must keep the buffer alive and unmodified from the moment
 it sends the handle until the engine has acknowledged the chunk, i.e. until the 200 of its
@@ -31,15 +31,13 @@ import io
 import pickle
 import traceback
 from collections.abc import Iterator
+from dataclasses import asdict
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import torch
-
-SHM = "shm"
-CUDA_IPC = "cuda_ipc"
-HANDLE_KINDS: tuple[str, ...] = (SHM, CUDA_IPC)
+from wsh_vllm_plugin.protocol import CUDA_IPC, SHM, CudaIpcHandle, ShmHandle
 
 
 def _uint8_view(shm: SharedMemory, nbytes: int) -> torch.Tensor:
@@ -74,7 +72,7 @@ def _close(shm: SharedMemory, who: str) -> None:
 class SharedMemoryBuffer:
     """A producer-owned, reusable POSIX shared-memory segment for packed chunks.
 
-    Usage per chunk: `grow(n)`, `wire.pack(tensors, out=buf.tensor(n))`, POST /update_weights with
+    Usage per chunk: `grow(n)`, `protocol.pack(tensors, out=buf.tensor(n))`, POST /update_weights with
     `handle(n)`, wait for its 200, repeat; `close()` at the end (it unlinks the segment).
 
     The buffer must stay alive and unmodified until the engine has acknowledged the chunk (the 200 of
@@ -138,7 +136,7 @@ class SharedMemoryBuffer:
         """The handle of the segment's first `nbytes` bytes: `{"kind": "shm", "name", "nbytes"}`."""
         if not 0 <= nbytes <= self.capacity:
             raise ValueError(f"handle of {nbytes} bytes for segment {self.name} of {self.capacity} bytes")
-        return {"kind": SHM, "name": self.name, "nbytes": int(nbytes)}
+        return asdict(ShmHandle(name=self.name, nbytes=int(nbytes)))
 
     def close(self) -> None:
         """Close and unlink the segment (idempotent). Drop the views from `tensor()` first."""
@@ -262,12 +260,12 @@ def cuda_ipc_handle(buf: torch.Tensor) -> dict[str, Any]:
     from torch.multiprocessing.reductions import reduce_tensor
 
     reduced = reduce_tensor(buf)  # (rebuild_cuda_tensor, args)
-    return {
-        "kind": CUDA_IPC,
-        "ipc": base64.b64encode(pickle.dumps(reduced)).decode("ascii"),
-        "nbytes": int(buf.numel()),
-        "device_uuid": str(torch.cuda.get_device_properties(buf.device).uuid),
-    }
+    handle = CudaIpcHandle(
+        ipc=base64.b64encode(pickle.dumps(reduced)).decode("ascii"),
+        nbytes=int(buf.numel()),
+        device_uuid=str(torch.cuda.get_device_properties(buf.device).uuid),
+    )
+    return asdict(handle)
 
 
 class _TorchOnlyUnpickler(pickle.Unpickler):

@@ -12,23 +12,32 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from wsh_vllm_plugin.protocol import (
+    DEFAULT_TIMEOUT_S,
+    GLOO,
+    InitInfo,
+    TransferGroup,
+    UpdateInfo,
+    host_store,
+    join_transfer_group,
+    pack,
+)
 
 from reference_impl.transport.client import UpdateClient
 from reference_impl.transport.sync import SENDER
-from reference_impl.transport.wire import TransferGroup, host_store, join_transfer_group, pack
 
 
 class BroadcastChannel:
     """Chunks over a `TransferGroup` (sender = rank 0, engine = rank 1)."""
 
-    backend = "gloo"
+    backend = GLOO
 
     def __init__(self, group: TransferGroup) -> None:
         self.group = group
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-http")
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: dict[str, Any], sync: int) -> Any:
+    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
         """Pack, post /update_weights in a thread, broadcast the bytes, return the engine's answer.
 
         Raises:
@@ -38,8 +47,8 @@ class BroadcastChannel:
         if self.buffer.numel() < nbytes:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         payload = pack(tensors, out=self.buffer)
-        fut = self.pool.submit(client.update, info, sync, info["chunk_index"])
-        self.group.broadcast_chunk(payload, src=SENDER)
+        fut = self.pool.submit(client.update, info, sync, info.chunk_index)
+        self.group.send_chunk(payload)
         return fut.result()
 
     def close(self) -> None:
@@ -47,27 +56,31 @@ class BroadcastChannel:
         self.pool.shutdown(wait=True)
 
 
-def connect_broadcast(client: UpdateClient, timeout_s: float = 120.0) -> BroadcastChannel:
+def connect_broadcast(client: UpdateClient, timeout_s: float = DEFAULT_TIMEOUT_S) -> BroadcastChannel:
     """Set up the non-colocate channel: host a TCPStore on 127.0.0.1, POST /init_weight_transfer_engine
-    `{"backend": "gloo", "master_address", "master_port", "rank_offset": 1, "world_size": 2}` in a thread
-    (the engine answers once it joined) while this process joins the group as rank 0.
+    `InitInfo(backend="gloo", master_address, master_port, rank_offset=1, world_size=2, timeout_s)` in a
+    thread (the engine answers once it joined) while this process joins the group as rank 0. Both sides
+    use `timeout_s` (seconds) for the join and for every broadcast.
 
     Raises:
         EngineRejected: the engine refused the init call.
         RuntimeError / DistStoreError: the engine did not join within `timeout_s` seconds.
     """
     store = host_store(timeout_s=timeout_s)
-    init_info = {
-        "backend": "gloo",
-        "master_address": "127.0.0.1",
-        "master_port": store.port,
-        "rank_offset": 1,
-        "world_size": 2,
-    }
+    init_info = InitInfo(
+        backend=GLOO,
+        master_address="127.0.0.1",
+        master_port=store.port,
+        rank_offset=1,
+        world_size=2,
+        timeout_s=timeout_s,
+    )
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="init-transfer")
     try:
         answer = pool.submit(client.init_transfer, init_info)
-        group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=timeout_s, store=store)
+        group = join_transfer_group(
+            "127.0.0.1", store.port, SENDER, init_info.world_size, timeout_s=timeout_s, store=store
+        )
         answer.result()  # re-raises the init call's error here
     finally:
         pool.shutdown(wait=False)  # a failed join does not wait for the HTTP call

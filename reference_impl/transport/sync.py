@@ -27,14 +27,14 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from wsh_vllm_plugin.protocol import SENDER_RANK, UpdateInfo, dtype_from_name, dtype_name
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.transport.client import EngineRejected, UpdateClient
 from reference_impl.transport.observed import GENERIC_REJECTION, ChunkRecord, SyncReport
 from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
-from reference_impl.transport.wire import dtype_from_name, dtype_name
 
-SENDER = 0
+SENDER = SENDER_RANK
 
 
 class Channel(Protocol):
@@ -42,8 +42,9 @@ class Channel(Protocol):
 
     backend: str  # init_info backend: "gloo" | "shm" | "cuda_ipc"
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: dict[str, Any], sync: int) -> Any:
-        """Pack `tensors`, make the engine take them with POST /update_weights `info`, return its answer.
+    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+        """Pack `tensors`, make the engine take them with POST /update_weights `info` (a channel adds its
+        handle with `dataclasses.replace`), return the engine's answer.
 
         Raises:
             EngineRejected: the engine answered non-200 (the chunk's bytes were still consumed).
@@ -90,9 +91,7 @@ def collect_chunk(chunk: Chunk, owned: dict[str, torch.Tensor]) -> list[torch.Te
     return out
 
 
-def send_chunk(
-    channel: Channel, client: UpdateClient, tensors: list[torch.Tensor], info: dict[str, Any], sync: int
-) -> Any:
+def send_chunk(channel: Channel, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
     """The sender hands one chunk to its channel and returns the engine's answer to it (a seam:
     `reference_impl.seams`).
 
@@ -102,16 +101,17 @@ def send_chunk(
     return channel.send(client, tensors, info, sync)
 
 
-def update_info(chunk: Chunk) -> dict[str, Any]:
-    """The `update_info` body of one chunk (vLLM's names / dtype_names / shapes / packed)."""
-    return {
-        "names": [m.name for m in chunk.tensors],
-        "dtype_names": [m.dtype for m in chunk.tensors],
-        "shapes": [list(m.shape) for m in chunk.tensors],
-        "packed": True,
-        "src": SENDER,
-        "chunk_index": chunk.index,
-    }
+def update_info(chunk: Chunk) -> UpdateInfo:
+    """The `update_info` of one chunk: names, dtype names and shapes in plan order, packed, from the
+    sender, no handle (a colocate channel adds its own)."""
+    return UpdateInfo(
+        names=[m.name for m in chunk.tensors],
+        dtype_names=[m.dtype for m in chunk.tensors],
+        shapes=[list(m.shape) for m in chunk.tensors],
+        packed=True,
+        src=SENDER,
+        chunk_index=chunk.index,
+    )
 
 
 def names_rejected(names: list[str], rejected: EngineRejected) -> dict[str, str]:
@@ -163,7 +163,7 @@ def run_sync(
         tensors = collect_chunk(chunk, by_name)
         t1 = time.perf_counter()
         info = update_info(chunk)
-        entry = ChunkRecord(index=chunk.index, names=info["names"], bytes=chunk.nbytes, sent=True)
+        entry = ChunkRecord(index=chunk.index, names=info.names, bytes=chunk.nbytes, sent=True)
         if not client.session_open:
             why = f"not sent: no open update session ({client.session_closed_by or 'unknown why'})"
             res.chunks.append(entry.model_copy(update={"sent": False, "note": why}))
@@ -172,11 +172,11 @@ def run_sync(
             answer = send_chunk(channel, client, tensors, info, sync_index)
             entry.received = True
             t_load += float(answer.get("load_s", 0.0))
-            res.names_accepted.extend(info["names"])
+            res.names_accepted.extend(info.names)
         except EngineRejected as e:
-            res.names_rejected.update(names_rejected(info["names"], e))
+            res.names_rejected.update(names_rejected(info.names, e))
         res.chunks.append(entry)
-        res.names_sent.extend(info["names"])
+        res.names_sent.extend(info.names)
         res.bytes += chunk.nbytes
         t2 = time.perf_counter()
         for m, t in zip(chunk.tensors, tensors, strict=True):

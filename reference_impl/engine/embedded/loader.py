@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from wsh_vllm_plugin.protocol import DTYPE_NAMES, check_lengths, dtype_name
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.checkpoint_view import CheckpointTensor, checkpoint_tensors
@@ -37,7 +38,6 @@ from reference_impl.engine.embedded.vllm_names import (
 )
 from reference_impl.models.checkpoint import build_hf_model
 from reference_impl.models.registry import ModelSpec
-from reference_impl.transport.wire import DTYPE_NAMES, dtype_name
 
 KINDS: tuple[str, ...] = ("name", "shape", "dtype")
 
@@ -184,6 +184,9 @@ class EngineLoader:
         Returns:
             (rejected, kinds): HF name -> reason and HF name -> "name" | "shape" | "dtype"; both empty
             when every tensor can be placed. A name is judged once, by its first failing check.
+
+        Raises:
+            ValueError (`protocol.ProtocolError`): the three lists differ in length.
         """
         rejected: dict[str, str] = {}
         kinds: dict[str, str] = {}
@@ -192,11 +195,7 @@ class EngineLoader:
             if name not in rejected:
                 rejected[name], kinds[name] = reason, kind
 
-        if not len(names) == len(dtype_names) == len(shapes):
-            raise ValueError(
-                f"update_info lists differ in length: {len(names)} names, {len(dtype_names)} dtype_names, "
-                f"{len(shapes)} shapes; send one dtype name and one shape per name"
-            )
+        check_lengths(names, dtype_names, shapes)
         for name, dname, shape in zip(names, dtype_names, shapes, strict=True):
             slot = self.slots.get(name)
             if name in self.tied:

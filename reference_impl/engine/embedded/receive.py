@@ -3,10 +3,11 @@
 Backends (`init_info.backend` of /init_weight_transfer_engine):
 
 - "gloo" (non-colocate): the engine joins the trainer's transfer group; each /update_weights receives
-  the packed chunk by broadcast (`wire.TransferGroup.broadcast_chunk`).
+  the packed chunk by broadcast (`protocol.TransferGroup.receive_chunk`).
 - "shm" (colocate on CPU) and "cuda_ipc" (colocate on GPU): nothing to join; each /update_weights
-  carries `update_info["handle"]` (`reference_impl.transport.handles`) and the engine reads the packed
-  chunk from the producer's memory. Nothing is copied before the load: the unpacked tensors are views
+  carries `update_info.handle` (`protocol.ShmHandle` / `protocol.CudaIpcHandle`, opened by
+  `reference_impl.transport.handles`) and the engine reads the packed chunk from the producer's
+  memory. Nothing is copied before the load: the unpacked tensors are views
   over the shared buffer, the loader copies them into the parameters, and every view is dropped before
   the handle is closed. The producer keeps the buffer until the 200 of /update_weights.
 
@@ -20,13 +21,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from wsh_vllm_plugin import protocol
 
 from reference_impl.engine.embedded.loader import EngineLoader, LoadRejected
-from reference_impl.transport import handles, wire
+from reference_impl.transport import handles
 
-GLOO = "gloo"
-BACKENDS: tuple[str, ...] = (GLOO, handles.SHM, handles.CUDA_IPC)
-HANDLE_BACKENDS: tuple[str, ...] = (handles.SHM, handles.CUDA_IPC)  # backend name == handle kind
 
 class ChunkRejected(Exception):
     """A chunk refused with a 400: `error` sentence, `rejected` {hf_name: reason}, `kinds` {hf_name: kind}."""
@@ -64,7 +63,7 @@ def check_handle(handle: Any, backend: str, chunk: str, names: Sequence[str]) ->
     nbytes = handle.get("nbytes")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise _bytes_rejected(chunk, names, f"handle nbytes {nbytes!r} is not an integer >= 0", fix)
-    field = "name" if backend == handles.SHM else "ipc"
+    field = protocol.HANDLE_LOCATOR[backend]
     if not isinstance(handle.get(field), str) or not handle[field]:
         raise _bytes_rejected(chunk, names, f"handle has no {field!r} string", fix)
     return nbytes
@@ -89,7 +88,7 @@ def open_handle(stack: contextlib.ExitStack, handle: dict[str, Any], chunk: str,
     """
     kind = handle["kind"]
     try:
-        if kind == handles.SHM:
+        if kind == protocol.SHM:
             return stack.enter_context(handles.open_shm_handle(handle))
         return stack.enter_context(_open_cuda_ipc(handle))
     except (OSError, ValueError, RuntimeError) as e:
@@ -130,10 +129,10 @@ class ChunkApplier:
             raise ChunkRejected(f"{chunk}: {e}") from None
         if rejected:
             raise ChunkRejected(str(LoadRejected(rejected, kinds)), rejected, kinds)
-        dtypes = [wire.dtype_from_name(d) for d in dtype_names]
+        dtypes = [protocol.dtype_from_name(d) for d in dtype_names]
         received = int(payload.numel())
         try:
-            tensors = wire.unpack(payload, dtypes, shapes)
+            tensors = protocol.unpack(payload, dtypes, shapes)
         except ValueError as e:
             reason = f"{chunk} holds {received} bytes, which does not match its declared dtypes/shapes"
             raise ChunkRejected(

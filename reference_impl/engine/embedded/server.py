@@ -7,11 +7,14 @@ at start (the harness's mutation tests: `harness.faults.engine`): the function i
 the app is built, and may replace what runs at the engine's seams (`reference_impl.seams`); a hook
 that cannot be loaded exits at startup.
 
+Request bodies are the protocol's (`wsh_vllm_plugin.protocol`: `InitInfo`, `UpdateInfo`, the handle
+layouts), validated by pydantic from those dataclasses.
+
 Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; older releases
 `vllm/entrypoints/serve/dev/rlhf/api_router.py`), with plain-data answers the harness records:
 
 - POST /init_weight_transfer_engine `{"init_info": {"backend": "gloo", "master_address", "master_port",
-  "rank_offset", "world_size"}}` -> joins the transfer group as rank `rank_offset` (blocks until the
+  "rank_offset", "world_size", "timeout_s"}}` -> joins the transfer group as rank `rank_offset` (blocks until the
   trainer joins) -> `{"ok": true, "backend": "gloo", "rank": r, "world_size": w}`. Colocate:
   `{"init_info": {"backend": "shm"}}` (CPU) or `{"init_info": {"backend": "cuda_ipc"}}` (GPU; a 400 where
   the engine has no CUDA) -> nothing to join (vLLM's IPC init info is empty too) -> `{"ok": true,
@@ -19,13 +22,13 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
 - POST /start_weight_update `{}` or `{"weight_version": v}` -> opens a session, zeroes the update
   counts -> `{"ok": true}`; 400 when one is open.
 - POST /update_weights `{"update_info": {"names", "dtype_names", "shapes", "packed": true, "src": 0,
-  "chunk_index"}}` -> with no open session, a 400 (kind "session") before anything is received, as
+  "chunk_index", "handle"}}` -> with no open session, a 400 (kind "session") before anything is received, as
   vLLM's worker refuses it before its transfer backend runs (a sender must not broadcast then);
   otherwise receives the chunk from the group FIRST (so a bad body never leaves the trainer's broadcast
   hanging), then checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
-  "load_s", "loaded"}`. With backend shm / cuda_ipc, update_info also carries `"handle": {"kind": "shm",
+  "load_s", "loaded"}`. With backend shm / cuda_ipc, update_info's `"handle"` is `{"kind": "shm",
   "name", "nbytes"}` / `{"kind": "cuda_ipc", "ipc", "nbytes", "device_uuid"}`
-  (`reference_impl.transport.handles`) and the engine reads the chunk from it (no broadcast; views over
+  (opened by `reference_impl.transport.handles`) and the engine reads the chunk from it (no broadcast; views over
   the shared buffer, copied by the load, dropped before the handle is closed). A missing, malformed or
   unopenable handle is a 400 naming the chunk (kind "bytes"); so is a handle under backend gloo (nothing
   is broadcast-received then: a sender that passes handles does not broadcast).
@@ -79,25 +82,21 @@ import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
+from wsh_vllm_plugin.protocol import (
+    CUDA_IPC,
+    GLOO,
+    HANDLE_KINDS,
+    InitInfo,
+    ProtocolError,
+    TransferGroup,
+    UpdateInfo,
+    join_transfer_group,
+)
 
 from reference_impl.engine.embedded import receive
 from reference_impl.engine.embedded.completions import CompletionEngine, CompletionError, CompletionRequest
 from reference_impl.engine.embedded.loader import EngineLoader
-from reference_impl.transport import wire
-
-
-class InitInfo(BaseModel):
-    """`init_info` of /init_weight_transfer_engine: vLLM `NCCLWeightTransferInitInfo` for backend gloo
-    (master_address and master_port required), empty like vLLM `IPCWeightTransferInitInfo` for the
-    colocate backends shm and cuda_ipc."""
-
-    backend: Literal["gloo", "shm", "cuda_ipc"] = "gloo"
-    master_address: str | None = None
-    master_port: int | None = None
-    rank_offset: int = 1
-    world_size: int = 2
-    timeout_s: float = 120.0
 
 
 class InitRequest(BaseModel):
@@ -106,18 +105,6 @@ class InitRequest(BaseModel):
 
 class StartRequest(BaseModel):
     weight_version: int | None = None  # vLLM declares `str | None`; numeric strings are accepted (pydantic)
-
-
-class UpdateInfo(BaseModel):
-    """`update_info` of /update_weights (vLLM `NCCLWeightTransferUpdateInfo` plus our chunk index)."""
-
-    names: list[str] = Field(default_factory=list)
-    dtype_names: list[str] = Field(default_factory=list)
-    shapes: list[list[int]] = Field(default_factory=list)
-    packed: bool = True
-    src: int = 0
-    chunk_index: int | None = None
-    handle: dict[str, Any] | None = None  # backends shm / cuda_ipc: where the packed chunk lies
 
 
 class UpdateRequest(BaseModel):
@@ -146,7 +133,7 @@ class EngineState:
         self.loader = loader
         self.applier = receive.ChunkApplier(loader)
         self.backend: str | None = None  # set by a successful /init_weight_transfer_engine
-        self.group: wire.TransferGroup | None = None
+        self.group: TransferGroup | None = None
         self.session_open = False
         self.weight_version = 0
         self.session_load_s = 0.0
@@ -231,8 +218,8 @@ def create_app(
     def init_weight_transfer_engine(req: InitRequest) -> dict[str, Any]:
         info = req.init_info
         route = "/init_weight_transfer_engine"
-        if info.backend in receive.HANDLE_BACKENDS:
-            if info.backend == "cuda_ipc" and not torch.cuda.is_available():
+        if info.backend in HANDLE_KINDS:
+            if info.backend == CUDA_IPC and not torch.cuda.is_available():
                 raise _request_error(
                     route,
                     "body.init_info.backend",
@@ -242,26 +229,23 @@ def create_app(
             with st.lock:
                 st.backend = info.backend
             return {"ok": True, "backend": info.backend}
-        for field in ("master_address", "master_port"):
-            if getattr(info, field) is None:
-                raise _request_error(route, f"body.init_info.{field}", "Field required for backend 'gloo'")
+        try:
+            info.check()
+        except ProtocolError as e:
+            if e.required:
+                raise _request_error(route, f"body.init_info.{e.field}", e.reason) from None
+            raise _http_error(400, str(e)) from None
         assert info.master_address is not None and info.master_port is not None
-        if not 0 < info.rank_offset < info.world_size:
-            raise _http_error(
-                400,
-                f"init_info rank_offset {info.rank_offset} must lie in 1..world_size-1 "
-                f"(world_size {info.world_size}); the trainer's sender is rank 0",
-            )
         with st.lock:
-            st.group = wire.join_transfer_group(
+            st.group = join_transfer_group(
                 info.master_address,
                 info.master_port,
                 rank=info.rank_offset,
                 world_size=info.world_size,
                 timeout_s=info.timeout_s,
             )
-            st.backend = receive.GLOO
-        return {"ok": True, "backend": receive.GLOO, "rank": info.rank_offset, "world_size": info.world_size}
+            st.backend = GLOO
+        return {"ok": True, "backend": GLOO, "rank": info.rank_offset, "world_size": info.world_size}
 
     @app.post("/start_weight_update")
     def start_weight_update(req: StartRequest | None = None) -> dict[str, Any]:
@@ -283,7 +267,7 @@ def create_app(
         info = req.update_info
         chunk = f"chunk {info.chunk_index}" if info.chunk_index is not None else "this chunk"
         with st.lock:
-            if st.backend is None or (st.backend == receive.GLOO and st.group is None):
+            if st.backend is None or (st.backend == GLOO and st.group is None):
                 raise _http_error(
                     400,
                     f"{chunk}: no transfer group or handle backend; POST /init_weight_transfer_engine before "
@@ -299,7 +283,7 @@ def create_app(
                     dict.fromkeys(info.names, "bytes"),
                 )
             try:
-                if st.backend == receive.GLOO:
+                if st.backend == GLOO:
                     received, load_s = _receive_broadcast(info, chunk)
                 else:
                     received, load_s = _receive_handle(info, chunk)
@@ -338,7 +322,7 @@ def create_app(
         assert st.group is not None
         # As vLLM's worker: no session, no receive (the sender must not broadcast then; see client.py).
         _require_session(info, chunk, "nothing received")
-        payload = st.group.broadcast_chunk(None, src=info.src)  # with a session: receive first, check after
+        payload = st.group.receive_chunk(info.src)  # with a session: receive first, check after
         return int(payload.numel()), _apply(info, chunk, payload)
 
     def _receive_handle(info: UpdateInfo, chunk: str) -> tuple[int, float]:

@@ -12,8 +12,8 @@ from vLLM's own environment (`env.vllm_python()`)::
 log-prob comparison; `--skip-tokenizer-init` because the checkpoints carry no tokenizer (prompts are
 token ids). The server runs in its own session and is stopped with `killpg` (it starts an engine-core
 process of its own; `ServerProcess.stop` ends the whole group). Transfer backend: "gloo" (this
-directory's plugin), on every host: the trainer speaks the harness's wire format, not vLLM's packed
-NCCL protocol.
+directory's plugin), on every host: the trainer speaks the harness's wire format
+(`wsh_vllm_plugin/protocol.py`), not vLLM's packed NCCL protocol.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Smoke test: real vLLM (CPU) as the rollout engine, weights pushed with the harness's gloo wire format.
+"""Smoke test: real vLLM (CPU) as the rollout engine, weights pushed with the protocol's gloo wire format.
 
 Not a pytest test (yet). Run from the repository root with the TRAINER environment (it imports the
 harness's transport code and transformers):
@@ -26,19 +26,20 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 from safetensors.torch import load_file
+from wsh_vllm_plugin.protocol import UpdateInfo, dtype_name, pack
 
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import free_port
 from reference_impl.transport.client import EngineRejected, UpdateClient
 from reference_impl.transport.noncolocate import connect_broadcast
 from reference_impl.transport.sync import run_sync
-from reference_impl.transport.wire import dtype_name, pack
 
 PROMPT = [500, 17, 42, 99, 311, 7, 256, 123, 64, 5]
 
@@ -158,14 +159,14 @@ def main() -> int:
         # Sync A: one chunk, layer 0's tensors only, sent by hand (header + payload, update_info as sync.py).
         names = sorted(n for n in weights if n.startswith("model.layers.0."))
         tensors = [weights[n] for n in names]
-        info = {"names": names, "dtype_names": [dtype_name(t.dtype) for t in tensors],
-                "shapes": [list(t.shape) for t in tensors], "packed": True, "src": 0, "chunk_index": 0}  # fmt: skip
+        info = UpdateInfo(names=names, dtype_names=[dtype_name(t.dtype) for t in tensors],
+                          shapes=[list(t.shape) for t in tensors], chunk_index=0)  # fmt: skip
         t_a = time.perf_counter()
         client.start(0)
         pool_result: list[Any] = []
         th = threading.Thread(target=lambda: pool_result.append(client.update(info, 0, 0)), daemon=True)
         th.start()
-        group.broadcast_chunk(pack(tensors), src=0)
+        group.send_chunk(pack(tensors))
         th.join()
         client.finish(0, "a")  # type: ignore[arg-type]  (vLLM wants a string version)
         report["sync_a_s"] = round(time.perf_counter() - t_a, 3)
@@ -235,7 +236,7 @@ def main() -> int:
         # Sync E: update_info whose shapes do not match the bytes sent; must be a 500 naming the sizes, no hang.
         t_e = time.perf_counter()
         client.start(5)
-        wrong = {**info, "shapes": [[1] for _ in info["names"]]}
+        wrong = replace(info, shapes=[[1] for _ in info.names])
         answers: list[Any] = []
 
         def post_wrong() -> None:
@@ -246,7 +247,7 @@ def main() -> int:
 
         th = threading.Thread(target=post_wrong, daemon=True)
         th.start()
-        group.broadcast_chunk(pack(tensors), src=0)
+        group.send_chunk(pack(tensors))
         th.join()
         report["sync_e_s"] = round(time.perf_counter() - t_e, 3)
         report["sync_e_answer"] = str(answers[0])[:300]

