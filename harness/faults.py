@@ -12,7 +12,7 @@ and the verdict the harness must give (`scenarios/faults.yaml` lists them as sce
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -85,16 +85,16 @@ def _gqa_split_wrong() -> None:
     """`linear_qkv` split as three contiguous blocks [q; k; v] (the HF layout, as if heads were
     hidden/heads wide and ungrouped) instead of per query group with head_dim: shapes are right, values
     are not."""
-    from reference_impl.export.raw import TABLES
-    from reference_impl.export.raw.rules import FamilyTable, Rule, split_qkv
+    from reference_impl.models.families import FAMILIES
+    from reference_impl.models.raw_rules import FamilyTable, Rule, split_qkv
 
     def split_blocks(t: torch.Tensor, f):  # type: ignore[no-untyped-def]
         q_rows, kv_rows = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
         return [t[:q_rows].contiguous(), t[q_rows : q_rows + kv_rows].contiguous(), t[q_rows + kv_rows :].contiguous()]
 
-    for family, table in list(TABLES.items()):
-        rules = [Rule(r.megatron, r.hf, split_blocks) if r.transform is split_qkv else r for r in table.rules]
-        TABLES[family] = FamilyTable(rules, table.post)
+    for family, fam in list(FAMILIES.items()):
+        rules = [Rule(r.megatron, r.hf, split_blocks) if r.transform is split_qkv else r for r in fam.raw.rules]
+        FAMILIES[family] = replace(fam, raw=FamilyTable(rules, fam.raw.post))
 
 
 def _ep_local_expert_ids() -> None:
