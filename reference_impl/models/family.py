@@ -35,13 +35,18 @@ ScaleDownCheck = Callable[["ModelSpec", "ModelSpec"], list[str]]
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """One model family; see the module docstring for what each field drives."""
+    """One model family; see the module docstring for what each field drives.
+
+    Family files pass `model_type`, `raw` and `names` by position and the rest by keyword; a field left
+    out keeps its default (no checkpoint views, not VL, the maker's plain layout, the provider's own
+    layer spec, no family scale-down checks).
+    """
 
     model_type: str  # transformers `config.model_type`, also the `family:` of a model entry
     raw: FamilyTable
     names: FamilyNames
-    views: tuple[ViewRule, ...]
-    is_vl: bool
-    released_fused_experts: bool
-    local_gpt_layer_spec: bool
+    views: tuple[ViewRule, ...] = ()  # none: every transformers parameter is saved as itself
+    is_vl: bool = False
+    released_fused_experts: bool = False
+    local_gpt_layer_spec: bool = False
     scale_down_checks: tuple[ScaleDownCheck, ...] = ()

@@ -90,12 +90,4 @@ NAMES = FamilyNames(
     source="vllm/model_executor/models/qwen3.py, qwen2.py",
 )
 
-FAMILY = ModelFamily(
-    model_type="qwen3",
-    raw=FamilyTable(RULES),
-    names=NAMES,
-    views=(),
-    is_vl=False,
-    released_fused_experts=False,
-    local_gpt_layer_spec=True,
-)
+FAMILY = ModelFamily("qwen3", FamilyTable(RULES), NAMES, local_gpt_layer_spec=True)

@@ -95,12 +95,10 @@ def check_scale_down(spec: ModelSpec, real: ModelSpec) -> list[str]:
 
 
 FAMILY = ModelFamily(
-    model_type="qwen3_moe",
-    raw=FamilyTable(RULES),
-    names=NAMES,
+    "qwen3_moe",
+    FamilyTable(RULES),
+    NAMES,
     views=VIEWS,
-    is_vl=False,
-    released_fused_experts=False,
     local_gpt_layer_spec=True,
     scale_down_checks=(check_scale_down,),
 )

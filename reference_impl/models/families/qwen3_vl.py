@@ -121,13 +121,4 @@ def check_scale_down(spec: ModelSpec, real: ModelSpec) -> list[str]:
     return problems
 
 
-FAMILY = ModelFamily(
-    model_type="qwen3_vl",
-    raw=FamilyTable(RULES),
-    names=NAMES,
-    views=(),
-    is_vl=True,
-    released_fused_experts=False,
-    local_gpt_layer_spec=False,
-    scale_down_checks=(check_scale_down,),
-)
+FAMILY = ModelFamily("qwen3_vl", FamilyTable(RULES), NAMES, is_vl=True, scale_down_checks=(check_scale_down,))

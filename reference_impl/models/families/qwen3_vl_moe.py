@@ -94,12 +94,11 @@ VIEWS = (
 )
 
 FAMILY = ModelFamily(
-    model_type="qwen3_vl_moe",
-    raw=FamilyTable(RULES, fuse_experts),
-    names=NAMES,
+    "qwen3_vl_moe",
+    FamilyTable(RULES, fuse_experts),
+    NAMES,
     views=VIEWS,
     is_vl=True,
     released_fused_experts=True,
-    local_gpt_layer_spec=False,
     scale_down_checks=(qwen3_moe.check_scale_down, qwen3_vl.check_scale_down),
 )
