@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference_impl.export.raw import TABLES
-from reference_impl.export.raw.rules import (
+from reference_impl.models.families import FAMILIES
+from reference_impl.models.raw_rules import (
     LayoutFacts,
     UnmappedName,
     convert,
@@ -115,20 +115,20 @@ def test_vision_qkv_regrouped_from_per_head_to_q_k_v() -> None:
 )
 def test_table_names(family: str, megatron: str, expected: list[str]) -> None:
     t = torch.zeros(8, 1)
-    assert [n for n, _ in convert(megatron, t, TABLES[family].rules, FACTS)] == expected
+    assert [n for n, _ in convert(megatron, t, FAMILIES[family].raw.rules, FACTS)] == expected
 
 
 def test_tied_output_layer_sends_nothing_untied_sends_lm_head() -> None:
     w = torch.arange(8.0).reshape(8, 1)  # padded vocab 8 > real 6
-    assert convert("output_layer.weight", w, TABLES["qwen3"].rules, FACTS) == []
+    assert convert("output_layer.weight", w, FAMILIES["qwen3"].raw.rules, FACTS) == []
     untied = LayoutFacts(**{**FACTS.__dict__, "tied_embeddings": False})
-    ((name, t),) = convert("language_model.output_layer.weight", w, TABLES["qwen3_vl"].rules, untied)
+    ((name, t),) = convert("language_model.output_layer.weight", w, FAMILIES["qwen3_vl"].raw.rules, untied)
     assert name == "lm_head.weight" and t.flatten().tolist() == [0, 1, 2, 3, 4, 5]
 
 
 def test_unmapped_name_is_named() -> None:
     with pytest.raises(UnmappedName, match=r"decoder\.layers\.0\.mystery\.weight"):
-        convert("decoder.layers.0.mystery.weight", torch.zeros(1), TABLES["qwen3"].rules, FACTS)
+        convert("decoder.layers.0.mystery.weight", torch.zeros(1), FAMILIES["qwen3"].raw.rules, FACTS)
 
 
 class _Layer(torch.nn.Module):

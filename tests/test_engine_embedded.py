@@ -29,17 +29,12 @@ import torch
 from wsh_vllm_plugin import protocol
 
 from reference_impl.checksum import tensor_checksum
-from reference_impl.engine.embedded.checkpoint_view import FAMILY_VIEWS, saved_as
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
-from reference_impl.engine.embedded.vllm_names import (
-    FAMILY_NAMES,
-    MODEL_TYPE_FAMILY,
-    VllmTarget,
-    hf_to_vllm,
-    is_vllm_param,
-)
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
+from reference_impl.models.checkpoint_views import saved_as
+from reference_impl.models.families import FAMILIES
 from reference_impl.models.registry import load_model
+from reference_impl.models.vllm_names import VllmTarget, hf_to_vllm, is_vllm_param
 from reference_impl.transport.handles import SharedMemoryBuffer, cuda_ipc_handle, open_cuda_ipc_handle
 
 CKPT_SEED = 1234
@@ -323,26 +318,28 @@ def _valid_update(engine: Engine, value: float = 1.5) -> None:
     ],
 )
 def test_name_table(family: str, hf: str, expected: tuple[str, str | int | None]) -> None:
-    target = hf_to_vllm(family, hf)
+    target = hf_to_vllm(FAMILIES[family].names, hf)
     assert target == VllmTarget(*expected)
-    assert is_vllm_param(family, target.name)
+    assert is_vllm_param(FAMILIES[family].names, target.name)
 
 
 def test_slot_strings_and_unknown_names() -> None:
     assert VllmTarget("model.layers.0.mlp.gate_up_proj.weight", 0).slot == "model.layers.0.mlp.gate_up_proj.weight[0]"
     assert VllmTarget("model.norm.weight", None).slot == "model.norm.weight"
     # A stacked rule only applies inside its scope (the vision tower has no q_proj in vLLM).
-    assert hf_to_vllm("qwen3_vl", "model.visual.blocks.0.attn.q_proj.weight").shard is None
-    assert not is_vllm_param("qwen3_vl", "visual.blocks.0.attn.q_proj.weight")
-    assert not is_vllm_param("qwen3", "model.layers.0.self_attn.q_proj.weight")  # vLLM fuses it
-    assert not is_vllm_param("qwen3", "model.rotary_emb.inv_freq")
+    dense, vl, moe = (FAMILIES[f].names for f in ("qwen3", "qwen3_vl", "qwen3_moe"))
+    assert hf_to_vllm(vl, "model.visual.blocks.0.attn.q_proj.weight").shard is None
+    assert not is_vllm_param(vl, "visual.blocks.0.attn.q_proj.weight")
+    assert not is_vllm_param(dense, "model.layers.0.self_attn.q_proj.weight")  # vLLM fuses it
+    assert not is_vllm_param(dense, "model.rotary_emb.inv_freq")
     # A per-expert name is an expert rule, never the dense gate_up_proj stacked rule.
-    assert hf_to_vllm("qwen3_moe", "model.layers.0.mlp.experts.3.gate_proj.weight").name.endswith("w13_weight")
-    assert not is_vllm_param("qwen3_moe", "model.layers.0.mlp.experts.gate_up_proj")  # the HF in-memory name
-    assert set(MODEL_TYPE_FAMILY) >= {"qwen3_moe", "qwen3_vl_moe"}
-    assert set(FAMILY_VIEWS) == set(FAMILY_NAMES)
+    assert hf_to_vllm(moe, "model.layers.0.mlp.experts.3.gate_proj.weight").name.endswith("w13_weight")
+    assert not is_vllm_param(moe, "model.layers.0.mlp.experts.gate_up_proj")  # the HF in-memory name
+    assert set(FAMILIES) >= {"qwen3_moe", "qwen3_vl_moe"}
+    # Each family is registered under its own model_type, and its name table names the same family.
+    assert all(key == fam.model_type == fam.names.family for key, fam in FAMILIES.items())
     # At most one prefix rename applies, and no two overlap.
-    for table in FAMILY_NAMES.values():
+    for table in (fam.names for fam in FAMILIES.values()):
         for a in table.renames:
             assert not any(b is not a and b.hf.startswith(a.hf) for b in table.renames)
 
@@ -351,10 +348,9 @@ def test_slot_strings_and_unknown_names() -> None:
 def test_every_checkpoint_name_maps_to_one_vllm_slot(model: str) -> None:
     spec = load_model(model)
     names = safetensors_checksums(make_checkpoint(spec, seed=CKPT_SEED))
-    targets = [hf_to_vllm(spec.family, n) for n in names]
-    assert all(is_vllm_param(spec.family, t.name) for t in targets), [
-        t for t in targets if not is_vllm_param(spec.family, t.name)
-    ]
+    table = FAMILIES[spec.family].names
+    targets = [hf_to_vllm(table, n) for n in names]
+    assert all(is_vllm_param(table, t.name) for t in targets), [t for t in targets if not is_vllm_param(table, t.name)]
     assert len(set(targets)) == len(targets)
 
 
@@ -363,9 +359,10 @@ def test_expert_views_are_writable_views_in_checkpoint_layout(family: str) -> No
     ne, mi, hd = 3, 4, 5  # experts, moe_intermediate, hidden
     gate_up = torch.arange(ne * 2 * mi * hd, dtype=torch.float32).reshape(ne, 2 * mi, hd)  # transformers layout
     down = torch.arange(ne * hd * mi, dtype=torch.float32).reshape(ne, hd, mi)  # transformers [E, H, I]
-    gu = saved_as(family, "model.layers.0.mlp.experts.gate_up_proj", gate_up)
-    dn = saved_as(family, "model.layers.0.mlp.experts.down_proj", down)
-    assert saved_as(family, "model.norm.weight", torch.ones(hd))[0].name == "model.norm.weight"
+    views = FAMILIES[family].views
+    gu = saved_as(views, "model.layers.0.mlp.experts.gate_up_proj", gate_up)
+    dn = saved_as(views, "model.layers.0.mlp.experts.down_proj", down)
+    assert saved_as(views, "model.norm.weight", torch.ones(hd))[0].name == "model.norm.weight"
     if family == "qwen3_moe":
         assert [c.name for c in gu[:2]] == [
             "model.layers.0.mlp.experts.0.gate_proj.weight",
@@ -706,7 +703,7 @@ def test_internal_error_is_500_with_traceback(engines: dict[str, Engine]) -> Non
 
 
 def test_engine_refuses_the_checkpoints_seed() -> None:
-    from reference_impl.engine.embedded.loader import build_engine_model
+    from reference_impl.models.hf_model import build_engine_model
 
     with pytest.raises(ValueError, match="seed"):
         build_engine_model(make_checkpoint(load_model("qwen3"), seed=CKPT_SEED), CKPT_SEED)

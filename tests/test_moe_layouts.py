@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference_impl.export.raw.qwen3_vl_moe import fuse_experts
-from reference_impl.export.raw.rules import LayoutFacts
 from reference_impl.models.checkpoint import build_hf_model, make_checkpoint, read_checkpoint
+from reference_impl.models.families.qwen3_vl_moe import fuse_experts
+from reference_impl.models.raw_rules import LayoutFacts
 from reference_impl.models.registry import load_model
 from reference_impl.trainer.params import global_expert_name, is_expert_param
 from reference_impl.transport import sync

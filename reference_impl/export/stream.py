@@ -3,7 +3,8 @@
 Both return the HF (name, tensor) pairs this rank *owns* for sending, in a deterministic order, and
 the seconds spent per phase:
 - raw: every rank walks its parameters (global names), all TP ranks all-gather each sharded one,
-  and TP rank 0 of each PP stage converts and owns its stage's tensors.
+  and TP rank 0 of each PP stage converts and owns its stage's tensors by the family's raw rule table
+  (`models/families/<model_type>.py`, applied by `models.raw_rules.convert`).
 - bridge: Megatron-Bridge's `export_hf_weights(model, cpu=True)` on every rank (it gathers TP and
   collects across PP stages itself, yielding every name on every rank); global rank 0 owns them all.
   Its gather and convert are one call: the time is recorded as `convert`, `gather` is 0.
@@ -18,8 +19,8 @@ from pathlib import Path
 import torch
 
 from reference_impl.export import MODES
-from reference_impl.export.raw import TABLES, FamilyTable
-from reference_impl.export.raw.rules import LayoutFacts, convert
+from reference_impl.models.families import model_family
+from reference_impl.models.raw_rules import FamilyTable, LayoutFacts, convert
 from reference_impl.models.registry import ModelSpec
 from reference_impl.trainer.model import TrainerModel
 from reference_impl.trainer.parallel import RankLayout
@@ -73,6 +74,8 @@ def export_raw(
 ) -> tuple[Owned, dict[str, float]]:
     """This rank's owned HF tensors via the family's raw table (see module doc), and phase seconds.
 
+    `family` defaults to the raw table of the model's family (`ModelFamily.raw`, looked up per call).
+
     Dense parameters: all TP ranks all-gather, the stage leader (TP 0, DP 0) converts and owns them.
     Expert parameters: the expert-TP ranks all-gather each local expert, then the EP ranks all-gather
     it (entry r = global expert r * E/EP + K), and the expert leader (EP 0, ETP 0, EDP 0) converts and
@@ -80,7 +83,7 @@ def export_raw(
     """
     from megatron.core import parallel_state as ps
 
-    family = family or TABLES[model.family]
+    family = family or model_family(model.family).raw
     tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
     etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
     ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None

@@ -1,11 +1,12 @@
 """The trainer-side log-prob forward: what the trainer believes the rollout engine should compute.
 
 It runs on the trainer's sender over exactly the tensors the last sync sent (HF names, checkpoint
-layout), placed into a transformers model of the checkpoint's architecture through the same checkpoint
-views the engine uses (`engine.embedded.checkpoint_view`). The record names this forward
+layout), placed into a transformers model of the checkpoint's architecture (`models.hf_model`) through
+the family's checkpoint views (`models.checkpoint_views`). It shares only these HF checkpoint facts
+(`models/`) with the engine, never the engine's own code. The record names this forward
 (`FORWARD_NAME`): the Megatron model's own forward is not used on CPU (its pipeline schedule and the
-local-spec vision attention need CUDA-only paths; STACK.md), so the trainer log-probs come from this
-second implementation, not from the engine's code path:
+local-spec vision attention need CUDA-only paths), so the trainer log-probs come from this second
+implementation, not from the engine's code path:
 
 - text: the decoder's last hidden states [T, H] and the output weight [V, H] (the embedding when
   tied) go through `logprobs.fused_logprobs` in token chunks, with the temperature;
@@ -25,9 +26,10 @@ from typing import Any
 
 import torch
 
-from reference_impl.engine.embedded.checkpoint_view import checkpoint_tensors
-from reference_impl.engine.embedded.loader import build_engine_model
 from reference_impl.forward import logprobs as lp
+from reference_impl.models.checkpoint_views import checkpoint_tensors
+from reference_impl.models.families import model_family
+from reference_impl.models.hf_model import build_engine_model
 
 FORWARD_NAME = "transformers reference forward over the sent tensors (fused log-probs)"
 
@@ -124,7 +126,8 @@ class ReferenceForward:
         self.model, self.family = build_engine_model(checkpoint, seed=None)
         self.model.eval()
         params = dict(self.model.named_parameters())
-        self.views = {n: ct.view(params[ct.param]) for n, ct in checkpoint_tensors(self.family, params).items()}
+        views = model_family(self.family).views
+        self.views = {n: ct.view(params[ct.param]) for n, ct in checkpoint_tensors(views, params).items()}
 
     @property
     def is_vl(self) -> bool:

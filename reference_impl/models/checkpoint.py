@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from reference_impl.models.families import model_family
 from reference_impl.models.registry import REPO_ROOT, ModelSpec
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +84,6 @@ def build_hf_model(spec: ModelSpec, dtype: str, seed: int | None):
     return model
 
 
-RELEASED_FUSED_EXPERTS = ("qwen3_vl_moe",)
 _FUSED_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
@@ -94,7 +94,8 @@ def to_released_expert_layout(folder: Path) -> None:
     [E, 2*moe_inter, hidden] and `mlp.experts.down_proj` [E, hidden, moe_inter]; the published
     Qwen3-VL-30B-A3B checkpoints (and vLLM's `qwen3_vl_moe.py`, which transposes unconditionally) use
     [E, hidden, 2*moe_inter] (gate first along the last dim) and [E, moe_inter, hidden]. transformers
-    loads either. The maker writes the released layout so the ground truth matches what vLLM loads.
+    loads either. The maker writes the released layout so the ground truth matches what vLLM loads
+    (for the families with `ModelFamily.released_fused_experts`).
     """
     from safetensors.torch import load_file, save_file
 
@@ -127,7 +128,7 @@ def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Pa
     shutil.rmtree(tmp, ignore_errors=True)
     model = build_hf_model(spec, dtype, seed)
     model.save_pretrained(tmp, max_shard_size="20GB")
-    if spec.family in RELEASED_FUSED_EXPERTS:
+    if model_family(spec.family).released_fused_experts:
         to_released_expert_layout(tmp)
     (tmp / "wsh_source.json").write_text(json.dumps({"model": spec.name, "seed": seed, "dtype": dtype}))
     try:

@@ -1,6 +1,7 @@
 """Model entries: a real Hugging Face config plus a scale-down rule, read from `scenarios/models/`.
 
-An entry (`scenarios/models/<name>.yaml`) names a family (`qwen3`, `qwen3_vl`), a real config.json
+An entry (`scenarios/models/<name>.yaml`) names a family (a `model_type` of `models.families.FAMILIES`:
+`qwen3`, `qwen3_vl`, `qwen3_moe`, `qwen3_vl_moe`), a real config.json
 copied from the published model (sources in `scenarios/models/SOURCES.md`) and a `scale_down`
 mapping of config overrides (nested for `text_config` / `vision_config`), or null for the real size.
 An entry with `hf_repo` (scale_down null) is served from the released weights in a local Hugging Face
@@ -19,11 +20,10 @@ from typing import Any
 
 import yaml
 
+from reference_impl.models.families import FAMILIES, model_family
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO_ROOT / "scenarios" / "models"
-
-FAMILIES = ("qwen3", "qwen3_vl", "qwen3_moe", "qwen3_vl_moe")
-VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 
 
 class ModelEntryError(ValueError):
@@ -79,7 +79,7 @@ class ModelSpec:
     @property
     def is_vl(self) -> bool:
         """A vision-language family (config has text_config / vision_config)."""
-        return self.family in VL_FAMILIES
+        return model_family(self.family).is_vl
 
     @property
     def is_moe(self) -> bool:
@@ -139,14 +139,14 @@ def load_model(name: str, models_dir: Path = MODELS_DIR) -> ModelSpec:
     if entry.get("hf_repo") and entry.get("scale_down"):
         raise ModelEntryError(f"{path.name}: an entry with hf_repo serves the released weights: set scale_down: null")
     if entry.get("family") not in FAMILIES:
-        raise ModelEntryError(f"{path.name}: family must be one of {FAMILIES}, got {entry.get('family')!r}")
+        raise ModelEntryError(f"{path.name}: family must be one of {tuple(FAMILIES)}, got {entry.get('family')!r}")
     cfg_path = models_dir / entry["config"]
     if not cfg_path.exists():
         raise ModelEntryError(f"{path.name}: config file {cfg_path.name} not found beside it")
     source = json.loads(cfg_path.read_text())
     rule = entry.get("scale_down")
     config = _merge(source, rule) if rule else copy.deepcopy(source)
-    if entry["family"] in VL_FAMILIES:
+    if model_family(entry["family"]).is_vl:
         # The vision tower projects into the text model's width.
         config["vision_config"]["out_hidden_size"] = config["text_config"]["hidden_size"]
     return ModelSpec(
@@ -166,8 +166,13 @@ def check_scale_down_keeps_facts(spec: ModelSpec) -> list[str]:
 
     Kept facts: GQA ratio, head_dim >= 32 and in vLLM's CPU attention set, q/k norm (implied by the
     family), tied embeddings as the real model has them, hidden != heads*head_dim when the real model
-    has it so; for Qwen3-VL also patch/temporal/merge sizes, a square position grid, mRoPE sections
-    in the real proportion summing to head_dim/2, vision depth >= 2 holding every deepstack index.
+    has it so; then the family's own `scale_down_checks` (`models/families/`): for Qwen3-VL also
+    patch/temporal/merge sizes, a square position grid, mRoPE sections in the real proportion summing
+    to head_dim/2, vision depth >= 2 holding every deepstack index; for the MoE families the expert
+    count, experts per token, expert width ratio and dense/sparse layer pattern.
+
+    Raises:
+        KeyError: `spec.family` is not a registered family.
     """
     problems: list[str] = []
     real = ModelSpec(spec.name, spec.family, spec.hf_architecture, spec.source_config, spec.source_config, False)
@@ -181,33 +186,6 @@ def check_scale_down_keeps_facts(spec: ModelSpec) -> list[str]:
         problems.append(f"tie_word_embeddings {f.tied_embeddings} differs from real {r.tied_embeddings}")
     if (r.hidden_size == r.num_heads * r.head_dim) != (f.hidden_size == f.num_heads * f.head_dim):
         problems.append("hidden_size vs heads*head_dim relation differs from the real model")
-    if r.num_experts:
-        if f.experts_per_token != r.experts_per_token:
-            problems.append(f"experts per token {f.experts_per_token} differs from real {r.experts_per_token}")
-        if f.num_experts % 2 or f.num_experts < f.experts_per_token:
-            problems.append(f"{f.num_experts} experts: must be even (EP 2) and >= experts per token")
-        if round(f.moe_ffn_hidden_size / f.hidden_size, 3) != round(r.moe_ffn_hidden_size / r.hidden_size, 3):
-            problems.append("moe_intermediate_size / hidden_size differs from the real ratio")
-        if (f.sparse_step, f.mlp_only_layers) != (r.sparse_step, r.mlp_only_layers):
-            problems.append("dense/sparse layer pattern (decoder_sparse_step, mlp_only_layers) differs")
-    if spec.is_vl:
-        v, rv = spec.config["vision_config"], spec.source_config["vision_config"]
-        for k in ("patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings"):
-            if v[k] != rv[k]:
-                problems.append(f"vision {k} {v[k]} differs from real {rv[k]}")
-        if f.vision_depth < 2:
-            problems.append("vision depth must be >= 2")
-        if len(f.deepstack_indexes) != len(r.deepstack_indexes) or max(f.deepstack_indexes) >= f.vision_depth:
-            problems.append("deepstack indexes must keep their count and lie inside the vision depth")
-        sec = spec.text_config()["rope_scaling"]["mrope_section"]
-        rsec = spec.source_config["text_config"]["rope_scaling"]["mrope_section"]
-        if sum(sec) * 2 != f.head_dim:
-            problems.append(f"mrope_section {sec} must sum to head_dim/2 = {f.head_dim // 2}")
-        if [round(s / sum(sec), 1) for s in sec] != [round(s / sum(rsec), 1) for s in rsec]:
-            problems.append(f"mrope_section {sec} is not in the real proportion {rsec}")
-        # Qwen3-VL-2B's config copy lacks the vision start/end ids (not confirmed, SOURCES.md): check those present.
-        keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        ids = [spec.config[k] for k in keys if k in spec.config]
-        if max(ids) >= f.vocab_size:
-            problems.append(f"special token ids {ids} must lie inside vocab_size {f.vocab_size}")
+    for check in model_family(spec.family).scale_down_checks:
+        problems.extend(check(spec, real))
     return problems

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from reference_impl.models.checkpoint import DTYPES
+from reference_impl.models.families import model_family
 from reference_impl.trainer.cpu_shims import apply_cpu_shims
 
 _FUSIONS_OFF = (
@@ -46,7 +47,12 @@ def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str, ep:
     with the local spec's SequentialMLP (`moe_grouped_gemm=False`) and the `allgather` token
     dispatcher (`alltoall` makes a CUDA stream at construction).
     `dtype` is a name from `checkpoint.DTYPES`; parameters are created in it on CPU (or the current
-    CUDA device). The model is put in eval mode (dropout 0; MoE with TP needs it, STACK.md).
+    CUDA device). The model is put in eval mode (dropout 0; MoE with TP needs it). The families with
+    `ModelFamily.local_gpt_layer_spec` get megatron-core's `get_gpt_layer_local_spec`; the others keep
+    the spec their Megatron-Bridge provider brings.
+
+    Raises:
+        KeyError: `family` is not a registered model family.
     """
     apply_cpu_shims()
     from megatron.bridge import AutoBridge
@@ -73,7 +79,7 @@ def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str, ep:
         provider.moe_grouped_gemm = False
         provider.moe_token_dispatcher_type = "allgather"
         provider.variable_seq_lengths = False
-    if family in ("qwen3", "qwen3_moe"):
+    if model_family(family).local_gpt_layer_spec:
         provider.transformer_layer_spec = get_gpt_layer_local_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
         )

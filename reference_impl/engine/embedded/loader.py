@@ -1,24 +1,25 @@
 """The embedded engine's strict weight loader over a transformers model.
 
 The engine holds the checkpoint's architecture (built from its `config.json`) filled with its own
-seeded dummy weights, so a sync that moves nothing cannot pass (DESIGN.md step 4). Its *slots* are
-checkpoint tensors: one per HF checkpoint name (what the trainer sends, in the checkpoint's layout),
-placed into a writable view of a transformers parameter (`checkpoint_view`: identity for ordinary
-parameters, per-expert slices or a transpose of the fused MoE experts) and spoken of in vLLM terms,
-`(vllm_param_name, shard_id)` (`vllm_names`). A tied `lm_head.weight` is not a slot.
+seeded dummy weights (`models.hf_model.build_engine_model`), so a sync that moves nothing cannot pass
+(README "One scenario", step 3). Its *slots* are checkpoint tensors: one per HF checkpoint name (what
+the trainer sends, in the checkpoint's layout), placed into a writable view of a transformers
+parameter (`models.checkpoint_views`, by the family's view rules: identity for ordinary parameters,
+per-expert slices or a transpose of the fused MoE experts) and spoken of in vLLM terms,
+`(vllm_param_name, shard_id)` (`models.vllm_names`, by the family's name table). A tied
+`lm_head.weight` is not a slot.
 
 `EngineLoader.load` is stricter than vLLM's `load_weights`: it validates a whole chunk first and
 rejects it atomically (nothing copied) when any name cannot be placed, any shape differs from its
 slot's, or any dtype differs from the engine's parameter dtype. vLLM raises on unknown names
 (`KeyError`/`ValueError` in `qwen2.py`/`utils.py` `AutoWeightsLoader`) but silently skips a tied
-`lm_head.weight` and casts other dtypes with only a warning; we report both (DESIGN.md "Verdicts").
+`lm_head.weight` and casts other dtypes with only a warning; we report both (README "Verdicts").
 A fused expert tensor in the wrong orientation is a shape rejection naming the expected layout (vLLM
 would transpose it blindly and fail deep in the expert loader, or load it wrong when dims coincide).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,16 +29,10 @@ import torch
 from wsh_vllm_plugin.protocol import DTYPE_NAMES, check_lengths, dtype_name
 
 from reference_impl.checksum import tensor_checksum
-from reference_impl.engine.embedded.checkpoint_view import CheckpointTensor, checkpoint_tensors
-from reference_impl.engine.embedded.vllm_names import (
-    MODEL_TYPE_FAMILY,
-    VllmTarget,
-    family_names,
-    hf_to_vllm,
-    is_vllm_param,
-)
-from reference_impl.models.checkpoint import build_hf_model
-from reference_impl.models.registry import ModelSpec
+from reference_impl.models.checkpoint_views import CheckpointTensor, checkpoint_tensors
+from reference_impl.models.families import model_family
+from reference_impl.models.hf_model import build_engine_model
+from reference_impl.models.vllm_names import VllmTarget, hf_to_vllm, is_vllm_param
 
 KINDS: tuple[str, ...] = ("name", "shape", "dtype")
 
@@ -78,53 +73,15 @@ class Slot:
         return self.tensor.layout
 
 
-def checkpoint_dtype(config: dict) -> str:
-    """The dtype name a checkpoint's `config.json` declares ("dtype" or legacy "torch_dtype"; float32)."""
-    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
-
-
-def build_engine_model(checkpoint: Path, seed: int | None) -> tuple[torch.nn.Module, str]:
-    """The transformers model of checkpoint folder `checkpoint`, filled by seed `seed`; and its family.
-
-    Uses the checkpoint maker's own fill rule (`build_hf_model`) on the folder's `config.json`, in the
-    checkpoint's dtype.
-
-    Raises:
-        FileNotFoundError: no config.json in `checkpoint`.
-        ValueError: a model_type without a vLLM name table, or `seed` equal to the seed the checkpoint
-            was made with (the engine would start with the checkpoint's weights).
-    """
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    family = MODEL_TYPE_FAMILY.get(config.get("model_type", ""))
-    if family is None:
-        raise ValueError(
-            f"model_type {config.get('model_type')!r} has no vLLM name table; known: {sorted(MODEL_TYPE_FAMILY)}"
-        )
-    source = Path(checkpoint) / "wsh_source.json"
-    if source.exists() and json.loads(source.read_text()).get("seed") == seed:
-        raise ValueError(
-            f"engine seed {seed} equals the checkpoint's seed: pick another so the engine starts from "
-            "different (dummy) weights"
-        )
-    spec = ModelSpec(
-        name=Path(checkpoint).name,
-        family=family,
-        hf_architecture=config["architectures"][0],
-        source_config=config,
-        config=config,
-        scaled=False,
-    )
-    return build_hf_model(spec, checkpoint_dtype(config), seed), family
-
-
 class EngineLoader:
     """Strict chunk loader and checksummer over one transformers model.
 
     Args:
         model: the transformers model whose parameters are the engine's weights.
-        family: its family key in `vllm_names.FAMILY_NAMES`.
+        family: its family key (a `model_type` of `models.families.FAMILIES`).
 
     Raises:
+        KeyError: an unknown family.
         RuntimeError: a checkpoint tensor of `model` maps to no vLLM parameter, two map to one slot (the
             name table is out of date with transformers), a view rule is broken, or the model has
             state (buffers) save_pretrained would write that no slot could receive.
@@ -133,11 +90,13 @@ class EngineLoader:
     def __init__(self, model: torch.nn.Module, family: str) -> None:
         self.model = model
         self.family = family
+        fam = model_family(family)
+        self.names = fam.names  # vLLM name rules (`models.vllm_names`)
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())  # deduplicated
         state = model.state_dict(keep_vars=True)
         # Names save_pretrained would write an alias for (the same Parameter under a second name).
         self.tied: dict[str, str] = {
-            n: family_names(family).tied_aliases.get(n, "another parameter")
+            n: self.names.tied_aliases.get(n, "another parameter")
             for n, t in state.items()
             if isinstance(t, torch.nn.Parameter) and n not in self.params
         }
@@ -146,9 +105,9 @@ class EngineLoader:
             raise RuntimeError(f"{family} model has buffers in its state dict that no slot receives: {unsent[:3]}")
         self.slots: dict[str, Slot] = {}
         seen: dict[VllmTarget, str] = {}
-        for hf_name, ct in checkpoint_tensors(family, self.params).items():
-            target = hf_to_vllm(family, hf_name)
-            if not is_vllm_param(family, target.name):
+        for hf_name, ct in checkpoint_tensors(fam.views, self.params).items():
+            target = hf_to_vllm(self.names, hf_name)
+            if not is_vllm_param(self.names, target.name):
                 raise RuntimeError(f"{hf_name} maps to {target.name}, which is not a {family} vLLM parameter")
             if target in seen:
                 raise RuntimeError(f"{hf_name} and {seen[target]} both map to slot {target.slot}")
@@ -221,7 +180,7 @@ class EngineLoader:
         return rejected, kinds
 
     def _unknown_name_reason(self, name: str) -> str:
-        target = hf_to_vllm(self.family, name)
+        target = hf_to_vllm(self.names, name)
         known = self.shards.get(target.name)
         if not known:
             return (
@@ -253,7 +212,7 @@ class EngineLoader:
     ) -> None:
         """Validate one chunk as a whole, then copy every tensor into its parameter and count the slot.
 
-        Each tensor is copied into its slot's view of a transformers parameter (see `checkpoint_view`).
+        Each tensor is copied into its slot's view of a transformers parameter (see `models.checkpoint_views`).
 
         Args:
             names: HF checkpoint names, in chunk order.

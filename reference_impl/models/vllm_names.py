@@ -2,8 +2,9 @@
 
 The embedded engine holds a transformers model, but it speaks about its parameters the way vLLM does:
 an engine *slot* is one HF tensor placed into one vLLM parameter, at a shard id when vLLM fuses several
-HF tensors into one parameter. The rules are data (tables below); `hf_to_vllm` is the one small engine
-that applies them, in vLLM's order:
+HF tensors into one parameter. The rules are data (one `FamilyNames` table per family, in
+`models/families/<model_type>.py`); `hf_to_vllm` is the one small engine that applies them, in vLLM's
+order:
 
 1. Prefix renames (`PrefixRename`), at most one applies: vLLM's `WeightsMapper(orig_to_new_prefix=...)`
    (`vllm/model_executor/models/utils.py`), used by Qwen3-VL's `hf_to_vllm_mapper`
@@ -20,7 +21,7 @@ that applies them, in vLLM's order:
    (`fused_moe/unquantized_fused_moe_method.py`). Our shard ids: `f"{e}:w1"`, `f"{e}:w3"`, `f"{e}:w2"`
    for one expert's tensor, `"all"` for a fused tensor that fills every expert. Qwen3-VL-MoE's decoder
    layers pass `is_fused_checkpoint_transposed=True` (`qwen3_vl_moe.py`), so its fused tensors are the
-   released [E, H, 2I] / [E, I, H] (the loader checks shapes; see `checkpoint_view`). The router is a
+   released [E, H, 2I] / [E, I, H] (the loader checks shapes; see `checkpoint_views`). The router is a
    `GateLinear` at prefix `mlp.gate` (`qwen3_moe.py`): `mlp.gate.weight`, unchanged.
    vLLM 0.33.0 registers `w13_weight`/`w2_weight` on `mlp.experts.routed_experts` (`FusedMoEFactory` in
    `fused_moe/layer.py` builds a `MoERunner` whose `routed_experts` is the `RoutedExperts`;
@@ -35,13 +36,13 @@ that applies them, in vLLM's order:
 
 Tied embeddings: with `tie_word_embeddings`, vLLM's `lm_head` shares `embed_tokens`' Parameter
 (`ParallelLMHead.tie_weights`, `qwen3.py` / `qwen2.py`), so `lm_head.weight` is not a parameter of its
-own and vLLM skips the name silently (`AutoWeightsLoader(skip_prefixes=["lm_head."])`). `TIED_ALIASES`
-lists those names so the strict loader can reject them instead (DESIGN.md, "Verdicts": a name an engine
+own and vLLM skips the name silently (`AutoWeightsLoader(skip_prefixes=["lm_head."])`). `FamilyNames.tied_aliases`
+lists those names so the strict loader can reject them instead (README "Verdicts": a name an engine
 would silently ignore is a NAME_ERROR). Untied (`tie_word_embeddings: false`, e.g. Qwen3-30B-A3B or the
 `qwen3-untied` entry), `lm_head` is a `ParallelLMHead` of its own and `lm_head.weight`
 (`language_model.lm_head.weight` for the VL families) is an ordinary slot.
 
-`VLLM_PARAMS` holds, per family, patterns of every parameter name vLLM's model has
+`FamilyNames.vllm_params` holds, per family, patterns of every parameter name vLLM's model has
 (`named_parameters()` of `Qwen3ForCausalLM` / `Qwen3VLForConditionalGeneration` / `Qwen3MoeForCausalLM` /
 `Qwen3VLMoeForConditionalGeneration`), so the loader can
 check that each slot it builds targets a parameter vLLM really has.
@@ -122,23 +123,11 @@ class FamilyNames:
     source: str  # vLLM files these facts come from
 
 
-def _stacked(scope: str) -> tuple[StackedRule, ...]:
-    """`stacked_params_mapping` of `Qwen2Model.load_weights` (`vllm/model_executor/models/qwen2.py`)."""
-    rows = (
-        ("qkv_proj", "q_proj", "q"),
-        ("qkv_proj", "k_proj", "k"),
-        ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    )
-    return tuple(StackedRule(scope, hf_part, vllm_part, shard) for vllm_part, hf_part, shard in rows)
-
-
 # Module of vLLM's routed-expert parameters below `mlp.` (see the module docstring, step 2).
 EXPERTS_MODULE = "experts.routed_experts."
 
 
-def _experts(scope: str) -> tuple[ExpertRule, ...]:
+def expert_rules(scope: str) -> tuple[ExpertRule, ...]:
     """`RoutedExperts.build_expert_params_mapping(include_fused=True)` rows, per expert and fused."""
     return (
         ExpertRule(scope, "gate_proj.weight", "w13_weight", "w1"),
@@ -149,148 +138,23 @@ def _experts(scope: str) -> tuple[ExpertRule, ...]:
     )
 
 
-# Parameters of vLLM's Qwen3 decoder below its `model.` prefix (`Qwen2Model` with `Qwen3Attention`'s
-# q_norm/k_norm; `qkv_proj` has a bias only with `attention_bias`): `vllm/model_executor/models/qwen3.py`,
-# `qwen2.py`.
-_QWEN3_DECODER = (
-    r"embed_tokens\.weight",
-    r"layers\.\d+\.self_attn\.qkv_proj\.(weight|bias)",
-    r"layers\.\d+\.self_attn\.o_proj\.weight",
-    r"layers\.\d+\.self_attn\.[qk]_norm\.weight",
-    r"layers\.\d+\.mlp\.gate_up_proj\.weight",
-    r"layers\.\d+\.mlp\.down_proj\.weight",
-    r"layers\.\d+\.(input|post_attention)_layernorm\.weight",
-    r"norm\.weight",
-)
-
-# Parameters of vLLM's `Qwen3_VisionTransformer` below `visual.` (`vllm/model_executor/models/qwen3_vl.py`;
-# the attention block is `Qwen2_5_VisionAttention` of `qwen2_5_vl.py`). `attn.qkv` is one
-# QKVParallelLinear that takes the checkpoint's already fused qkv tensor whole (shard None); the
-# vision rotary embedding's inv_freq is computed, never loaded.
-_QWEN3_VL_VISION = (
-    r"patch_embed\.proj\.(weight|bias)",
-    r"pos_embed\.weight",
-    r"blocks\.\d+\.norm[12]\.(weight|bias)",
-    r"blocks\.\d+\.attn\.(qkv|proj)\.(weight|bias)",
-    r"blocks\.\d+\.mlp\.linear_fc[12]\.(weight|bias)",
-    r"merger\.(norm|linear_fc1|linear_fc2)\.(weight|bias)",
-    r"deepstack_merger_list\.\d+\.(norm|linear_fc1|linear_fc2)\.(weight|bias)",
-)
-
-
-# Parameters of a vLLM `Qwen3MoeSparseMoeBlock` below a decoder's `model.` prefix (`qwen3_moe.py`): router
-# `GateLinear` (`mlp.gate`), routed experts (no shared expert in Qwen3-MoE). Layers in `mlp_only_layers` or
-# off `decoder_sparse_step` hold a dense `Qwen3MoeMLP` (gate_up_proj/down_proj, in `_QWEN3_DECODER`).
-_QWEN3_MOE_BLOCK = (
-    r"layers\.\d+\.mlp\.gate\.weight",
-    rf"layers\.\d+\.mlp\.{re.escape(EXPERTS_MODULE)}w(13|2)_weight",
-)
-
-
-def _under(prefix: str, patterns: tuple[str, ...]) -> tuple[str, ...]:
+def under(prefix: str, patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """`patterns` (regexes of vLLM parameter names) below the module prefix `prefix`."""
     return tuple(re.escape(prefix) + p for p in patterns)
 
 
-# Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (vllm/model_executor/models/qwen3_vl.py); the MoE
-# model subclasses it and keeps the mapper (qwen3_vl_moe.py).
-_QWEN3_VL_RENAMES = (
-    PrefixRename("model.visual.", "visual."),
-    PrefixRename("lm_head.", "language_model.lm_head."),
-    PrefixRename("model.language_model.", "language_model.model."),
-)
-
-
-FAMILY_NAMES: dict[str, FamilyNames] = {
-    "qwen3": FamilyNames(
-        family="qwen3",
-        renames=(),  # Qwen3ForCausalLM's vLLM module tree has the HF names
-        stacked=_stacked("model."),
-        experts=(),
-        tied_aliases={"lm_head.weight": "model.embed_tokens.weight"},
-        vllm_params=(*_under("model.", _QWEN3_DECODER), r"lm_head\.weight"),
-        source="vllm/model_executor/models/qwen3.py, qwen2.py",
-    ),
-    "qwen3_moe": FamilyNames(
-        family="qwen3_moe",
-        renames=(),  # Qwen3MoeForCausalLM's vLLM module tree has the HF names
-        # Qwen3MoeModel.hf_to_vllm_mapper (qwen3_moe.py): q/k/v -> qkv_proj, dense .mlp.gate_proj/up_proj ->
-        # gate_up_proj ("experts.gate_up_proj must be handled by MoERunner.load_weights").
-        stacked=_stacked("model."),
-        experts=_experts("model."),
-        tied_aliases={"lm_head.weight": "model.embed_tokens.weight"},
-        vllm_params=(*_under("model.", _QWEN3_DECODER + _QWEN3_MOE_BLOCK), r"lm_head\.weight"),
-        source="vllm/model_executor/models/qwen3_moe.py, layers/fused_moe/routed_experts.py",
-    ),
-    "qwen3_vl": FamilyNames(
-        family="qwen3_vl",
-        # Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (vllm/model_executor/models/qwen3_vl.py).
-        renames=_QWEN3_VL_RENAMES,
-        # The language model is Qwen3LLMForCausalLM (a Qwen3ForCausalLM) at `language_model.`.
-        stacked=_stacked("language_model.model."),
-        experts=(),
-        tied_aliases={"lm_head.weight": "model.language_model.embed_tokens.weight"},
-        vllm_params=(
-            *_under("language_model.model.", _QWEN3_DECODER),
-            r"language_model\.lm_head\.weight",
-            *_under("visual.", _QWEN3_VL_VISION),
-        ),
-        source="vllm/model_executor/models/qwen3_vl.py, qwen3.py, qwen2.py, qwen2_5_vl.py",
-    ),
-    "qwen3_vl_moe": FamilyNames(
-        family="qwen3_vl_moe",
-        # Qwen3VLMoeForConditionalGeneration subclasses Qwen3VLForConditionalGeneration (qwen3_vl_moe.py) and
-        # keeps its hf_to_vllm_mapper (qwen3_vl.py).
-        renames=_QWEN3_VL_RENAMES,
-        # The language model is Qwen3MoeLLMForCausalLM (a Qwen3MoeForCausalLM) at `language_model.`.
-        stacked=_stacked("language_model.model."),
-        experts=_experts("language_model.model."),
-        tied_aliases={"lm_head.weight": "model.language_model.embed_tokens.weight"},
-        vllm_params=(
-            *_under("language_model.model.", _QWEN3_DECODER + _QWEN3_MOE_BLOCK),
-            r"language_model\.lm_head\.weight",
-            *_under("visual.", _QWEN3_VL_VISION),
-        ),
-        source="vllm/model_executor/models/qwen3_vl_moe.py, qwen3_moe.py, qwen3_vl.py, layers/fused_moe/",
-    ),
-}
-
-# transformers `config.model_type` -> family key of FAMILY_NAMES.
-MODEL_TYPE_FAMILY: dict[str, str] = {
-    "qwen3": "qwen3",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_moe": "qwen3_moe",
-    "qwen3_vl_moe": "qwen3_vl_moe",
-}
-
-
-def family_names(family: str) -> FamilyNames:
-    """The rule table of `family`.
-
-    Raises:
-        KeyError: an unknown family (the message lists the known ones).
-    """
-    try:
-        return FAMILY_NAMES[family]
-    except KeyError:
-        raise KeyError(f"no vLLM name table for family {family!r}; known: {sorted(FAMILY_NAMES)}") from None
-
-
-def hf_to_vllm(family: str, hf_name: str) -> VllmTarget:
-    """The vLLM parameter and shard that HF tensor `hf_name` loads into, by `family`'s rules.
+def hf_to_vllm(table: FamilyNames, hf_name: str) -> VllmTarget:
+    """The vLLM parameter and shard that HF tensor `hf_name` loads into, by the family's rules `table`.
 
     Purely syntactic: it does not say whether the target exists (see `is_vllm_param` and the loader;
     an expert id >= the number of experts maps to a shard no engine has).
-    Examples: ("qwen3_vl", "model.language_model.layers.3.self_attn.k_proj.weight") ->
-    VllmTarget("language_model.model.layers.3.self_attn.qkv_proj.weight", "k");
-    ("qwen3_moe", "model.layers.1.mlp.experts.5.up_proj.weight") ->
+    Examples (tables of `models/families/`): (qwen3_vl, "model.language_model.layers.3.self_attn.k_proj.weight")
+    -> VllmTarget("language_model.model.layers.3.self_attn.qkv_proj.weight", "k");
+    (qwen3_moe, "model.layers.1.mlp.experts.5.up_proj.weight") ->
     VllmTarget("model.layers.1.mlp.experts.routed_experts.w13_weight", "5:w3");
-    ("qwen3_vl_moe", "model.language_model.layers.0.mlp.experts.gate_up_proj") ->
+    (qwen3_vl_moe, "model.language_model.layers.0.mlp.experts.gate_up_proj") ->
     VllmTarget("language_model.model.layers.0.mlp.experts.routed_experts.w13_weight", "all").
-
-    Raises:
-        KeyError: an unknown family.
     """
-    table = family_names(family)
     name = hf_name
     for rule in table.renames:
         if name.startswith(rule.hf):
@@ -308,6 +172,6 @@ def hf_to_vllm(family: str, hf_name: str) -> VllmTarget:
     return VllmTarget(name, None)
 
 
-def is_vllm_param(family: str, vllm_name: str) -> bool:
-    """Whether `vllm_name` is a parameter name vLLM's model of `family` has (`FamilyNames.vllm_params`)."""
-    return any(re.fullmatch(p, vllm_name) for p in family_names(family).vllm_params)
+def is_vllm_param(table: FamilyNames, vllm_name: str) -> bool:
+    """Whether `vllm_name` is a parameter name vLLM's model of the family has (`table.vllm_params`)."""
+    return any(re.fullmatch(p, vllm_name) for p in table.vllm_params)

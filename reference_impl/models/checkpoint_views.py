@@ -1,4 +1,5 @@
-"""Which checkpoint tensors each transformers parameter is saved as, as writable views of it, per family.
+"""Which checkpoint tensors each transformers parameter is saved as, as writable views of it, per family
+(the view rules of a family live in `models/families/<model_type>.py`).
 
 The engine's unit of loading is *one checkpoint tensor* (what the trainer sends, in HF checkpoint
 names and layout). transformers does not always hold a checkpoint tensor as a parameter of its own:
@@ -26,7 +27,7 @@ checkpoint names and layout and equal the safetensors tensors' bit for bit.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,43 +89,6 @@ class ViewRule:
 
 IDENTITY = SavedAs("{m}", identity)
 
-# transformers 5.12.1 conversion_mapping.py lines 823-837 ("qwen2_moe", aliased by "qwen3_moe"): per-expert
-# gate/up are MergeModulelist(dim=0) + Concatenate(dim=1) into gate_up_proj; down is MergeModulelist(dim=0).
-_QWEN3_MOE_EXPERTS = (
-    ViewRule(
-        r"(?P<m>.+\.mlp\.experts)\.gate_up_proj",
-        (
-            SavedAs("{m}.{e}.gate_proj.weight", expert_gate_rows, "per-expert [moe_inter, hidden]"),
-            SavedAs("{m}.{e}.up_proj.weight", expert_up_rows, "per-expert [moe_inter, hidden]"),
-        ),
-        per_expert=True,
-    ),
-    ViewRule(
-        r"(?P<m>.+\.mlp\.experts)\.down_proj",
-        (SavedAs("{m}.{e}.down_proj.weight", expert_slice, "per-expert [hidden, moe_inter]"),),
-        per_expert=True,
-    ),
-)
-
-# Released Qwen3-VL-MoE layout, the one vLLM's qwen3_vl_moe.py loads (is_fused_checkpoint_transposed=True).
-_QWEN3_VL_MOE_EXPERTS = (
-    ViewRule(
-        r"(?P<m>.+\.mlp\.experts\.gate_up_proj)",
-        (SavedAs("{m}", transpose_last_two, "released layout [E, hidden, 2*moe_inter], gate first"),),
-    ),
-    ViewRule(
-        r"(?P<m>.+\.mlp\.experts\.down_proj)",
-        (SavedAs("{m}", transpose_last_two, "released layout [E, moe_inter, hidden]"),),
-    ),
-)
-
-FAMILY_VIEWS: dict[str, tuple[ViewRule, ...]] = {
-    "qwen3": (),
-    "qwen3_vl": (),
-    "qwen3_moe": _QWEN3_MOE_EXPERTS,
-    "qwen3_vl_moe": _QWEN3_VL_MOE_EXPERTS,
-}
-
 
 @dataclass(frozen=True)
 class CheckpointTensor:
@@ -144,20 +108,9 @@ class CheckpointTensor:
         return self.part.layout
 
 
-def family_views(family: str) -> tuple[ViewRule, ...]:
-    """The view rules of `family`.
-
-    Raises:
-        KeyError: an unknown family (the message lists the known ones).
-    """
-    try:
-        return FAMILY_VIEWS[family]
-    except KeyError:
-        raise KeyError(f"no checkpoint view table for family {family!r}; known: {sorted(FAMILY_VIEWS)}") from None
-
-
-def saved_as(family: str, param_name: str, p: torch.Tensor) -> list[CheckpointTensor]:
-    """The checkpoint tensors transformers parameter `param_name` (value `p`) is saved as, in `family`.
+def saved_as(views: Sequence[ViewRule], param_name: str, p: torch.Tensor) -> list[CheckpointTensor]:
+    """The checkpoint tensors transformers parameter `param_name` (value `p`) is saved as, by a family's
+    view rules `views` (`ModelFamily.views`).
 
     The first rule whose pattern fully matches applies; no match means the parameter is saved as itself.
 
@@ -165,7 +118,7 @@ def saved_as(family: str, param_name: str, p: torch.Tensor) -> list[CheckpointTe
         RuntimeError: a view is not a view of `p` (so loading into it would not update the parameter), or
             the views of one parameter do not cover it exactly once by element count.
     """
-    rule = next((r for r in family_views(family) if re.fullmatch(r.param, param_name)), None)
+    rule = next((r for r in views if re.fullmatch(r.param, param_name)), None)
     if rule is None:
         return [CheckpointTensor(param_name, param_name, None, IDENTITY)]
     m = re.fullmatch(rule.param, param_name)["m"]
@@ -186,8 +139,9 @@ def saved_as(family: str, param_name: str, p: torch.Tensor) -> list[CheckpointTe
     return out
 
 
-def checkpoint_tensors(family: str, params: Mapping[str, torch.Tensor]) -> dict[str, CheckpointTensor]:
-    """Checkpoint name -> `CheckpointTensor` for every parameter of `params` (in their order).
+def checkpoint_tensors(views: Sequence[ViewRule], params: Mapping[str, torch.Tensor]) -> dict[str, CheckpointTensor]:
+    """Checkpoint name -> `CheckpointTensor` for every parameter of `params` (in their order), by a family's
+    view rules `views`.
 
     Raises:
         RuntimeError: two parameters are saved under one checkpoint name, or a view rule is broken
@@ -195,7 +149,7 @@ def checkpoint_tensors(family: str, params: Mapping[str, torch.Tensor]) -> dict[
     """
     out: dict[str, CheckpointTensor] = {}
     for name, p in params.items():
-        for ct in saved_as(family, name, p):
+        for ct in saved_as(views, name, p):
             if ct.name in out:
                 raise RuntimeError(f"{name} and {out[ct.name].param} are both saved as {ct.name}")
             out[ct.name] = ct

@@ -1,4 +1,6 @@
-"""Raw converter for Qwen3-VL-MoE (Megatron-Bridge `Qwen3VLModel` with MoE language model -> HF
+"""Qwen3-VL-MoE (`model_type` "qwen3_vl_moe"): HF `Qwen3VLMoeForConditionalGeneration`.
+
+Raw converter (Megatron-Bridge `Qwen3VLModel` with MoE language model -> HF
 `Qwen3VLMoeForConditionalGeneration` checkpoint names).
 
 Vision tower and dense language parts as Qwen3-VL; experts as Qwen3-MoE per expert, then fused per
@@ -10,6 +12,11 @@ checkpoints (checked against the file transformers writes in tests/test_moe_layo
 - transformers 5.12.1 `save_pretrained` (its in-memory layout): [E, 2*moe_inter, hidden] =
   stack_e(cat(gate_e, up_e)) and [E, hidden, moe_inter] = stack_e(down_e).
 Gate comes before up along the 2*moe_inter axis in both. `LayoutFacts.fused_experts_layout` picks one.
+
+vLLM names: Qwen3-VL's prefix renames over a Qwen3-MoE language model
+(`vllm/model_executor/models/qwen3_vl_moe.py`). Checkpoint views: transformers holds the fused experts
+transposed against the released layout (`checkpoint_views` module doc); the checkpoint maker writes the
+released layout. The trainer keeps the layer spec Megatron-Bridge's Qwen3-VL provider brings.
 """
 
 from __future__ import annotations
@@ -18,8 +25,11 @@ import re
 
 import torch
 
-from reference_impl.export.raw import qwen3_moe, qwen3_vl
-from reference_impl.export.raw.rules import FamilyTable, LayoutFacts, Rule, prefixed
+from reference_impl.models.checkpoint_views import SavedAs, ViewRule, transpose_last_two
+from reference_impl.models.families import qwen3, qwen3_moe, qwen3_vl
+from reference_impl.models.family import ModelFamily
+from reference_impl.models.raw_rules import FamilyTable, LayoutFacts, Rule, prefixed
+from reference_impl.models.vllm_names import FamilyNames, expert_rules, under
 
 RULES: list[Rule] = qwen3_vl.VISION_RULES + prefixed(qwen3_moe.RULES, "language_model.", qwen3_vl.language_hf)
 
@@ -54,4 +64,41 @@ def fuse_experts(owned: list[tuple[str, torch.Tensor]], facts: LayoutFacts) -> l
     return out
 
 
-TABLE = FamilyTable(RULES, fuse_experts)
+NAMES = FamilyNames(
+    family="qwen3_vl_moe",
+    # Qwen3VLMoeForConditionalGeneration subclasses Qwen3VLForConditionalGeneration (qwen3_vl_moe.py) and
+    # keeps its hf_to_vllm_mapper (qwen3_vl.py).
+    renames=qwen3_vl.QWEN3_VL_RENAMES,
+    # The language model is Qwen3MoeLLMForCausalLM (a Qwen3MoeForCausalLM) at `language_model.`.
+    stacked=qwen3.stacked_rules("language_model.model."),
+    experts=expert_rules("language_model.model."),
+    tied_aliases={"lm_head.weight": "model.language_model.embed_tokens.weight"},
+    vllm_params=(
+        *under("language_model.model.", qwen3.QWEN3_DECODER + qwen3_moe.QWEN3_MOE_BLOCK),
+        r"language_model\.lm_head\.weight",
+        *under("visual.", qwen3_vl.QWEN3_VL_VISION),
+    ),
+    source="vllm/model_executor/models/qwen3_vl_moe.py, qwen3_moe.py, qwen3_vl.py, layers/fused_moe/",
+)
+
+# Released Qwen3-VL-MoE layout, the one vLLM's qwen3_vl_moe.py loads (is_fused_checkpoint_transposed=True).
+VIEWS = (
+    ViewRule(
+        r"(?P<m>.+\.mlp\.experts\.gate_up_proj)",
+        (SavedAs("{m}", transpose_last_two, "released layout [E, hidden, 2*moe_inter], gate first"),),
+    ),
+    ViewRule(
+        r"(?P<m>.+\.mlp\.experts\.down_proj)",
+        (SavedAs("{m}", transpose_last_two, "released layout [E, moe_inter, hidden]"),),
+    ),
+)
+
+FAMILY = ModelFamily(
+    "qwen3_vl_moe",
+    FamilyTable(RULES, fuse_experts),
+    NAMES,
+    views=VIEWS,
+    is_vl=True,
+    released_fused_experts=True,
+    scale_down_checks=(qwen3_moe.check_scale_down, qwen3_vl.check_scale_down),
+)

@@ -1,4 +1,5 @@
-"""The rule engine shared by the raw converters: one table of rules per model family.
+"""The rule engine shared by the raw converters: one table of rules per model family (the tables
+live in `models/families/<model_type>.py`).
 
 A rule maps a Megatron parameter name pattern to one or more HF name templates and names the layout
 transform between them. Patterns use `{X}` placeholders (one dotted component each) that carry over
