@@ -106,18 +106,18 @@ def run_scenarios(
 
             def on_record(rec: RunRecord) -> None:
                 records.append(rec)
-                key = rec.scenario.get("group_key")
+                key = rec.scenario.group_key
                 if key and runner is not None:
                     pending[key] -= 1
                     if pending[key] == 0:  # the whole group has run: compare its members
-                        members = [r for r in records if r.scenario.get("group_key") == key]
+                        members = [r for r in records if r.scenario.group_key == key]
                         updated = {r.scenario_id: r for r in runner.finish_group(members)}
                         records[:] = [updated.get(r.scenario_id, r) for r in records]
                         rec = updated[rec.scenario_id]
                 _write_outputs(records, out, run_id, env, [sc.id for sc in scenarios])
                 if after_each is not None:
                     after_each(records, out)
-                expect = rec.scenario.get("expect", "PASS")
+                expect = rec.scenario.expect
                 style = "green" if rec.verdict == expect else "red"
                 progress.console.print(f"[{style}]{rec.verdict:14s}[/] {rec.scenario_id}")
                 progress.advance(task)
@@ -131,7 +131,7 @@ def run_scenarios(
             runner.close()
         shutdown_ray()
     wall = time.perf_counter() - t0
-    bad = [r for r in records if r.verdict != r.scenario.get("expect", "PASS")]
+    bad = [r for r in records if r.verdict != r.scenario.expect]
     console.print(f"{len(records)} scenarios in {wall:.0f} s, {len(bad)} unexpected; results in {out}")
     console.print(f"summary: {out / 'summary.md'}")
     return records, out
@@ -144,7 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}", file=sys.stderr)
         return 2
     records, _ = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address)
-    return 0 if records and all(r.verdict == r.scenario.get("expect", "PASS") for r in records) else 1
+    return 0 if records and all(r.verdict == r.scenario.expect for r in records) else 1
 
 
 def cmd_faults(args: argparse.Namespace) -> int:
@@ -159,7 +159,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
     records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address, write_fault_table)
     write_fault_table(records, out)
     print(f"fault table: {out / 'faults.md'}")
-    return 0 if records and all(r.verdict == r.scenario.get("expect") for r in records) else 1
+    return 0 if records and all(r.verdict == r.scenario.expect for r in records) else 1
 
 
 def _terminate_like_interrupt(signum: int, frame: object) -> None:

@@ -39,7 +39,7 @@ def steady_table(df: pd.DataFrame) -> pd.DataFrame:
             data[key] = defaults.get(key, 1)
     data["engine"] = data["engine"].replace("", DEFAULT_ENGINE).fillna(DEFAULT_ENGINE)
     data["steady_s"] = pd.to_numeric(data["steady_s"], errors="coerce")
-    table = data.groupby([*GROUP_KEYS, "mode"], sort=True)["steady_s"].median().unstack("mode")
+    table = data.groupby([*GROUP_KEYS, "export_mode"], sort=True)["steady_s"].median().unstack("export_mode")
     return table.reindex(columns=list(MODES))
 
 

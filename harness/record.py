@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from harness.scenario import Scenario
 from reference_impl.engine.base import Capabilities
 from reference_impl.transport.observed import ChunkRecord, HttpCall, SyncReport
 
@@ -71,7 +72,7 @@ class RunRecord(BaseModel):
     """Everything observed in one scenario. Written as JSON, read by `harness.checks`."""
 
     scenario_id: str
-    scenario: dict[str, Any]
+    scenario: Scenario
     run_id: str = ""
     started_at: float = 0.0  # unix seconds
     ended_at: float = 0.0
@@ -81,13 +82,13 @@ class RunRecord(BaseModel):
     http: list[HttpCall] = Field(default_factory=list)
     errors: list[ErrorRecord] = Field(default_factory=list)
     syncs: list[SyncRecord] = Field(default_factory=list)
-    requested_mode: str = ""  # export mode the scenario asked for
+    requested_export_mode: str = ""  # export mode the scenario asked for
     engine_capabilities: Capabilities | None = None  # what the scenario's engine can report (None: not run)
     checkpoint_checksums: dict[str, str] = Field(default_factory=dict)  # ground truth, HF names
-    engine_slots: list[str] = Field(default_factory=list)  # every engine parameter slot (HF names)
+    engine_shards: list[str] = Field(default_factory=list)  # every engine parameter shard (HF names)
     # Both exports of one trainer state (after the last sync): mode -> HF name -> checksum.
     cross_mode_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
-    # Scenarios of one group (scenario["group_key"]) must leave bit-identical engine weights; filled
+    # Scenarios of one group (`Scenario.group_key`) must leave bit-identical engine weights; filled
     # when the whole group has run: the other members compared, and every difference found.
     group_members: list[str] = Field(default_factory=list)
     group_differences: list[str] = Field(default_factory=list)

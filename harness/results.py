@@ -39,7 +39,7 @@ COLUMNS: tuple[str, ...] = (
     "ep",
     "pp",
     "colocate",
-    "mode",
+    "export_mode",
     "engine",
     "tags",
     "syncs",
@@ -65,7 +65,7 @@ MARKDOWN_HEADER: tuple[str, ...] = (
     "EP",
     "PP",
     "colocate",
-    "mode",
+    "export_mode",
     "first (s)",
     "steady (s)",
     "GB/s",
@@ -134,15 +134,15 @@ def record_row(record: RunRecord) -> dict[str, Any]:
     chunks = (last.chunks_planned or len(last.chunks)) if last is not None else 0
 
     row: dict[str, Any] = {
-        "scenario": record.scenario_id or str(sc.get("id", "")),
-        "model": str(sc.get("model", "")),
-        "tp": int(sc.get("tp", 1) or 1),
-        "ep": int(sc.get("ep", 1) or 1),
-        "pp": int(sc.get("pp", 1) or 1),
-        "colocate": bool(sc.get("colocate", False)),
-        "mode": str(sc.get("mode") or record.requested_mode or ""),
-        "engine": str(sc.get("engine", "")),
-        "tags": ",".join(str(t) for t in sc.get("tags", []) or []),
+        "scenario": record.scenario_id or sc.id,
+        "model": sc.model,
+        "tp": sc.tp,
+        "ep": sc.ep,
+        "pp": sc.pp,
+        "colocate": sc.colocate,
+        "export_mode": sc.export_mode,
+        "engine": sc.engine,
+        "tags": ",".join(sc.tags),
         "syncs": len(record.syncs),
         "bytes_per_sync": bytes_per_sync,
         "chunks": int(chunks),
@@ -218,12 +218,12 @@ def _verdict_cell(row: Mapping[str, Any]) -> str:
 
 
 def _mode_cell(row: Mapping[str, Any]) -> str:
-    """The export mode, plus what tells apart rows that share it (`bucket-1`, `fault-...`)."""
+    """The export mode, plus what tells apart rows that share it (`chunk-1`, `fault-...`)."""
     scenario = str(row.get("scenario") or "")
     parts = scenario.split("/")
     if row.get("engine") and row["engine"] != DEFAULT_ENGINE and parts and parts[0] == row["engine"]:
         parts = parts[1:]  # `vllm/qwen3/...`: an engine other than the default leads the id
-    return f"{row['mode']} · {'/'.join(parts[4:])}" if len(parts) > 4 else str(row["mode"])
+    return f"{row['export_mode']} · {'/'.join(parts[4:])}" if len(parts) > 4 else str(row["export_mode"])
 
 
 def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
@@ -279,7 +279,7 @@ def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
     when no scenario ran on two engines."""
     if not len(df) or df["engine"].nunique() < 2:
         return pd.DataFrame()
-    key = ["model", "tp", "ep", "pp", "colocate", "mode"]
+    key = ["model", "tp", "ep", "pp", "colocate", "export_mode"]
     engines = sorted(df["engine"].unique(), key=lambda e: (e != DEFAULT_ENGINE, e))
     rows = []
     for values, group in df.groupby(key, sort=False):
@@ -426,7 +426,7 @@ def fault_table(records: Iterable[RunRecord]) -> pd.DataFrame:
         failure = first_failure(results, verdict)
         rows.append(
             {
-                "fault": rec.scenario.get("fault"),
+                "fault": rec.scenario.fault,
                 "scenario": rec.scenario_id,
                 "expected": expected_verdict(rec),
                 "got": verdict,

@@ -30,10 +30,10 @@ from harness.scenario import Scenario
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from reference_impl.engine import engine_kind
-from reference_impl.forward.reference import fixed_prompts
+from reference_impl.forward.hf import fixed_prompts
 from reference_impl.models.checkpoint import checkpoint_checksums, make_checkpoint
 from reference_impl.models.registry import load_model
-from reference_impl.transport.client import UpdateClient
+from reference_impl.transport.client import EngineClient
 from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.worker import TrainerSetup
 
@@ -108,7 +108,11 @@ class Runner:
         caller already ran `harness.validate.validate` and passes its answer as `config_error`), the
         scenario is validated here first."""
         record = RunRecord(
-            scenario_id=sc.id, scenario=sc.as_dict(), run_id=self.run_id, started_at=time.time(), requested_mode=sc.mode
+            scenario_id=sc.id,
+            scenario=sc,
+            run_id=self.run_id,
+            started_at=time.time(),
+            requested_export_mode=sc.export_mode,
         )
         problem = config_error if validated else validate(sc)
         if problem:
@@ -119,7 +123,7 @@ class Runner:
         if kind.note:
             record.notes.append(kind.note)
         engine = None
-        checker: UpdateClient | None = None
+        checker: EngineClient | None = None
         healthy = False
         pids: dict[str, int | None] = {}
         try:
@@ -149,10 +153,10 @@ class Runner:
             if fault and fault.side == "trainer" and fault.apply is not None:
                 self._get([a.run_in_process.remote(fault.apply) for a in pool.actors], 60, record, "apply fault")
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
-            checker = UpdateClient(url, parse_rejections=kind.parse_rejections)
+            checker = EngineClient(url, parse_rejections=kind.parse_rejections)
             reports_tensors = kind.capabilities.per_tensor_reports
             if reports_tensors:
-                record.engine_slots = checker.slots()
+                record.engine_shards = checker.shards()
             connect = [a.connect_engine.remote(url, sc.engine, sc.colocate) for a in pool.actors]
             for calls in self._get(connect, deadline, record, "connect engine"):
                 record.http.extend(calls)
@@ -167,7 +171,7 @@ class Runner:
                     refs = [a.perturb.remote(i, sc.seed) for a in pool.actors]
                     expected.advance(i)  # while the ranks step
                     self._get(refs, deadline, record, f"perturb {i}")
-                refs = [a.sync.remote(i, i, sc.mode, sc.bucket_bytes) for a in pool.actors]
+                refs = [a.sync.remote(i, i, sc.export_mode, sc.chunk_bytes) for a in pool.actors]
                 expected_sums = expected.checksums()  # while the ranks sync
                 per_rank = self._get(refs, deadline, record, f"sync {i}")
                 sync = self._merge_sync(i, per_rank, record)
@@ -206,13 +210,13 @@ class Runner:
         self,
         sync: SyncRecord,
         pool: TrainerPool,
-        checker: UpdateClient,
+        checker: EngineClient,
         prompts: list[Any],
         temperature: float,
         deadline: float,
         record: RunRecord,
     ) -> None:
-        """Trainer log-probs (sender's reference forward over what it sent) vs the engine's, on the fixed
+        """Trainer log-probs (the sender's transformers forward over what it sent) vs the engine's, on the fixed
         prompts; the comparison goes into `sync.logprobs`."""
         trainer = self._get(
             [pool.actors[0].trainer_logprobs.remote(temperature)],

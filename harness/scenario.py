@@ -26,8 +26,8 @@ from reference_impl.trainer.layout import world_size_for
 
 SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 
-AXES = ("model", "tp", "pp", "ep", "colocate", "mode", "bucket_bytes", "engine")
-DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB
+AXES = ("model", "tp", "pp", "ep", "colocate", "export_mode", "chunk_bytes", "engine")
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB
 
 
 class Scenario(BaseModel):
@@ -41,10 +41,10 @@ class Scenario(BaseModel):
     ep: int = 1
     etp: int = 1
     colocate: bool = False
-    mode: str = "raw"  # raw | bridge
+    export_mode: str = "raw"  # raw | bridge
     engine: str = DEFAULT_ENGINE  # an engine kind of `reference_impl.engine.ENGINES`
     syncs: int = Field(default=5, ge=1)
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     dtype: str = "float32"
     seed: int = 1234
     engine_seed: int = 4321
@@ -65,7 +65,7 @@ class Scenario(BaseModel):
         """Stable id, e.g. `qwen3-vl/tp2-pp2/noncolocate/bridge`."""
         layout = f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
         placement = "colocate" if self.colocate else "noncolocate"
-        parts = [self.model, layout, placement, self.mode]
+        parts = [self.model, layout, placement, self.export_mode]
         if self.engine != DEFAULT_ENGINE:  # another engine leads: `vllm/qwen3/tp2-pp1/noncolocate/raw`
             parts.insert(0, self.engine)
         if self.suffix:
@@ -74,7 +74,7 @@ class Scenario(BaseModel):
 
     @property
     def group_key(self) -> str:
-        """`group` plus everything but the suffix: members differ only in how they send (e.g. bucket size)."""
+        """`group` plus everything but the suffix: members differ only in how they send (e.g. chunk size)."""
         return f"{self.group}:{self.id.rsplit('/', 1)[0] if self.suffix else self.id}" if self.group else ""
 
     @property
@@ -130,7 +130,7 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
 def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     """Filter scenarios by an expression: space-separated terms, all must hold.
 
-    A term is `key=value` (scenario field, e.g. `tp=2`, `mode=bridge`, `model=qwen3-vl`), `tag:NAME`,
+    A term is `key=value` (scenario field, e.g. `tp=2`, `export_mode=bridge`, `model=qwen3-vl`), `tag:NAME`,
     `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
     """
     if not expr:

@@ -18,8 +18,8 @@ DTYPES = ("float32", "bfloat16")
 
 def validate(sc: Scenario) -> str | None:
     """None when `sc` can run here; else one sentence saying what to change."""
-    if sc.mode not in MODES:
-        return f"mode {sc.mode!r} is unknown: use {' or '.join(MODES)}"
+    if sc.export_mode not in MODES:
+        return f"mode {sc.export_mode!r} is unknown: use {' or '.join(MODES)}"
     try:
         engine = engine_kind(sc.engine)
     except ValueError as e:
@@ -28,8 +28,8 @@ def validate(sc: Scenario) -> str | None:
         return f"dtype {sc.dtype!r} is not supported: use {' or '.join(DTYPES)}"
     if min(sc.tp, sc.pp, sc.ep, sc.etp) < 1:
         return "tp, pp, ep and etp must be >= 1"
-    if sc.bucket_bytes < 1:
-        return f"bucket_bytes must be >= 1 (got {sc.bucket_bytes})"
+    if sc.chunk_bytes < 1:
+        return f"chunk_bytes must be >= 1 (got {sc.chunk_bytes})"
     try:
         spec = load_model(sc.model)
     except ModelEntryError as e:
@@ -57,7 +57,7 @@ def _weights_problem(sc: Scenario, spec: ModelSpec) -> str | None:
 
 def _layout_problem(sc: Scenario, spec: ModelSpec) -> str | None:
     """The TP / PP / EP / ETP layout fits the model (megatron-core's divisibility rules)."""
-    f = spec.facts()
+    f = spec.model_config()
     if (sc.ep > 1 or sc.etp > 1) and not f.num_experts:
         return f"ep {sc.ep} / etp {sc.etp} needs a mixture-of-experts model; {sc.model} is dense: set ep: 1, etp: 1"
     if f.num_experts and f.num_experts % sc.ep:

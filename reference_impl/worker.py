@@ -23,14 +23,14 @@ import torch.distributed as dist
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
 from reference_impl.export import stream
-from reference_impl.export.stream import layout_facts
+from reference_impl.export.stream import convert_config
 from reference_impl.models.registry import load_model
 from reference_impl.trainer import step as train_step
 from reference_impl.trainer.model import TrainerModel, build_model
 from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
 from reference_impl.trainer.params import iter_global_params
 from reference_impl.transport import sync
-from reference_impl.transport.client import UpdateClient
+from reference_impl.transport.client import EngineClient
 from reference_impl.transport.noncolocate import connect_broadcast
 from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.sync import SENDER, Channel
@@ -59,7 +59,7 @@ class TrainerWorker:
         init_distributed(rank, world_size, master_addr, master_port)
         self.model: TrainerModel | None = None
         self.layout: RankLayout | None = None
-        self.client: UpdateClient | None = None
+        self.client: EngineClient | None = None
         self.channel: Channel | None = None
         self.last_sent: dict[str, torch.Tensor] = {}  # sender: the tensors of the last sync, by HF name
         self.reference: Any = None  # sender: the trainer-side log-prob forward (built on first use)
@@ -77,9 +77,9 @@ class TrainerWorker:
         self.spec = load_model(setup.model)
         self.layout = init_model_parallel(setup.tp, setup.pp, setup.ep, setup.etp)
         self.model = build_model(
-            Path(setup.checkpoint), self.spec.family, setup.tp, setup.pp, setup.dtype, setup.ep, setup.etp
+            Path(setup.checkpoint), self.spec.model_type, setup.tp, setup.pp, setup.dtype, setup.ep, setup.etp
         )
-        self.facts = layout_facts(self.spec, Path(setup.checkpoint))
+        self.convert_config = convert_config(self.spec, Path(setup.checkpoint))
         return {"rank": self.rank, "build_s": time.perf_counter() - t0, "layout": asdict(self.layout)}
 
     def connect_engine(
@@ -95,7 +95,7 @@ class TrainerWorker:
         if self.rank != SENDER:
             return []
         kind = engine_kind(engine)  # e.g. whether a failed chunk ends the session (see transport.client)
-        self.client = UpdateClient(
+        self.client = EngineClient(
             base_url,
             session_ends_on_error=kind.capabilities.session_ends_on_error,
             parse_rejections=kind.parse_rejections,
@@ -115,20 +115,22 @@ class TrainerWorker:
         calls, self.client.calls = self.client.calls, []
         return calls
 
-    def sync(self, index: int, weight_version: int, mode: str, bucket_bytes: int) -> tuple[SyncReport, list[HttpCall]]:
-        """Export (`mode`) and send one sync. Returns what this rank observed and the engine calls it made
-        (the sender's; none on other ranks)."""
+    def sync(
+        self, index: int, weight_version: int, export_mode: str, chunk_bytes: int
+    ) -> tuple[SyncReport, list[HttpCall]]:
+        """Export (`export_mode`: raw | bridge) and send one sync in chunks of at most `chunk_bytes`. Returns
+        what this rank observed and the engine calls it made (the sender's; none on other ranks)."""
         assert self.model is not None and self.layout is not None
         t0 = time.perf_counter()
         self.last_sent = {}
-        ex = stream.export(mode, self.model, self.layout, self.facts)
-        owned, phases = ex.owned, ex.phases
+        ex = stream.export(export_mode, self.model, self.layout, self.convert_config)
+        named, phases = ex.tensors, ex.phases
         t_export = time.perf_counter() - t0
         res, _ = sync.run_sync(
-            owned=owned,
+            named=named,
             rank=self.rank,
             world_size=self.world_size,
-            bucket_bytes=bucket_bytes,
+            chunk_bytes=chunk_bytes,
             sync_index=index,
             weight_version=weight_version,
             client=self.client,
@@ -137,7 +139,7 @@ class TrainerWorker:
         )
         res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
         res.total_s += t_export
-        res.mode = ex.mode  # the mode that ran (a check compares it with the one requested)
+        res.export_mode = ex.export_mode  # the mode that ran (a check compares it with the one requested)
         return res, self._drain_calls()
 
     def trainer_logprobs(self, temperature: float) -> dict[str, Any]:
@@ -147,12 +149,12 @@ class TrainerWorker:
         (prompts as `forward.reference.fixed_prompts` orders them), or {"forward", "skipped": reason}
         when the sent tensors do not make a whole model (a broken sync).
         """
-        from reference_impl.forward.reference import FORWARD_NAME, IncompleteState, ReferenceForward, fixed_prompts
+        from reference_impl.forward.hf import FORWARD_NAME, HfForward, IncompleteState, fixed_prompts
 
         if self.rank != SENDER:
             return {}
         if self.reference is None:
-            self.reference = ReferenceForward(Path(self.checkpoint))
+            self.reference = HfForward(Path(self.checkpoint))
         try:
             self.reference.load(self.last_sent)
         except IncompleteState as e:  # a broken sync: the other checks judge it; nothing to compare
@@ -170,10 +172,11 @@ class TrainerWorker:
         assert self.model is not None
         train_step.apply(iter_global_params(self.model.chunks), step, seed)
 
-    def export_checksums(self, mode: str) -> dict[str, str]:
-        """Checksums of every HF tensor `mode` exports from the current state (complete on the sender)."""
+    def export_checksums(self, export_mode: str) -> dict[str, str]:
+        """Checksums of every HF tensor `export_mode` exports from the current state (complete on the sender)."""
         assert self.model is not None and self.layout is not None
-        mine = {n: tensor_checksum(t) for n, t in stream.export(mode, self.model, self.layout, self.facts).owned}
+        ex = stream.export(export_mode, self.model, self.layout, self.convert_config)
+        mine = {n: tensor_checksum(t) for n, t in ex.tensors}
         if self.world_size == 1:
             return mine
         everyone: list[dict[str, str] | None] = [None] * self.world_size

@@ -19,7 +19,7 @@ from reference_impl.engine import engine_kind
 from reference_impl.engine.embedded.answers import parse_rejections as embedded
 from reference_impl.engine.vllm.answers import parse_rejections as vllm
 from reference_impl.engine.vllm.answers import sent_name_for
-from reference_impl.transport.client import MAX_STORED_BODY, EngineRejected, UpdateClient
+from reference_impl.transport.client import MAX_STORED_BODY, EngineClient, EngineRejected
 from reference_impl.transport.observed import GENERIC_REJECTION, Rejection
 from reference_impl.transport.sync import names_rejected
 
@@ -50,10 +50,10 @@ EMBEDDED_UNKNOWN = json.dumps(
     {
         "detail": {
             "error": f"{BAD}: not a qwen3 checkpoint parameter of this engine (maps to vLLM name {BAD}, which the "
-            "engine has no slot for); send HF checkpoint names; nothing of this chunk was loaded",
+            "engine has no shard for); send HF checkpoint names; nothing of this chunk was loaded",
             "rejected": {
                 BAD: f"not a qwen3 checkpoint parameter of this engine (maps to vLLM name {BAD}, which the engine "
-                "has no slot for); send HF checkpoint names"
+                "has no shard for); send HF checkpoint names"
             },
             "kinds": {BAD: "name"},
         }
@@ -70,7 +70,7 @@ def test_embedded_name_rejection() -> None:
             name=BAD,
             kind="name",
             reason=f"not a qwen3 checkpoint parameter of this engine (maps to vLLM name {BAD}, which the engine has "
-            "no slot for); send HF checkpoint names",
+            "no shard for); send HF checkpoint names",
         )
     ]
 
@@ -82,7 +82,7 @@ def test_embedded_kinds_in_the_answers_order_with_reasons() -> None:
                 "error": "model.norm.weight: declared dtype bfloat16 ...; nothing of this chunk was loaded",
                 "rejected": {
                     "model.norm.weight": "declared dtype bfloat16 but the engine parameter is float32",
-                    "model.layers.1.input_layernorm.weight": "shape [63] but the engine slot expects [64]",
+                    "model.layers.1.input_layernorm.weight": "shape [63] but the engine shard expects [64]",
                 },
                 "kinds": {"model.layers.1.input_layernorm.weight": "shape", "model.norm.weight": "dtype"},
             }
@@ -306,7 +306,7 @@ def long_rejection() -> Iterator[tuple[str, str]]:
     """A server on 127.0.0.1 answering every POST with a 400 in the embedded engine's format whose last
     rejected name lies past the client's stored-body limit."""
     names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(120)]
-    reasons = {n: "shape [8] but the engine slot expects [16]; send the checkpoint's shapes" for n in names[:-1]}
+    reasons = {n: "shape [8] but the engine shard expects [16]; send the checkpoint's shapes" for n in names[:-1]}
     body = json.dumps(
         {
             "detail": {
@@ -342,7 +342,7 @@ def long_rejection() -> Iterator[tuple[str, str]]:
 
 def test_client_parses_the_whole_answer_before_storing_it_cut_short(long_rejection: tuple[str, str]) -> None:
     url, last = long_rejection
-    client = UpdateClient(url, timeout_s=10, parse_rejections=engine_kind("embedded").parse_rejections)
+    client = EngineClient(url, timeout_s=10, parse_rejections=engine_kind("embedded").parse_rejections)
     info = UpdateInfo(names=[last], dtype_names=["float32"], shapes=[[16]])
     try:
         with pytest.raises(EngineRejected) as err:

@@ -7,7 +7,7 @@ import torch
 
 from reference_impl.models.families import FAMILIES
 from reference_impl.models.raw_rules import (
-    LayoutFacts,
+    ConvertConfig,
     UnmappedName,
     convert,
     merge_vision_qkv,
@@ -16,7 +16,7 @@ from reference_impl.models.raw_rules import (
 )
 from reference_impl.trainer.params import combine_shards, global_name
 
-FACTS = LayoutFacts(
+FACTS = ConvertConfig(
     num_heads=4, num_kv_heads=2, head_dim=2, vocab_size=6, tied_embeddings=True, vision_heads=2, vision_head_dim=2
 )
 
@@ -121,7 +121,7 @@ def test_table_names(family: str, megatron: str, expected: list[str]) -> None:
 def test_tied_output_layer_sends_nothing_untied_sends_lm_head() -> None:
     w = torch.arange(8.0).reshape(8, 1)  # padded vocab 8 > real 6
     assert convert("output_layer.weight", w, FAMILIES["qwen3"].raw.rules, FACTS) == []
-    untied = LayoutFacts(**{**FACTS.__dict__, "tied_embeddings": False})
+    untied = ConvertConfig(**{**FACTS.__dict__, "tied_embeddings": False})
     ((name, t),) = convert("language_model.output_layer.weight", w, FAMILIES["qwen3_vl"].raw.rules, untied)
     assert name == "lm_head.weight" and t.flatten().tolist() == [0, 1, 2, 3, 4, 5]
 

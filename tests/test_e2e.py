@@ -30,10 +30,12 @@ def checkpoint_checksums(sc: Scenario) -> dict[str, str]:
 @pytest.mark.parametrize(
     "sc",
     [
-        Scenario(model="qwen3-vl", tp=2, pp=2, mode="raw", syncs=3, bucket_bytes=1 << 20),
-        Scenario(model="qwen3", tp=1, pp=2, mode="bridge", syncs=3, bucket_bytes=1 << 16),
-        Scenario(model="qwen3-vl-moe", tp=1, ep=2, pp=1, mode="raw", colocate=True, syncs=2, bucket_bytes=1 << 20),
-        Scenario(model="qwen3-untied", tp=2, pp=1, mode="bridge", syncs=2, bucket_bytes=1 << 16),
+        Scenario(model="qwen3-vl", tp=2, pp=2, export_mode="raw", syncs=3, chunk_bytes=1 << 20),
+        Scenario(model="qwen3", tp=1, pp=2, export_mode="bridge", syncs=3, chunk_bytes=1 << 16),
+        Scenario(
+            model="qwen3-vl-moe", tp=1, ep=2, pp=1, export_mode="raw", colocate=True, syncs=2, chunk_bytes=1 << 20
+        ),
+        Scenario(model="qwen3-untied", tp=2, pp=1, export_mode="bridge", syncs=2, chunk_bytes=1 << 16),
     ],
     ids=lambda s: s.id,
 )
@@ -47,7 +49,7 @@ def test_scenario_passes_and_engine_matches_independent_truth(runner, sc: Scenar
         assert s.logprobs["tokens"] > 0 and s.logprobs["max_abs"] <= 1e-4
     assert rec.syncs[-1].engine_logprobs == rec.syncs[-2].engine_logprobs
     for s in rec.syncs:
-        assert s.mode == sc.mode and s.finished
+        assert s.export_mode == sc.export_mode and s.finished
         assert s.chunks_planned == s.chunks_sent == s.chunks_received == len(s.chunks) > 1
         assert set(s.engine_update_counts.values()) == {1}
         assert set(s.names_sent) == set(truth)  # every checkpoint tensor, once
@@ -95,20 +97,20 @@ def test_impossible_scenario_is_config_error_and_launches_nothing(tmp_path: Path
     assert "CONFIG_ERROR" in (tmp_path / "bad" / "summary.md").read_text()
 
 
-def test_bucket_size_invariance_and_empty_contributions(runner) -> None:
+def test_chunk_size_invariance_and_empty_contributions(runner) -> None:
     """One tensor per chunk (at PP 2 most chunks have a single owner: the other stage sends nothing)
     and the whole model in one chunk leave bit-identical engine weights after every sync."""
     base = {
         "model": "qwen3",
         "tp": 1,
         "pp": 2,
-        "mode": "raw",
+        "export_mode": "raw",
         "syncs": 2,
-        "group": "bucket",
-        "suffix": "b{bucket_bytes}",
+        "group": "chunk-size",
+        "suffix": "b{chunk_bytes}",
     }
-    one = runner.run_scenario(Scenario(**base, bucket_bytes=1))
-    whole = runner.run_scenario(Scenario(**base, bucket_bytes=1 << 40))
+    one = runner.run_scenario(Scenario(**base, chunk_bytes=1))
+    whole = runner.run_scenario(Scenario(**base, chunk_bytes=1 << 40))
     one, whole = runner.finish_group([one, whole])
     truth = checkpoint_checksums(Scenario(**base))
     assert one.verdict == whole.verdict == "PASS", [c for c in one.checks + whole.checks if not c["ok"]]

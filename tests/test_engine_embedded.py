@@ -74,7 +74,7 @@ def safetensors_checksums(folder: Path) -> dict[str, str]:
 class Engine:
     """A running server subprocess linked to this process by a transfer group."""
 
-    family: str
+    model_type: str
     checkpoint: Path
     proc: subprocess.Popen
     url: str
@@ -188,7 +188,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
     try:
         for model, (proc, ckpt, port_file) in started.items():
             port = _wait_port(proc, port_file, tmp / f"{model}.log")
-            out[model] = Engine(load_model(model).family, ckpt, proc, f"http://127.0.0.1:{port}")
+            out[model] = Engine(load_model(model).model_type, ckpt, proc, f"http://127.0.0.1:{port}")
         for eng in out.values():
             _link(eng)
         yield out
@@ -204,12 +204,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
 
 
 def _norm(engine: Engine) -> str:
-    return "model.norm.weight" if engine.family == "qwen3" else "model.language_model.norm.weight"
+    return "model.norm.weight" if engine.model_type == "qwen3" else "model.language_model.norm.weight"
 
 
 def _valid_update(engine: Engine, value: float = 1.5) -> None:
     """A one-tensor valid chunk must load (the server is still usable and the group in step)."""
-    t = torch.full((64,) if engine.family == "qwen3" else (128,), value)
+    t = torch.full((64,) if engine.model_type == "qwen3" else (128,), value)
     r = engine.send_tensors({_norm(engine): t})
     assert r.status_code == 200, r.text
     assert r.json()["received_bytes"] == t.numel() * 4
@@ -292,7 +292,7 @@ def _valid_update(engine: Engine, value: float = 1.5) -> None:
         ),
         ("qwen3_moe", "model.layers.1.mlp.gate_proj.weight", ("model.layers.1.mlp.gate_up_proj.weight", 0)),
         ("qwen3_moe", "lm_head.weight", ("lm_head.weight", None)),
-        # qwen3_vl_moe: qwen3_vl's prefixes; fused experts -> one slot each, shard "all".
+        # qwen3_vl_moe: qwen3_vl's prefixes; fused experts -> one shard each, shard "all".
         (
             "qwen3_vl_moe",
             "model.language_model.layers.5.mlp.experts.gate_up_proj",
@@ -323,9 +323,9 @@ def test_name_table(family: str, hf: str, expected: tuple[str, str | int | None]
     assert is_vllm_param(FAMILIES[family].names, target.name)
 
 
-def test_slot_strings_and_unknown_names() -> None:
-    assert VllmTarget("model.layers.0.mlp.gate_up_proj.weight", 0).slot == "model.layers.0.mlp.gate_up_proj.weight[0]"
-    assert VllmTarget("model.norm.weight", None).slot == "model.norm.weight"
+def test_shard_ids_and_unknown_names() -> None:
+    assert VllmTarget("model.layers.0.mlp.gate_up_proj.weight", 0).key == "model.layers.0.mlp.gate_up_proj.weight[0]"
+    assert VllmTarget("model.norm.weight", None).key == "model.norm.weight"
     # A stacked rule only applies inside its scope (the vision tower has no q_proj in vLLM).
     dense, vl, moe = (FAMILIES[f].names for f in ("qwen3", "qwen3_vl", "qwen3_moe"))
     assert hf_to_vllm(vl, "model.visual.blocks.0.attn.q_proj.weight").shard is None
@@ -337,7 +337,7 @@ def test_slot_strings_and_unknown_names() -> None:
     assert not is_vllm_param(moe, "model.layers.0.mlp.experts.gate_up_proj")  # the HF in-memory name
     assert set(FAMILIES) >= {"qwen3_moe", "qwen3_vl_moe"}
     # Each family is registered under its own model_type, and its name table names the same family.
-    assert all(key == fam.model_type == fam.names.family for key, fam in FAMILIES.items())
+    assert all(key == fam.model_type == fam.names.model_type for key, fam in FAMILIES.items())
     # At most one prefix rename applies, and no two overlap.
     for table in (fam.names for fam in FAMILIES.values()):
         for a in table.renames:
@@ -345,10 +345,10 @@ def test_slot_strings_and_unknown_names() -> None:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_every_checkpoint_name_maps_to_one_vllm_slot(model: str) -> None:
+def test_every_checkpoint_name_maps_to_one_vllm_shard(model: str) -> None:
     spec = load_model(model)
     names = safetensors_checksums(make_checkpoint(spec, seed=CKPT_SEED))
-    table = FAMILIES[spec.family].names
+    table = FAMILIES[spec.model_type].names
     targets = [hf_to_vllm(table, n) for n in names]
     assert all(is_vllm_param(table, t.name) for t in targets), [t for t in targets if not is_vllm_param(table, t.name)]
     assert len(set(targets)) == len(targets)
@@ -394,7 +394,7 @@ def test_views_of_the_checkpoint_model_are_the_checkpoint(model: str) -> None:
 
     spec = load_model(model)
     truth = safetensors_checksums(make_checkpoint(spec, seed=CKPT_SEED))
-    assert EngineLoader(build_hf_model(spec, "float32", CKPT_SEED), spec.family).checksums() == truth
+    assert EngineLoader(build_hf_model(spec, "float32", CKPT_SEED), spec.model_type).checksums() == truth
 
 
 def test_checksum_is_raw_bytes() -> None:
@@ -414,8 +414,8 @@ def test_full_sync_matches_checkpoint(engines: dict[str, Engine], model: str) ->
     before = eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"]
     assert set(before) == set(truth)
     assert all(before[n] != truth[n] for n in truth), "engine must start from different (dummy) weights"
-    slots = eng.post("/weight_checker", {"action": "slots"}).json()["slots"]
-    assert len(slots) == len(truth)
+    shards = eng.post("/weight_checker", {"action": "shards"}).json()["shards"]
+    assert len(shards) == len(truth)
 
     tensors = read_checkpoint(eng.checkpoint)
     names = list(tensors)
@@ -431,7 +431,7 @@ def test_full_sync_matches_checkpoint(engines: dict[str, Engine], model: str) ->
     assert r.status_code == 200, r.text
     fin = r.json()
     assert fin["weight_version"] == 1
-    assert set(fin["update_counts"]) == set(slots)
+    assert set(fin["update_counts"]) == set(shards)
     assert all(c == 1 for c in fin["update_counts"].values()), fin["update_counts"]
     assert fin["load_s"] >= 0
 
@@ -442,35 +442,35 @@ def test_full_sync_matches_checkpoint(engines: dict[str, Engine], model: str) ->
     assert cmp == {"match": True, "mismatches": [], "weight_version": 1}
 
 
-def test_moe_and_untied_slots(engines: dict[str, Engine]) -> None:
-    """Slots are checkpoint tensors: per-expert for Qwen3-MoE, fused released layout for Qwen3-VL-MoE."""
-    spec = load_model("qwen3-moe").facts()
+def test_moe_and_untied_shards(engines: dict[str, Engine]) -> None:
+    """Shards are checkpoint tensors: per-expert for Qwen3-MoE, fused released layout for Qwen3-VL-MoE."""
+    spec = load_model("qwen3-moe").model_config()
     ne = spec.num_experts
     assert spec.hidden_size not in (spec.moe_ffn_hidden_size, 2 * spec.moe_ffn_hidden_size)  # orientation shows
-    slots = set(engines["qwen3-moe"].post("/weight_checker", {"action": "slots"}).json()["slots"])
+    shards = set(engines["qwen3-moe"].post("/weight_checker", {"action": "shards"}).json()["shards"])
     assert {
         f"model.layers.3.mlp.experts.routed_experts.w13_weight[{e}:{w}]" for e in range(ne) for w in ("w1", "w3")
-    } <= slots
-    assert f"model.layers.3.mlp.experts.routed_experts.w2_weight[{ne - 1}:w2]" in slots
-    assert "model.layers.3.mlp.gate.weight" in slots and "lm_head.weight" in slots
-    assert len([s for s in slots if ".experts." in s]) == spec.num_layers * 3 * ne
+    } <= shards
+    assert f"model.layers.3.mlp.experts.routed_experts.w2_weight[{ne - 1}:w2]" in shards
+    assert "model.layers.3.mlp.gate.weight" in shards and "lm_head.weight" in shards
+    assert len([s for s in shards if ".experts." in s]) == spec.num_layers * 3 * ne
 
-    vl = load_model("qwen3-vl-moe").facts()
+    vl = load_model("qwen3-vl-moe").model_config()
     eng = engines["qwen3-vl-moe"]
     # The checkpoint maker writes the released layout, which the engine (like vLLM) expects.
     shapes = safetensors_shapes(eng.checkpoint)
     pre = "model.language_model.layers.0.mlp.experts."
     assert shapes[pre + "gate_up_proj"] == [vl.num_experts, vl.hidden_size, 2 * vl.moe_ffn_hidden_size]
     assert shapes[pre + "down_proj"] == [vl.num_experts, vl.moe_ffn_hidden_size, vl.hidden_size]
-    slots = set(eng.post("/weight_checker", {"action": "slots"}).json()["slots"])
-    assert "language_model.model.layers.0.mlp.experts.routed_experts.w13_weight[all]" in slots
-    assert "language_model.model.layers.0.mlp.experts.routed_experts.w2_weight[all]" in slots
-    assert "language_model.lm_head.weight" in slots
-    assert len([s for s in slots if ".experts." in s]) == vl.num_layers * 2
+    shards = set(eng.post("/weight_checker", {"action": "shards"}).json()["shards"])
+    assert "language_model.model.layers.0.mlp.experts.routed_experts.w13_weight[all]" in shards
+    assert "language_model.model.layers.0.mlp.experts.routed_experts.w2_weight[all]" in shards
+    assert "language_model.lm_head.weight" in shards
+    assert len([s for s in shards if ".experts." in s]) == vl.num_layers * 2
 
-    untied = set(engines["qwen3-untied"].post("/weight_checker", {"action": "slots"}).json()["slots"])
+    untied = set(engines["qwen3-untied"].post("/weight_checker", {"action": "shards"}).json()["shards"])
     assert "lm_head.weight" in untied
-    assert "lm_head.weight" not in set(engines["qwen3"].post("/weight_checker", {"action": "slots"}).json()["slots"])
+    assert "lm_head.weight" not in set(engines["qwen3"].post("/weight_checker", {"action": "shards"}).json()["shards"])
 
 
 # ---------------------------------------------------------------- (c) rejections

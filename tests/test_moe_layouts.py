@@ -10,7 +10,7 @@ import torch
 
 from reference_impl.models.checkpoint import build_hf_model, make_checkpoint, read_checkpoint
 from reference_impl.models.families.qwen3_vl_moe import fuse_experts
-from reference_impl.models.raw_rules import LayoutFacts
+from reference_impl.models.raw_rules import ConvertConfig
 from reference_impl.models.registry import load_model
 from reference_impl.trainer.params import global_expert_name, is_expert_param
 from reference_impl.transport import sync
@@ -55,9 +55,9 @@ def per_expert_from_model(model: torch.nn.Module, layer: int) -> list[tuple[str,
     return out
 
 
-def facts(layout: str) -> LayoutFacts:
-    f = load_model("qwen3-vl-moe").facts()
-    return LayoutFacts(
+def facts(layout: str) -> ConvertConfig:
+    f = load_model("qwen3-vl-moe").model_config()
+    return ConvertConfig(
         f.num_heads,
         f.num_kv_heads,
         f.head_dim,
@@ -108,9 +108,9 @@ def test_a_rank_that_owns_nothing_in_a_chunk_sends_nothing(monkeypatch: pytest.M
         TensorMeta("b", (2,), "float32", 8, 2),
         TensorMeta("c", (1,), "float32", 4, 0),
     ]
-    plan = plan_chunks(metas, bucket_bytes=1)  # one tensor per chunk: rank 2 owns only chunk 1
-    sync.send_owned(plan, {"b": torch.zeros(2)}, rank=2)
+    plan = plan_chunks(metas, chunk_bytes=1)  # one tensor per chunk: rank 2 owns only chunk 1
+    sync.hand_off(plan, {"b": torch.zeros(2)}, rank=2)
     assert sent == [(8, 0)]  # bytes of "b" to the sender, nothing for chunks 0 and 2
     sent.clear()
-    sync.send_owned(plan, {}, rank=3)  # a rank that owns nothing at all
+    sync.hand_off(plan, {}, rank=3)  # a rank that owns nothing at all
     assert sent == []

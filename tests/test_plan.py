@@ -14,40 +14,40 @@ def metas(*sizes: int, owner: int = 0) -> list[TensorMeta]:
 
 
 def test_greedy_plan_closes_before_overflow() -> None:
-    plan = plan_chunks(metas(40, 50, 20, 100, 5), bucket_bytes=100)
+    plan = plan_chunks(metas(40, 50, 20, 100, 5), chunk_bytes=100)
     # 40+50 = 90 fits, +20 would be 110 -> close; 20 alone then +100 overflows; 100 alone; 5.
     assert [[t.name for t in c.tensors] for c in plan] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
     assert [c.nbytes for c in plan] == [90, 20, 100, 5]
     assert [c.index for c in plan] == [0, 1, 2, 3]
 
 
-def test_tensor_larger_than_bucket_travels_alone() -> None:
-    plan = plan_chunks(metas(10, 500, 10), bucket_bytes=100)
+def test_tensor_larger_than_a_chunk_travels_alone() -> None:
+    plan = plan_chunks(metas(10, 500, 10), chunk_bytes=100)
     assert [[t.name for t in c.tensors] for c in plan] == [["t0"], ["t1"], ["t2"]]
 
 
 @pytest.mark.parametrize(("bucket", "expected_chunks"), [(1, 5), (10**12, 1)])
 def test_one_tensor_per_chunk_and_whole_model(bucket: int, expected_chunks: int) -> None:
-    plan = plan_chunks(metas(3, 4, 5, 6, 7), bucket_bytes=bucket)
+    plan = plan_chunks(metas(3, 4, 5, 6, 7), chunk_bytes=bucket)
     assert len(plan) == expected_chunks
     assert [t.name for c in plan for t in c.tensors] == [f"t{i}" for i in range(5)]
 
 
 def test_plan_keeps_owner_order_and_reports_owners() -> None:
     tensors = [*metas(10, 10, owner=0), TensorMeta("s1", (10,), "uint8", 10, 2)]
-    plan = plan_chunks(tensors, bucket_bytes=25)
+    plan = plan_chunks(tensors, chunk_bytes=25)
     assert [c.owners() for c in plan] == [{0}, {2}]
 
 
 def test_plan_rejects_a_name_owned_twice() -> None:
     dup = [TensorMeta("w", (1,), "uint8", 1, 0), TensorMeta("w", (1,), "uint8", 1, 2)]
-    with pytest.raises(ValueError, match="owned by ranks 0 and 2"):
-        plan_chunks(dup, bucket_bytes=10)
+    with pytest.raises(ValueError, match="named by ranks 0 and 2"):
+        plan_chunks(dup, chunk_bytes=10)
 
 
-def test_plan_rejects_zero_bucket() -> None:
-    with pytest.raises(ValueError, match="bucket_bytes"):
-        plan_chunks(metas(1), bucket_bytes=0)
+def test_plan_rejects_zero_chunk_bytes() -> None:
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        plan_chunks(metas(1), chunk_bytes=0)
 
 
 def test_pack_unpack_round_trip_with_misaligned_offsets() -> None:

@@ -21,6 +21,7 @@ from harness.results import (
     write_env,
     write_summary,
 )
+from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 
 NAMES = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -39,7 +40,7 @@ def make_record(mode: str, totals: list[float], nbytes: int, transfer: list[floa
             SyncRecord(
                 index=s,
                 weight_version=s,
-                mode=mode,
+                export_mode=mode,
                 chunks_planned=2,
                 chunks_sent=2,
                 chunks_received=2,
@@ -60,29 +61,21 @@ def make_record(mode: str, totals: list[float], nbytes: int, transfer: list[floa
     sid = f"qwen3-vl/tp2-pp2/noncolocate/{mode}"
     return RunRecord(
         scenario_id=sid,
-        scenario={
-            "id": sid,
-            "model": "qwen3-vl",
-            "tp": 2,
-            "pp": 2,
-            "ep": 1,
-            "etp": 1,
-            "colocate": False,
-            "mode": mode,
-            "engine": "embedded",
-            "syncs": len(totals),
-            "bucket_bytes": nbytes // 2,
-            "dtype": "float32",
-            "seed": 0,
-            "tags": ["cpu"],
-            "expect": "PASS",
-            "fault": None,
-        },
+        scenario=Scenario(
+            model="qwen3-vl",
+            tp=2,
+            pp=2,
+            export_mode=mode,
+            syncs=len(totals),
+            chunk_bytes=nbytes // 2,
+            seed=0,
+            tags=["cpu"],
+        ),
         http=http,
         syncs=syncs,
-        requested_mode=mode,
+        requested_export_mode=mode,
         checkpoint_checksums=dict(sums),
-        engine_slots=list(NAMES),
+        engine_shards=list(NAMES),
     )
 
 
@@ -208,10 +201,10 @@ def as_vllm(record: RunRecord) -> RunRecord:
     """The same scenario as run on vLLM (id led by the engine, no engine-side reports; log-probs, vLLM's
     only engine-side evidence, within budget)."""
     rec = record.model_copy(deep=True)
-    rec.scenario["engine"] = "vllm"
+    rec.scenario.engine = "vllm"
     rec.engine_capabilities = engine_kind("vllm").capabilities
-    rec.scenario_id = rec.scenario["id"] = "vllm/" + record.scenario_id
-    rec.engine_slots = []
+    rec.scenario_id = rec.scenario.id
+    rec.engine_shards = []
     rec.logprob_budget = {"max_abs": 1e-4, "mean_exp_abs": 1.0001}
     for s in rec.syncs:
         s.engine_checksums, s.engine_update_counts = {}, {}
@@ -226,7 +219,7 @@ def test_engines_side_by_side(tmp_path: Path, records: list[RunRecord]) -> None:
     pairs = engine_comparison(df)
     assert len(pairs) == 1  # bridge ran on one engine only
     row = pairs.iloc[0].to_dict()
-    assert (row["model"], row["tp"], row["pp"], row["mode"]) == ("qwen3-vl", 2, 2, "raw")
+    assert (row["model"], row["tp"], row["pp"], row["export_mode"]) == ("qwen3-vl", 2, 2, "raw")
     # embedded: first 2.0, steady median(0.5, 0.7, 0.6) = 0.6; vLLM: three times each
     assert (row["embedded first (s)"], row["embedded steady (s)"]) == ("2.000", "0.600")
     assert (row["vllm first (s)"], row["vllm steady (s)"], row["vllm / embedded"]) == ("6.000", "1.800", "3.00")

@@ -31,7 +31,7 @@ def test_cpu_matrix_holds_the_promised_rows() -> None:
 
 
 def test_expand_is_a_product_over_list_axes() -> None:
-    out = expand({"model": "qwen3", "tp": [1, 2], "mode": ["raw", "bridge"], "syncs": 3})
+    out = expand({"model": "qwen3", "tp": [1, 2], "export_mode": ["raw", "bridge"], "syncs": 3})
     assert sorted(s.id for s in out) == sorted(
         [
             "qwen3/tp1-pp1/noncolocate/raw",
@@ -51,7 +51,7 @@ def test_expand_is_a_product_over_list_axes() -> None:
         ({"model": "qwen3", "pp": 3}, "PP 3 does not divide qwen3's 4 layers"),
         ({"model": "qwen3-vl", "pp": 3}, "first stage of qwen3-vl holds 2 text layers but the vision tower feeds 3"),
         ({"model": "qwen3-vl", "pp": 4}, "PP 4 does not divide qwen3-vl's 6 layers"),
-        ({"model": "qwen3", "mode": "mbridge"}, "mode 'mbridge' is unknown: use raw or bridge"),
+        ({"model": "qwen3", "export_mode": "mbridge"}, "mode 'mbridge' is unknown: use raw or bridge"),
         ({"model": "nope"}, "unknown model 'nope'"),
         ({"model": "qwen3", "ep": 2}, "needs a mixture-of-experts model"),
     ],
@@ -67,7 +67,7 @@ def test_filters() -> None:
         "qwen3/tp2-pp2/noncolocate/raw",
         "qwen3/tp2-pp2/noncolocate/bridge",
     }
-    assert all(s.mode == "bridge" for s in select(scenarios, "mode=bridge"))
+    assert all(s.export_mode == "bridge" for s in select(scenarios, "export_mode=bridge"))
     assert len(select(scenarios, "qwen3-vl/.*/raw")) == 8
 
 
@@ -80,7 +80,7 @@ def test_scale_down_that_breaks_gqa_is_caught() -> None:
     spec = load_model("qwen3")
     broken = type(spec)(
         spec.name,
-        spec.family,
+        spec.model_type,
         spec.hf_architecture,
         spec.source_config,
         {**spec.config, "num_key_value_heads": 4},

@@ -44,16 +44,16 @@ from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import EngineStartError
 from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
-from reference_impl.forward.reference import ReferenceForward, fixed_prompts
+from reference_impl.forward.hf import HfForward, fixed_prompts
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
-from reference_impl.transport.client import EngineRejected, UpdateClient
+from reference_impl.transport.client import EngineClient, EngineRejected
 from reference_impl.transport.noncolocate import BroadcastChannel, connect_broadcast
 from reference_impl.transport.observed import SyncReport
 from reference_impl.transport.sync import run_sync
 
 SEED, ENGINE_SEED = 1234, 4321
-BIG_BUCKET = 64 << 20  # one chunk holds the whole tiny model
+BIG_CHUNK = 64 << 20  # one chunk holds the whole tiny model
 
 
 def _require_vllm() -> None:
@@ -71,25 +71,25 @@ class Connected:
 
     kind: str
     proc: Any
-    client: UpdateClient
+    client: EngineClient
     channel: BroadcastChannel
     checkpoint: Path
 
-    def sync(self, owned: list[tuple[str, torch.Tensor]], index: int, bucket: int = BIG_BUCKET) -> RunRecord:
-        """Send `owned` through run_sync; the record of that one sync (the harness's calls included)."""
+    def sync(self, named: list[tuple[str, torch.Tensor]], index: int, chunk_bytes: int = BIG_CHUNK) -> RunRecord:
+        """Send `named` through run_sync; the record of that one sync (the harness's calls included)."""
         self.client.calls = []
         res, plan = run_sync(
-            owned=owned,
+            named=named,
             rank=0,
             world_size=1,
-            bucket_bytes=bucket,
+            chunk_bytes=chunk_bytes,
             sync_index=index,
             weight_version=index,
             client=self.client,
             channel=self.channel,
         )
         assert res.chunks_planned == len(plan)
-        res.mode = "raw"
+        res.export_mode = "raw"
         rec = self.record([(res, list(self.client.calls))], index)
         if self.kind == "embedded":  # as the runner does: the embedded engine reports HF-name checksums
             rec.syncs[0].engine_checksums = self.client.checksums()
@@ -98,8 +98,8 @@ class Connected:
     def record(self, per_rank: list[tuple[SyncReport, list[HttpCall]]], index: int) -> RunRecord:
         rec = RunRecord(
             scenario_id=f"{self.kind}/same-verdicts",
-            scenario={"engine": self.kind, "syncs": 1, "mode": "raw"},
-            requested_mode="raw",
+            scenario=Scenario(model="qwen3", engine=self.kind, syncs=1),
+            requested_export_mode="raw",
             checkpoint_checksums={n: tensor_checksum(t) for n, t in checkpoint_tensors(self.checkpoint).items()},
         )
         if per_rank:
@@ -118,7 +118,7 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def _connect(kind: str, proc: Any, url: str, ckpt: Path) -> Connected:
     caps = engine_kind(kind).capabilities
-    client = UpdateClient(
+    client = EngineClient(
         url,
         timeout_s=300,
         session_ends_on_error=caps.session_ends_on_error,
@@ -169,7 +169,7 @@ def _measure_logprobs(conn: Connected, rec: RunRecord) -> None:
     log-probs on the fixed prompts at temperature 1.0 against a transformers forward over the
     checkpoint (what the clean sync sent), with the fp32 budget."""
     config = json.loads((conn.checkpoint / "config.json").read_text())
-    ref = ReferenceForward(conn.checkpoint)
+    ref = HfForward(conn.checkpoint)
     ref.load(checkpoint_tensors(conn.checkpoint))
     prompts = fixed_prompts(config)
     trainer = [ref.logprobs(p, 1.0)[0].tolist() for p in prompts]
@@ -186,10 +186,10 @@ def _sent_in_order(engines: dict[str, Connected], make: Any, index: int, **kw: A
 def test_unknown_name_is_name_error_on_both(engines: dict[str, Connected]) -> None:
     bad = "model.layers.0.self_attn.no_such.weight"
 
-    def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
         return [*_full(ckpt), (bad, torch.ones(64))]
 
-    records = _sent_in_order(engines, owned, 1)
+    records = _sent_in_order(engines, named, 1)
     for kind, rec in records.items():
         verdict, message = _verdict(rec)
         assert verdict == "NAME_ERROR", (kind, verdict, message)
@@ -205,10 +205,10 @@ def test_unknown_name_is_name_error_on_both(engines: dict[str, Connected]) -> No
 def test_wrong_shape_is_http_error_on_both(engines: dict[str, Connected]) -> None:
     target = "model.layers.1.input_layernorm.weight"
 
-    def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
         return [(n, t[:-1].clone() if n == target else t) for n, t in _full(ckpt)]
 
-    records = _sent_in_order(engines, owned, 2)
+    records = _sent_in_order(engines, named, 2)
     for kind, rec in records.items():
         verdict, message = _verdict(rec)
         assert verdict == "HTTP_ERROR", (kind, verdict, message)
@@ -223,10 +223,10 @@ def test_wrong_shape_is_http_error_on_both(engines: dict[str, Connected]) -> Non
 def test_wrong_dtype_is_http_error_on_both(engines: dict[str, Connected]) -> None:
     target = "model.norm.weight"
 
-    def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
         return [(n, t.to(torch.bfloat16) if n == target else t) for n, t in _full(ckpt)]
 
-    records = _sent_in_order(engines, owned, 3)
+    records = _sent_in_order(engines, named, 3)
     for kind, rec in records.items():
         verdict, message = _verdict(rec)
         assert verdict == "HTTP_ERROR", (kind, verdict, message)
@@ -256,7 +256,7 @@ def test_refused_start_sends_nothing_on_both(engines: dict[str, Connected]) -> N
     both engines' records get the same verdict."""
     for kind, conn in engines.items():
         conn.client.start(sync=7)  # the session a previous step left open
-        rec = conn.sync(_full(conn.checkpoint), 8, bucket=20_000)
+        rec = conn.sync(_full(conn.checkpoint), 8, chunk_bytes=20_000)
         verdict, message = _verdict(rec)
         assert verdict == "HTTP_ERROR" and "/start_weight_update" in message, (kind, verdict, message)
         chunks = rec.syncs[0].chunks
@@ -271,10 +271,10 @@ def test_failed_chunk_ends_vllm_session_without_hanging(engines: dict[str, Conne
     (nobody would receive it); the embedded engine keeps the session and takes them. Same verdict."""
     bad = "model.layers.0.mlp.no_such.weight"
 
-    def owned(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
         return [(bad, torch.ones(64)), *_full(ckpt)]
 
-    records = {kind: conn.sync(owned(conn.checkpoint), 5, bucket=2048) for kind, conn in engines.items()}
+    records = {kind: conn.sync(named(conn.checkpoint), 5, chunk_bytes=2048) for kind, conn in engines.items()}
     for kind, rec in records.items():
         verdict, message = _verdict(rec)
         assert verdict == "NAME_ERROR", (kind, verdict, message)
@@ -291,9 +291,9 @@ def test_vllm_serves_the_checkpoint_after_the_bad_inputs(engines: dict[str, Conn
     for kind, conn in engines.items():
         broken = _full(conn.checkpoint)
         broken.insert(len(broken) // 2, ("model.layers.1.mlp.no_such.weight", torch.ones(64)))
-        assert _verdict(conn.sync(broken, 9, bucket=20_000))[0] == "NAME_ERROR", kind
+        assert _verdict(conn.sync(broken, 9, chunk_bytes=20_000))[0] == "NAME_ERROR", kind
     for kind, conn in engines.items():
-        rec = conn.sync(_full(conn.checkpoint), 6, bucket=20_000)
+        rec = conn.sync(_full(conn.checkpoint), 6, chunk_bytes=20_000)
         _measure_logprobs(conn, rec)
         verdict, message = _verdict(rec)
         assert verdict == "PASS", (kind, verdict, message)
@@ -306,7 +306,7 @@ def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
     """One whole scenario on real vLLM: TP 2 x PP 2 trainer, bridge export, several chunks, log-probs
     after every sync compared with the trainer's forward over what it sent."""
     _require_vllm()
-    sc = Scenario(model="qwen3", tp=2, pp=2, mode="bridge", engine="vllm", syncs=3, bucket_bytes=1 << 18)
+    sc = Scenario(model="qwen3", tp=2, pp=2, export_mode="bridge", engine="vllm", syncs=3, chunk_bytes=1 << 18)
     assert validate(sc) is None
     rec = runner.run_scenario(sc)
     assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]

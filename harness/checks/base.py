@@ -6,8 +6,6 @@ engine answered, an excerpt of its reason; these helpers keep that wording the s
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, field_validator
 
 from harness.record import VERDICTS, ErrorRecord, HttpCall, RunRecord
@@ -19,7 +17,6 @@ __all__ = [
     "ENGINE_REJECTED",
     "EXCERPT",
     "CheckResult",
-    "as_int",
     "describe",
     "engine_reports_tensors",
     "error_origin",
@@ -134,11 +131,3 @@ def engine_reports_tensors(record: RunRecord) -> bool:
     record without them, e.g. a CONFIG_ERROR, is judged as if it did)."""
     caps = record.engine_capabilities
     return caps is None or caps.per_tensor_reports
-
-
-def as_int(value: Any) -> int:
-    """`value` as an int, 0 when it is none."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0

@@ -1,4 +1,4 @@
-"""Names and coverage: every name sent could be placed (NAME_ERROR), every engine slot was updated
+"""Names and coverage: every name sent could be placed (NAME_ERROR), every engine shard was updated
 exactly once per sync (COVERAGE_GAP).
 
 Name problems are read from data: the engine's answers as its parser turned them into `Rejection`s
@@ -122,7 +122,7 @@ def check_names(record: RunRecord) -> CheckResult:
 
 
 def _sender_coverage(record: RunRecord) -> str | None:
-    """For engines without per-slot counts: every checkpoint tensor sent exactly once per sync."""
+    """For engines without per-shard counts: every checkpoint tensor sent exactly once per sync."""
     expected = set(record.checkpoint_checksums)
     for sync in record.syncs:
         seen: dict[str, int] = {}
@@ -133,7 +133,7 @@ def _sender_coverage(record: RunRecord) -> str | None:
         if missing:
             return (
                 f"sync {sync.index}: checkpoint tensor '{missing[0]}' was never sent{more(len(missing) - 1)} "
-                "(judged from the names sent: this engine reports no per-slot counts)"
+                "(judged from the names sent: this engine reports no per-shard counts)"
             )
         if twice:
             return f"sync {sync.index}: '{twice[0]}' was sent {seen[twice[0]]} times, expected exactly once"
@@ -141,24 +141,24 @@ def _sender_coverage(record: RunRecord) -> str | None:
 
 
 def check_coverage(record: RunRecord) -> CheckResult:
-    """Per sync: every engine slot updated exactly once (and every known slot present). For an engine
-    that reports no slots or counts (vLLM), every checkpoint tensor sent exactly once instead."""
+    """Per sync: every engine shard updated exactly once (and every known shard present). For an engine
+    that reports no shards or counts (vLLM), every checkpoint tensor sent exactly once instead."""
     name, verdict = "coverage", "COVERAGE_GAP"
     if not record.syncs:
         return skipped(name, verdict, "no sync recorded")
-    if not record.engine_slots and not any(s.engine_update_counts for s in record.syncs):
+    if not record.engine_shards and not any(s.engine_update_counts for s in record.syncs):
         if engine_reports_tensors(record) or not record.checkpoint_checksums:
-            return skipped(name, verdict, "no engine slots or update counts recorded")
+            return skipped(name, verdict, "no engine shards or update counts recorded")
         problem = _sender_coverage(record)
         return failed(name, verdict, problem) if problem else passed(name, verdict)
     for sync in record.syncs:
         counts = sync.engine_update_counts
-        slots = list(record.engine_slots) + [k for k in counts if k not in set(record.engine_slots)]
-        bad = [(slot, counts.get(slot, 0)) for slot in slots if counts.get(slot, 0) != 1]
+        shards = list(record.engine_shards) + [k for k in counts if k not in set(record.engine_shards)]
+        bad = [(shard, counts.get(shard, 0)) for shard in shards if counts.get(shard, 0) != 1]
         if bad:
-            slot, count = bad[0]
+            shard, count = bad[0]
             times = "never updated" if count == 0 else f"updated {count} times"
-            others = more(len(bad) - 1, "more slots")
-            message = f"sync {sync.index}: engine slot '{slot}' {times}, expected exactly once{others}"
+            others = more(len(bad) - 1, "more shards")
+            message = f"sync {sync.index}: engine shard '{shard}' {times}, expected exactly once{others}"
             return failed(name, verdict, message)
     return passed(name, verdict)

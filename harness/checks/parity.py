@@ -101,13 +101,13 @@ def check_parity_cross_mode(record: RunRecord) -> CheckResult:
 
 def check_requested_mode(record: RunRecord) -> CheckResult:
     """Every sync ran the export mode the scenario asked for (else it did not test what it claims)."""
-    name = "requested_mode"
-    requested = record.requested_mode or str(record.scenario.get("mode") or "")
+    name = "requested_export_mode"
+    requested = record.requested_export_mode or record.scenario.export_mode
     if not requested:
         return skipped(name, VERDICT, "no requested mode recorded")
     for sync in record.syncs:
-        if sync.mode != requested:
-            ran = sync.mode or "<none>"
+        if sync.export_mode != requested:
+            ran = sync.export_mode or "<none>"
             return failed(name, VERDICT, f"requested mode {requested} but {ran} ran (sync {sync.index})")
     return passed(name, VERDICT)
 
@@ -138,7 +138,7 @@ def group_differences(records: Sequence[RunRecord]) -> list[str]:
 
 
 def check_group(record: RunRecord) -> CheckResult:
-    """Members of a group (e.g. one scenario at several bucket sizes) left identical engine weights."""
+    """Members of a group (e.g. one scenario at several chunk sizes) left identical engine weights."""
     name = "group_invariance"
     if not record.group_members:
         return skipped(name, VERDICT, "not part of a group (or the group has not finished)")

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from harness.checks.base import (
     ENGINE_REJECTED,
     CheckResult,
-    as_int,
     describe,
     error_origin,
     excerpt,
@@ -163,7 +162,7 @@ def check_syncs_ran(record: RunRecord) -> CheckResult:
     """At least one sync (and as many as the scenario asks) ran, and every sync finished."""
     name, verdict = "syncs_ran", "CRASH"
     problem: str | None = None
-    wanted = as_int(record.scenario.get("syncs"))
+    wanted = record.scenario.syncs
     if not record.syncs:
         problem = "no sync recorded"
     elif wanted and len(record.syncs) < wanted:

@@ -89,7 +89,7 @@ def judged(record: RunRecord) -> RunRecord:
 
 def expected_verdict(record: RunRecord) -> str:
     """The verdict the scenario expects (``expect:``), PASS by default."""
-    return str(record.scenario.get("expect") or "PASS")
+    return record.scenario.expect
 
 
 def expectation_met(record: RunRecord, verdict: str) -> bool:

@@ -45,7 +45,7 @@ class Fault:
         return f"{self.apply.__module__}:{self.apply.__name__}"
 
 
-_SMALL = {"syncs": 2, "bucket_bytes": 65536}
+_SMALL = {"syncs": 2, "chunk_bytes": 65536}
 
 FAULTS: dict[str, Fault] = {
     f.name: f
@@ -71,7 +71,7 @@ FAULTS: dict[str, Fault] = {
             "bridge requested, the raw path used in non-colocate mode",
             "PARITY_FAIL",
             "trainer",
-            {"model": "qwen3", "mode": "bridge", **_SMALL},
+            {"model": "qwen3", "export_mode": "bridge", **_SMALL},
             trainer.noncolocate_ignores_bridge,
         ),
         Fault(
@@ -167,7 +167,7 @@ FAULTS: dict[str, Fault] = {
             "the sync loop re-sends the tensors it cached at sync 0 at every later sync",
             "PARITY_FAIL",
             "trainer",
-            {"model": "qwen3", "pp": 2, "mode": "bridge", "syncs": 3, "bucket_bytes": 65536},
+            {"model": "qwen3", "pp": 2, "export_mode": "bridge", "syncs": 3, "chunk_bytes": 65536},
             trainer.stale_cache_in_sync_loop,
         ),
         Fault(
@@ -175,7 +175,7 @@ FAULTS: dict[str, Fault] = {
             "the trainer's step never reaches one parameter (the final norm)",
             "PARITY_FAIL",
             "trainer",
-            {"model": "qwen3", "syncs": 3, "bucket_bytes": 65536},
+            {"model": "qwen3", "syncs": 3, "chunk_bytes": 65536},
             trainer.step_skips_one_parameter,
         ),
     ]
@@ -183,5 +183,5 @@ FAULTS: dict[str, Fault] = {
 
 
 def fault_scenarios() -> list[dict[str, Any]]:
-    """One scenario entry per fault (what `scenarios/faults.yaml` holds), with `fault` and `expect`."""
+    """One scenario entry per fault, with `fault` and `expect` (what `python -m harness faults` runs)."""
     return [{**f.scenario, "fault": f.name, "expect": f.expect, "suffix": f"fault-{f.name}"} for f in FAULTS.values()]

@@ -25,7 +25,7 @@ def finalize_per_chunk() -> None:
         def reset_counts(self):  # type: ignore[no-untyped-def]
             orig(self)
             with torch.no_grad():
-                snapshots[id(self)] = {n: self.view(s).detach().clone() for n, s in self.slots.items()}
+                snapshots[id(self)] = {n: self.view(s).detach().clone() for n, s in self.shards.items()}
 
         return reset_counts
 
@@ -37,9 +37,9 @@ def finalize_per_chunk() -> None:
                 return
             loaded = set(names)
             with torch.no_grad():
-                for name, slot in self.slots.items():
+                for name, shard in self.shards.items():
                     if name not in loaded:
-                        self.view(slot).copy_(snapshot[name])
+                        self.view(shard).copy_(snapshot[name])
 
         return load
 
@@ -54,7 +54,7 @@ def ok_without_transfer() -> None:
     def at_load(orig: Callable[..., Any]) -> Callable[..., Any]:
         def load(self, names, dtype_names, shapes, tensors):  # type: ignore[no-untyped-def]
             for name in names:
-                self.counts[self.slots[name].target.slot] += 1
+                self.counts[self.shards[name].target.key] += 1
 
         return load
 

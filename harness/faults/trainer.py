@@ -22,21 +22,21 @@ def pp_barrier_in_chunk_loop() -> None:
     import torch.distributed as dist
 
     def hand_off(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def send_owned(plan, owned, rank):  # type: ignore[no-untyped-def]
+        def hand_off(plan, named, rank):  # type: ignore[no-untyped-def]
             for chunk in plan:
                 if any(m.owner == rank for m in chunk.tensors):
-                    orig([chunk], owned, rank)
+                    orig([chunk], named, rank)
                     dist.barrier()
 
-        return send_owned
+        return hand_off
 
     def collect(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def collect_chunk(chunk, owned):  # type: ignore[no-untyped-def]
-            out = orig(chunk, owned)
+        def collect(chunk, named):  # type: ignore[no-untyped-def]
+            out = orig(chunk, named)
             dist.barrier()
             return out
 
-        return collect_chunk
+        return collect
 
     seams.replace("hand_off", hand_off)
     seams.replace("collect", collect)
@@ -100,8 +100,8 @@ def drop_last_chunk() -> None:
     plan_length: list[int] = [0]
 
     def plan(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def plan_chunks(tensors, bucket_bytes):  # type: ignore[no-untyped-def]
-            chunks = orig(tensors, bucket_bytes)
+        def plan_chunks(tensors, chunk_bytes):  # type: ignore[no-untyped-def]
+            chunks = orig(tensors, chunk_bytes)
             plan_length[0] = len(chunks)
             return chunks
 
@@ -222,14 +222,14 @@ def stale_cache_in_sync_loop() -> None:
     cache: dict[tuple[str, ...], list[torch.Tensor]] = {}
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def collect_chunk(chunk, owned):  # type: ignore[no-untyped-def]
-            fresh = orig(chunk, owned)  # still receives from every owner: the schedule stays the same
+        def collect(chunk, named):  # type: ignore[no-untyped-def]
+            fresh = orig(chunk, named)  # still receives from every owner: the schedule stays the same
             key = tuple(m.name for m in chunk.tensors)
             if key not in cache:
                 cache[key] = [t.detach().clone() for t in fresh]
             return cache[key]
 
-        return collect_chunk
+        return collect
 
     seams.replace("collect", make)
 

@@ -20,7 +20,7 @@ import torch
 
 from reference_impl.export import MODES
 from reference_impl.models.families import model_family
-from reference_impl.models.raw_rules import FamilyTable, LayoutFacts, convert
+from reference_impl.models.raw_rules import ConvertConfig, FamilyTable, convert
 from reference_impl.models.registry import ModelSpec
 from reference_impl.trainer.model import TrainerModel
 from reference_impl.trainer.parallel import RankLayout
@@ -33,18 +33,18 @@ from reference_impl.trainer.params import (
     with_expert_id,
 )
 
-Owned = list[tuple[str, torch.Tensor]]
+NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-def layout_facts(spec: ModelSpec, checkpoint: Path | None = None) -> LayoutFacts:
+def convert_config(spec: ModelSpec, checkpoint: Path | None = None) -> ConvertConfig:
     """The layout numbers of `spec` the raw transforms need.
 
     With `checkpoint`, the fused-expert layout (Qwen3-VL-MoE) is read from the checkpoint's tensor
     shapes: `gate_up_proj` [E, hidden, 2*moe_inter] is the released layout, [E, 2*moe_inter, hidden]
     the one transformers' save_pretrained writes (ambiguous when hidden == 2*moe_inter: released).
     """
-    f = spec.facts()
-    return LayoutFacts(
+    f = spec.model_config()
+    return ConvertConfig(
         num_heads=f.num_heads,
         num_kv_heads=f.num_kv_heads,
         head_dim=f.head_dim,
@@ -70,11 +70,11 @@ def _fused_layout(checkpoint: Path, hidden: int) -> str:
 
 
 def export_raw(
-    model: TrainerModel, layout: RankLayout, facts: LayoutFacts, family: FamilyTable | None = None
-) -> tuple[Owned, dict[str, float]]:
-    """This rank's owned HF tensors via the family's raw table (see module doc), and phase seconds.
+    model: TrainerModel, layout: RankLayout, facts: ConvertConfig, table: FamilyTable | None = None
+) -> tuple[NamedTensors, dict[str, float]]:
+    """This rank's named HF tensors via the family's raw table (see module doc), and phase seconds.
 
-    `family` defaults to the raw table of the model's family (`ModelFamily.raw`, looked up per call).
+    `table` defaults to the raw table of the model's family (`ModelFamily.raw`, looked up per call).
 
     Dense parameters: all TP ranks all-gather, the stage leader (TP 0, DP 0) converts and owns them.
     Expert parameters: the expert-TP ranks all-gather each local expert, then the EP ranks all-gather
@@ -83,12 +83,12 @@ def export_raw(
     """
     from megatron.core import parallel_state as ps
 
-    family = family or model_family(model.family).raw
+    table = table or model_family(model.model_type).raw
     tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
     etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
     ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
     local_experts = facts.num_experts // layout.ep if facts.num_experts else 0
-    owned: Owned = []
+    named: NamedTensors = []
     t_gather = t_convert = 0.0
     for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
         t0 = time.perf_counter()
@@ -104,43 +104,43 @@ def export_raw(
         t1 = time.perf_counter()
         if mine:
             for n, t in named:
-                owned.extend(convert(n, t, family.rules, facts))
+                named.extend(convert(n, t, table.rules, facts))
         t_gather += t1 - t0
         t_convert += time.perf_counter() - t1
-    if family.post is not None and owned:
+    if table.post is not None and named:
         t0 = time.perf_counter()
-        owned = family.post(owned, facts)
+        named = table.post(named, facts)
         t_convert += time.perf_counter() - t0
-    return owned, {"gather": t_gather, "convert": t_convert}
+    return named, {"gather": t_gather, "convert": t_convert}
 
 
-def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[Owned, dict[str, float]]:
-    """This rank's owned HF tensors via Megatron-Bridge (all on global rank 0), and phase seconds."""
+def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[NamedTensors, dict[str, float]]:
+    """This rank's named HF tensors via Megatron-Bridge (all on global rank 0), and phase seconds."""
     t0 = time.perf_counter()
-    owned: Owned = []
+    named: NamedTensors = []
     for name, tensor in model.bridge.export_hf_weights(model.chunks, cpu=True, show_progress=False):
         if layout.rank == 0:
-            owned.append((name, tensor.detach().contiguous()))
-    return owned, {"gather": 0.0, "convert": time.perf_counter() - t0}
+            named.append((name, tensor.detach().contiguous()))
+    return named, {"gather": 0.0, "convert": time.perf_counter() - t0}
 
 
 @dataclass
 class Export:
     """One export on one rank: the tensors it owns, phase seconds, and the mode that actually ran."""
 
-    owned: Owned
+    named: NamedTensors
     phases: dict[str, float]
-    mode: str
+    export_mode: str
 
 
-def export(mode: str, model: TrainerModel, layout: RankLayout, facts: LayoutFacts) -> Export:
+def export(mode: str, model: TrainerModel, layout: RankLayout, facts: ConvertConfig) -> Export:
     """Dispatch on `mode` ("raw" | "bridge").
 
     Raises:
         ValueError: unknown mode.
     """
     if mode == "raw":
-        return Export(*export_raw(model, layout, facts), mode="raw")
+        return Export(*export_raw(model, layout, facts), export_mode="raw")
     if mode == "bridge":
-        return Export(*export_bridge(model, layout), mode="bridge")
+        return Export(*export_bridge(model, layout), export_mode="bridge")
     raise ValueError(f"unknown export mode {mode!r}; use one of {MODES}")

@@ -128,7 +128,7 @@ def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Pa
     shutil.rmtree(tmp, ignore_errors=True)
     model = build_hf_model(spec, dtype, seed)
     model.save_pretrained(tmp, max_shard_size="20GB")
-    if model_family(spec.family).released_fused_experts:
+    if model_family(spec.model_type).released_fused_experts:
         to_released_expert_layout(tmp)
     (tmp / "wsh_source.json").write_text(json.dumps({"model": spec.name, "seed": seed, "dtype": dtype}))
     try:

@@ -4,9 +4,9 @@ One family file per `model_type` (`models/families/<model_type>.py`) defines one
 `models.families.FAMILIES` registers them. What each field is used for:
 - `raw`: the raw Megatron -> HF converter (`raw_rules.FamilyTable`), run by `export.stream.export_raw`;
 - `names`: where each HF checkpoint tensor loads in vLLM (`vllm_names.FamilyNames`), the embedded
-  engine's slots;
+  engine's shards;
 - `views`: which checkpoint tensors a transformers parameter is saved as (`checkpoint_views.ViewRule`),
-  used by the engine's loader and by the trainer-side reference forward;
+  used by the engine's loader and by the trainer-side transformers forward;
 - `is_vl`: a vision-language model (its config has `text_config` / `vision_config`);
 - `released_fused_experts`: the checkpoint maker rewrites fused expert tensors into the released
   checkpoints' layout (`checkpoint.to_released_expert_layout`);

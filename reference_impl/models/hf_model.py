@@ -1,6 +1,6 @@
 """A transformers model of a checkpoint folder's architecture, filled with seeded weights.
 
-Both the embedded engine (its dummy weights) and the trainer-side reference forward (no fill; the sync
+Both the embedded engine (its dummy weights) and the trainer-side transformers forward (no fill; the sync
 fills it) build their model here, from the folder's `config.json`, with the checkpoint maker's own
 fill rule (`checkpoint.build_hf_model`).
 """
@@ -34,8 +34,8 @@ def build_engine_model(checkpoint: Path, seed: int | None) -> tuple[torch.nn.Mod
             was made with (the engine would start with the checkpoint's weights).
     """
     config = json.loads((Path(checkpoint) / "config.json").read_text())
-    family = config.get("model_type", "")
-    if family not in FAMILIES:
+    model_type = config.get("model_type", "")
+    if model_type not in FAMILIES:
         raise ValueError(f"model_type {config.get('model_type')!r} has no model family; known: {sorted(FAMILIES)}")
     source = Path(checkpoint) / "wsh_source.json"
     if source.exists() and json.loads(source.read_text()).get("seed") == seed:
@@ -45,10 +45,10 @@ def build_engine_model(checkpoint: Path, seed: int | None) -> tuple[torch.nn.Mod
         )
     spec = ModelSpec(
         name=Path(checkpoint).name,
-        family=family,
+        model_type=model_type,
         hf_architecture=config["architectures"][0],
         source_config=config,
         config=config,
         scaled=False,
     )
-    return build_hf_model(spec, checkpoint_dtype(config), seed), family
+    return build_hf_model(spec, checkpoint_dtype(config), seed), model_type

@@ -21,7 +21,7 @@ class UnmappedName(KeyError):
 
 
 @dataclass(frozen=True)
-class LayoutFacts:
+class ConvertConfig:
     """Numbers the layout transforms need (from the model's HF config)."""
 
     num_heads: int
@@ -35,15 +35,15 @@ class LayoutFacts:
     fused_experts_layout: str = "released"  # "released" | "transformers" (Qwen3-VL-MoE fused experts)
 
 
-Transform = Callable[[torch.Tensor, LayoutFacts], list[torch.Tensor]]
+Transform = Callable[[torch.Tensor, ConvertConfig], list[torch.Tensor]]
 
 
-def copy(t: torch.Tensor, f: LayoutFacts) -> list[torch.Tensor]:
+def copy(t: torch.Tensor, f: ConvertConfig) -> list[torch.Tensor]:
     """Same tensor, same layout."""
     return [t]
 
 
-def split_qkv(t: torch.Tensor, f: LayoutFacts) -> list[torch.Tensor]:
+def split_qkv(t: torch.Tensor, f: ConvertConfig) -> list[torch.Tensor]:
     """Megatron `linear_qkv` [G * (Q/G + 2) * D, H] -> HF q [Q*D, H], k [G*D, H], v [G*D, H].
 
     Megatron groups rows by query group g: (Q/G heads of q, 1 head of k, 1 head of v), each head D =
@@ -59,14 +59,14 @@ def split_qkv(t: torch.Tensor, f: LayoutFacts) -> list[torch.Tensor]:
     return [q.contiguous(), k.contiguous(), v.contiguous()]
 
 
-def split_gate_up(t: torch.Tensor, f: LayoutFacts) -> list[torch.Tensor]:
+def split_gate_up(t: torch.Tensor, f: ConvertConfig) -> list[torch.Tensor]:
     """Megatron `mlp.linear_fc1` [2F, H] (full, after the stride-2 TP gather: [gate; up]) -> gate [F, H],
     up [F, H] (HF `gate_proj`, `up_proj`)."""
     gate, up = t.chunk(2, dim=0)
     return [gate.contiguous(), up.contiguous()]
 
 
-def merge_vision_qkv(t: torch.Tensor, f: LayoutFacts) -> list[torch.Tensor]:
+def merge_vision_qkv(t: torch.Tensor, f: ConvertConfig) -> list[torch.Tensor]:
     """Megatron vision `linear_qkv` [N * 3 * D, C] (per head: q_h, k_h, v_h; num_query_groups = heads)
     -> HF `attn.qkv` [3 * N * D, C] ([q all heads; k all heads; v all heads], transformers
     `Qwen3VLVisionAttention` splits it with reshape(seq, 3, heads, -1))."""
@@ -75,12 +75,12 @@ def merge_vision_qkv(t: torch.Tensor, f: LayoutFacts) -> list[torch.Tensor]:
     return [per_head.transpose(0, 1).reshape(3 * n * d, *t.shape[1:]).contiguous()]
 
 
-def trim_vocab(t: torch.Tensor, f: LayoutFacts) -> list[torch.Tensor]:
+def trim_vocab(t: torch.Tensor, f: ConvertConfig) -> list[torch.Tensor]:
     """Embedding / output layer [V_padded, H] -> [V, H]: drop Megatron's vocab padding rows."""
     return [t[: f.vocab_size].contiguous()]
 
 
-def output_layer(t: torch.Tensor, f: LayoutFacts) -> list[torch.Tensor]:
+def output_layer(t: torch.Tensor, f: ConvertConfig) -> list[torch.Tensor]:
     """`output_layer.weight` -> `lm_head.weight`, or nothing when embeddings are tied: a tied engine
     has no lm_head parameter (vLLM ties it to embed_tokens), so sending one is a name error."""
     return [] if f.tied_embeddings else trim_vocab(t, f)
@@ -115,7 +115,7 @@ def prefixed(rules: Sequence[Rule], megatron_prefix: str, hf_rename: Callable[[s
 
 
 def convert(
-    name: str, tensor: torch.Tensor, rules: Sequence[Rule], facts: LayoutFacts
+    name: str, tensor: torch.Tensor, rules: Sequence[Rule], facts: ConvertConfig
 ) -> list[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs for one full Megatron parameter.
 
@@ -134,12 +134,12 @@ def convert(
     raise UnmappedName(f"no raw conversion rule matches Megatron parameter {name!r}; add one to the family table")
 
 
-PostPass = Callable[[list[tuple[str, torch.Tensor]], LayoutFacts], list[tuple[str, torch.Tensor]]]
+PostPass = Callable[[list[tuple[str, torch.Tensor]], ConvertConfig], list[tuple[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
 class FamilyTable:
-    """A family's raw converter: per-parameter `rules`, then an optional `post` pass over the owned
+    """A family's raw converter: per-parameter `rules`, then an optional `post` pass over the named
     (name, tensor) list (e.g. fusing per-expert tensors into one stacked tensor)."""
 
     rules: Sequence[Rule]

@@ -1,11 +1,11 @@
 """Model entries: a real Hugging Face config plus a scale-down rule, read from `scenarios/models/`.
 
-An entry (`scenarios/models/<name>.yaml`) names a family (a `model_type` of `models.families.FAMILIES`:
+An entry (`scenarios/models/<name>.yaml`) names its `model_type` (a key of `models.families.FAMILIES`:
 `qwen3`, `qwen3_vl`, `qwen3_moe`, `qwen3_vl_moe`), a real config.json
 copied from the published model (sources in `scenarios/models/SOURCES.md`) and a `scale_down`
 mapping of config overrides (nested for `text_config` / `vision_config`), or null for the real size.
 An entry with `hf_repo` (scale_down null) is served from the released weights in a local Hugging Face
-cache (`models.hf_cache`; the GPU matrix). `ModelSpec.facts()` exposes the numbers scenario
+cache (`models.hf_cache`; the GPU matrix). `ModelSpec.model_config()` exposes the numbers scenario
 validation needs (heads, layers, ...), and
 `check_scale_down_keeps_facts` asserts that a scaled model keeps the architecture's facts.
 """
@@ -41,7 +41,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
+class ModelConfig:
     """Architecture numbers of the text model (and vision tower) that validation and converters use."""
 
     hidden_size: int
@@ -68,7 +68,7 @@ class ModelSpec:
     """One model entry with its scale-down applied: `config` is the HF config.json dict to build."""
 
     name: str
-    family: str
+    model_type: str  # transformers config.model_type, a key of `models.families.FAMILIES`
     hf_architecture: str
     source_config: dict[str, Any]
     config: dict[str, Any]
@@ -79,22 +79,22 @@ class ModelSpec:
     @property
     def is_vl(self) -> bool:
         """A vision-language family (config has text_config / vision_config)."""
-        return model_family(self.family).is_vl
+        return model_family(self.model_type).is_vl
 
     @property
     def is_moe(self) -> bool:
         """A mixture-of-experts family."""
-        return self.facts().num_experts > 0
+        return self.model_config().num_experts > 0
 
     def text_config(self) -> dict[str, Any]:
         """The text model's config dict (top level for Qwen3, `text_config` for Qwen3-VL)."""
         return self.config["text_config"] if self.is_vl else self.config
 
-    def facts(self) -> ModelFacts:
-        """Numbers read from `config` (see `ModelFacts`)."""
+    def model_config(self) -> ModelConfig:
+        """Numbers read from `config` (see `ModelConfig`)."""
         t = self.text_config()
         v = self.config.get("vision_config", {})
-        return ModelFacts(
+        return ModelConfig(
             hidden_size=t["hidden_size"],
             num_layers=t["num_hidden_layers"],
             num_heads=t["num_attention_heads"],
@@ -124,7 +124,7 @@ def load_model(name: str, models_dir: Path = MODELS_DIR) -> ModelSpec:
     """Read entry `name`, apply its scale-down rule.
 
     Raises:
-        ModelEntryError: unknown name or family, missing config file.
+        ModelEntryError: unknown name or model_type, missing config file.
     """
     path = models_dir / f"{name}.yaml"
     if not path.exists():
@@ -138,20 +138,20 @@ def load_model(name: str, models_dir: Path = MODELS_DIR) -> ModelSpec:
         entry = {**base, **entry, "scale_down": rule}
     if entry.get("hf_repo") and entry.get("scale_down"):
         raise ModelEntryError(f"{path.name}: an entry with hf_repo serves the released weights: set scale_down: null")
-    if entry.get("family") not in FAMILIES:
-        raise ModelEntryError(f"{path.name}: family must be one of {tuple(FAMILIES)}, got {entry.get('family')!r}")
+    if entry.get("model_type") not in FAMILIES:
+        raise ModelEntryError(f"{path.name}: model_type must be one of {tuple(FAMILIES)}, got {entry.get('family')!r}")
     cfg_path = models_dir / entry["config"]
     if not cfg_path.exists():
         raise ModelEntryError(f"{path.name}: config file {cfg_path.name} not found beside it")
     source = json.loads(cfg_path.read_text())
     rule = entry.get("scale_down")
     config = _merge(source, rule) if rule else copy.deepcopy(source)
-    if model_family(entry["family"]).is_vl:
+    if model_family(entry["model_type"]).is_vl:
         # The vision tower projects into the text model's width.
         config["vision_config"]["out_hidden_size"] = config["text_config"]["hidden_size"]
     return ModelSpec(
         name=entry["name"],
-        family=entry["family"],
+        model_type=entry["model_type"],
         hf_architecture=entry["hf_architecture"],
         source_config=source,
         config=config,
@@ -172,12 +172,12 @@ def check_scale_down_keeps_facts(spec: ModelSpec) -> list[str]:
     count, experts per token, expert width ratio and dense/sparse layer pattern.
 
     Raises:
-        KeyError: `spec.family` is not a registered family.
+        KeyError: `spec.model_type` is not a registered family.
     """
     problems: list[str] = []
-    real = ModelSpec(spec.name, spec.family, spec.hf_architecture, spec.source_config, spec.source_config, False)
+    real = ModelSpec(spec.name, spec.model_type, spec.hf_architecture, spec.source_config, spec.source_config, False)
     kept = set(spec.changes)
-    f, r = spec.facts(), real.facts()
+    f, r = spec.model_config(), real.model_config()
     if f.num_heads * r.num_kv_heads != r.num_heads * f.num_kv_heads:
         problems.append(f"GQA ratio {f.num_heads}:{f.num_kv_heads} differs from real {r.num_heads}:{r.num_kv_heads}")
     if f.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512):
@@ -186,6 +186,6 @@ def check_scale_down_keeps_facts(spec: ModelSpec) -> list[str]:
         problems.append(f"tie_word_embeddings {f.tied_embeddings} differs from real {r.tied_embeddings}")
     if (r.hidden_size == r.num_heads * r.head_dim) != (f.hidden_size == f.num_heads * f.head_dim):
         problems.append("hidden_size vs heads*head_dim relation differs from the real model")
-    for check in model_family(spec.family).scale_down_checks:
+    for check in model_family(spec.model_type).scale_down_checks:
         problems.extend(check(spec, real))
     return problems

@@ -1,7 +1,7 @@
 """Hugging Face checkpoint name -> the vLLM parameter (and shard) it loads into, per model family.
 
 The embedded engine holds a transformers model, but it speaks about its parameters the way vLLM does:
-an engine *slot* is one HF tensor placed into one vLLM parameter, at a shard id when vLLM fuses several
+an engine *shard* is one HF tensor placed into one vLLM parameter, at a shard id when vLLM fuses several
 HF tensors into one parameter. The rules are data (one `FamilyNames` table per family, in
 `models/families/<model_type>.py`); `hf_to_vllm` is the one small engine that applies them, in vLLM's
 order:
@@ -40,12 +40,12 @@ own and vLLM skips the name silently (`AutoWeightsLoader(skip_prefixes=["lm_head
 lists those names so the strict loader can reject them instead (README "Verdicts": a name an engine
 would silently ignore is a NAME_ERROR). Untied (`tie_word_embeddings: false`, e.g. Qwen3-30B-A3B or the
 `qwen3-untied` entry), `lm_head` is a `ParallelLMHead` of its own and `lm_head.weight`
-(`language_model.lm_head.weight` for the VL families) is an ordinary slot.
+(`language_model.lm_head.weight` for the VL families) is an ordinary shard.
 
 `FamilyNames.vllm_params` holds, per family, patterns of every parameter name vLLM's model has
 (`named_parameters()` of `Qwen3ForCausalLM` / `Qwen3VLForConditionalGeneration` / `Qwen3MoeForCausalLM` /
 `Qwen3VLMoeForConditionalGeneration`), so the loader can
-check that each slot it builds targets a parameter vLLM really has.
+check that each shard it builds targets a parameter vLLM really has.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class VllmTarget(NamedTuple):
     shard: ShardId
 
     @property
-    def slot(self) -> str:
-        """The slot string used in records and `/finish_weight_update`: `name[shard]` or `name`."""
+    def key(self) -> str:
+        """The engine shard's key in records and `/finish_weight_update` counts: `name[shard]` or `name`."""
         return self.name if self.shard is None else f"{self.name}[{self.shard}]"
 
 
@@ -114,7 +114,7 @@ class ExpertRule:
 class FamilyNames:
     """All name rules of one model family; see the module docstring for the vLLM sources."""
 
-    family: str
+    model_type: str
     renames: tuple[PrefixRename, ...]
     stacked: tuple[StackedRule, ...]
     experts: tuple[ExpertRule, ...]

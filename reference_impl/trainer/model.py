@@ -37,10 +37,12 @@ class TrainerModel:
     bridge: Any  # megatron.bridge.AutoBridge
     chunks: list[torch.nn.Module]  # one per virtual stage (always one here)
     config: Any  # the provider (a TransformerConfig)
-    family: str
+    model_type: str
 
 
-def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1) -> TrainerModel:
+def build_model(
+    checkpoint: Path, model_type: str, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1
+) -> TrainerModel:
     """Build this rank's Megatron model shard for TP x PP (x EP x ETP) and load `checkpoint` into it.
 
     Megatron's parallel state must already be initialised (`parallel.init_model_parallel`). MoE runs
@@ -52,7 +54,7 @@ def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str, ep:
     the spec their Megatron-Bridge provider brings.
 
     Raises:
-        KeyError: `family` is not a registered model family.
+        KeyError: `model_type` has no registered model family.
     """
     apply_cpu_shims()
     from megatron.bridge import AutoBridge
@@ -79,7 +81,7 @@ def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str, ep:
         provider.moe_grouped_gemm = False
         provider.moe_token_dispatcher_type = "allgather"
         provider.variable_seq_lengths = False
-    if model_family(family).local_gpt_layer_spec:
+    if model_family(model_type).local_gpt_layer_spec:
         provider.transformer_layer_spec = get_gpt_layer_local_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
         )
@@ -93,4 +95,4 @@ def build_model(checkpoint: Path, family: str, tp: int, pp: int, dtype: str, ep:
     bridge.load_hf_weights(chunks, str(checkpoint))
     for c in chunks:
         c.eval()
-    return TrainerModel(bridge=bridge, chunks=list(chunks), config=provider, family=family)
+    return TrainerModel(bridge=bridge, chunks=list(chunks), config=provider, model_type=model_type)

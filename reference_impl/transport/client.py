@@ -48,7 +48,7 @@ class EngineRejected(RuntimeError):
         return self.call.rejections
 
 
-class UpdateClient:
+class EngineClient:
     """Client of one engine's weight-update routes (base_url like http://127.0.0.1:PORT)."""
 
     def __init__(
@@ -134,9 +134,9 @@ class UpdateClient:
         """POST /weight_checker {"action": "checksum"} -> HF name -> checksum."""
         return self._post("/weight_checker", {"action": "checksum"})["checksums"]
 
-    def slots(self) -> list[str]:
-        """POST /weight_checker {"action": "slots"} -> every engine parameter slot."""
-        return self._post("/weight_checker", {"action": "slots"})["slots"]
+    def shards(self) -> list[str]:
+        """POST /weight_checker {"action": "shards"} -> every engine parameter shard."""
+        return self._post("/weight_checker", {"action": "shards"})["shards"]
 
     def prompt_logprobs(
         self, prompt: list[int], temperature: float, image_url: str | None = None, sync: int | None = None

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from wsh_vllm_plugin.protocol import CUDA_IPC, SHM, UpdateInfo, pack
 
-from reference_impl.transport.client import UpdateClient
+from reference_impl.transport.client import EngineClient
 from reference_impl.transport.handles import SharedMemoryBuffer, cuda_ipc_handle
 
 
@@ -33,7 +33,7 @@ class SharedMemoryChannel:
     def __init__(self, capacity: int = 1 << 20) -> None:
         self.buffer = SharedMemoryBuffer(capacity)
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+    def send(self, client: EngineClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
         """Pack into the segment, post /update_weights with its handle, return the engine's answer.
 
         Raises:
@@ -59,7 +59,7 @@ class CudaIpcChannel:
             raise RuntimeError("CudaIpcChannel needs a CUDA device; on CPU use SharedMemoryChannel")
         self.buffer = torch.empty(0, dtype=torch.uint8, device="cuda")
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+    def send(self, client: EngineClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
         """Pack into the CUDA buffer, post /update_weights with its IPC handle, return the engine's answer."""
         nbytes = _nbytes(tensors)
         if self.buffer.numel() < nbytes:

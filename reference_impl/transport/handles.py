@@ -70,7 +70,7 @@ def _close(shm: SharedMemory, who: str) -> None:
 
 
 class SharedMemoryBuffer:
-    """A producer-owned, reusable POSIX shared-memory segment for packed chunks.
+    """A producer-named, reusable POSIX shared-memory segment for packed chunks.
 
     Usage per chunk: `grow(n)`, `protocol.pack(tensors, out=buf.tensor(n))`, POST /update_weights with
     `handle(n)`, wait for its 200, repeat; `close()` at the end (it unlinks the segment).

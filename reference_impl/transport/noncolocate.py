@@ -23,7 +23,7 @@ from wsh_vllm_plugin.protocol import (
     pack,
 )
 
-from reference_impl.transport.client import UpdateClient
+from reference_impl.transport.client import EngineClient
 from reference_impl.transport.sync import SENDER
 
 
@@ -37,7 +37,7 @@ class BroadcastChannel:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-http")
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+    def send(self, client: EngineClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
         """Pack, post /update_weights in a thread, broadcast the bytes, return the engine's answer.
 
         Raises:
@@ -56,7 +56,7 @@ class BroadcastChannel:
         self.pool.shutdown(wait=True)
 
 
-def connect_broadcast(client: UpdateClient, timeout_s: float = DEFAULT_TIMEOUT_S) -> BroadcastChannel:
+def connect_broadcast(client: EngineClient, timeout_s: float = DEFAULT_TIMEOUT_S) -> BroadcastChannel:
     """Set up the non-colocate channel: host a TCPStore on 127.0.0.1, POST /init_weight_transfer_engine
     `InitInfo(backend="gloo", master_address, master_port, rank_offset=1, world_size=2, timeout_s)` in a
     thread (the engine answers once it joined) while this process joins the group as rank 0. Both sides

@@ -64,7 +64,7 @@ class SyncReport(BaseModel):
     convert, transfer, load)."""
 
     rank: int
-    mode: str = ""  # export mode that actually ran: "raw" | "bridge"
+    export_mode: str = ""  # export mode that actually ran: "raw" | "bridge"
     chunks_planned: int = 0
     chunks: list[ChunkRecord] = Field(default_factory=list)
     bytes: int = 0  # payload bytes sent in this sync
@@ -74,5 +74,5 @@ class SyncReport(BaseModel):
     names_accepted: list[str] = Field(default_factory=list)
     names_rejected: dict[str, str] = Field(default_factory=dict)  # HF name -> engine's reason (GENERIC_REJECTION)
     sent_checksums: dict[str, str] = Field(default_factory=dict)  # HF name -> checksum of sent bytes
-    engine_update_counts: dict[str, int] = Field(default_factory=dict)  # engine slot -> updates
+    engine_update_counts: dict[str, int] = Field(default_factory=dict)  # engine shard -> updates
     finished: bool = False  # /finish_weight_update answered 200

@@ -1,8 +1,8 @@
 """The chunk (bucket) plan of one sync, computed identically on every trainer rank.
 
 Tensors are taken in a fixed order (owner rank, then the owner's export order) and packed greedily:
-a chunk is closed before a tensor that would take it past `bucket_bytes`; a tensor larger than the
-bucket travels alone. `bucket_bytes=1` gives one tensor per chunk; a bucket at least the model's size
+a chunk is closed before a tensor that would take it past `chunk_bytes`; a tensor larger than the
+bucket travels alone. `chunk_bytes=1` gives one tensor per chunk; a bucket at least the model's size
 gives one chunk.
 """
 
@@ -40,23 +40,23 @@ class Chunk:
         return {t.owner for t in self.tensors}
 
 
-def plan_chunks(tensors: Sequence[TensorMeta], bucket_bytes: int) -> list[Chunk]:
+def plan_chunks(tensors: Sequence[TensorMeta], chunk_bytes: int) -> list[Chunk]:
     """Greedy chunk plan (see module doc).
 
     Raises:
-        ValueError: `bucket_bytes` < 1, or a name appears twice (two ranks own the same tensor).
+        ValueError: `chunk_bytes` < 1, or a name appears twice (two ranks own the same tensor).
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     seen: dict[str, int] = {}
     for t in tensors:
         if t.name in seen:
-            raise ValueError(f"{t.name} is owned by ranks {seen[t.name]} and {t.owner}; exactly one must send it")
+            raise ValueError(f"{t.name} is named by ranks {seen[t.name]} and {t.owner}; exactly one must send it")
         seen[t.name] = t.owner
     chunks: list[list[TensorMeta]] = []
     size = 0
     for t in tensors:
-        if chunks and chunks[-1] and size + t.nbytes <= bucket_bytes:
+        if chunks and chunks[-1] and size + t.nbytes <= chunk_bytes:
             chunks[-1].append(t)
             size += t.nbytes
         else:

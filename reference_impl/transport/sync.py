@@ -30,7 +30,7 @@ import torch.distributed as dist
 from wsh_vllm_plugin.protocol import SENDER_RANK, UpdateInfo, dtype_from_name, dtype_name
 
 from reference_impl.checksum import tensor_checksum
-from reference_impl.transport.client import EngineRejected, UpdateClient
+from reference_impl.transport.client import EngineClient, EngineRejected
 from reference_impl.transport.observed import GENERIC_REJECTION, ChunkRecord, SyncReport
 from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
 
@@ -42,7 +42,7 @@ class Channel(Protocol):
 
     backend: str  # init_info backend: "gloo" | "shm" | "cuda_ipc"
 
-    def send(self, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+    def send(self, client: EngineClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
         """Pack `tensors`, make the engine take them with POST /update_weights `info` (a channel adds its
         handle with `dataclasses.replace`), return the engine's answer.
 
@@ -56,9 +56,9 @@ class Channel(Protocol):
         ...
 
 
-def gather_metadata(owned: list[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[TensorMeta]:
-    """Every rank's owned tensors as `TensorMeta`, ordered by owner rank then export order."""
-    mine = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank) for n, t in owned]
+def gather_metadata(named: list[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[TensorMeta]:
+    """Every rank's named tensors as `TensorMeta`, ordered by owner rank then export order."""
+    mine = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank) for n, t in named]
     if world_size == 1:
         return mine
     everyone: list[list[TensorMeta] | None] = [None] * world_size
@@ -70,20 +70,20 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def send_owned(plan: list[Chunk], owned: dict[str, torch.Tensor], rank: int) -> None:
+def hand_off(plan: list[Chunk], named: dict[str, torch.Tensor], rank: int) -> None:
     """Non-sender ranks: hand this rank's tensors of each chunk to the sender, in plan order."""
     for chunk in plan:
         for meta in chunk.tensors:
             if meta.owner == rank:
-                dist.send(_as_bytes(owned[meta.name]), dst=SENDER)
+                dist.send(_as_bytes(named[meta.name]), dst=SENDER)
 
 
-def collect_chunk(chunk: Chunk, owned: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def collect(chunk: Chunk, named: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Sender: the chunk's tensors, local ones as they are, others received from their owners."""
     out = []
     for meta in chunk.tensors:
         if meta.owner == SENDER:
-            out.append(owned[meta.name])
+            out.append(named[meta.name])
         else:
             buf = torch.empty(meta.nbytes, dtype=torch.uint8)
             dist.recv(buf, src=meta.owner)
@@ -91,7 +91,7 @@ def collect_chunk(chunk: Chunk, owned: dict[str, torch.Tensor]) -> list[torch.Te
     return out
 
 
-def send_chunk(channel: Channel, client: UpdateClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+def send_chunk(channel: Channel, client: EngineClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
     """The sender hands one chunk to its channel and returns the engine's answer to it (a seam:
     `reference_impl.seams`).
 
@@ -128,13 +128,13 @@ def names_rejected(names: list[str], rejected: EngineRejected) -> dict[str, str]
 
 def run_sync(
     *,
-    owned: list[tuple[str, torch.Tensor]],
+    named: list[tuple[str, torch.Tensor]],
     rank: int,
     world_size: int,
-    bucket_bytes: int,
+    chunk_bytes: int,
     sync_index: int,
     weight_version: int,
-    client: UpdateClient | None,
+    client: EngineClient | None,
     channel: Channel | None,
     keep: dict[str, torch.Tensor] | None = None,
 ) -> tuple[SyncReport, list[Chunk]]:
@@ -146,11 +146,11 @@ def run_sync(
     wall time less that wait, less checksum time and less the engine's reported load time (`load`).
     """
     res = SyncReport(rank=rank)
-    metas = gather_metadata(owned, rank, world_size)
-    plan = plan_chunks(metas, bucket_bytes)
-    by_name = dict(owned)
+    metas = gather_metadata(named, rank, world_size)
+    plan = plan_chunks(metas, chunk_bytes)
+    by_name = dict(named)
     if rank != SENDER:
-        send_owned(plan, by_name, rank)
+        hand_off(plan, by_name, rank)
         return res, plan
     assert client is not None and channel is not None, "the sender needs the engine client and a channel"
     t_recv = t_sum = t_load = 0.0
@@ -160,7 +160,7 @@ def run_sync(
         client.start(sync_index, weight_version)
     for chunk in plan:
         t0 = time.perf_counter()
-        tensors = collect_chunk(chunk, by_name)
+        tensors = collect(chunk, by_name)
         t1 = time.perf_counter()
         info = update_info(chunk)
         entry = ChunkRecord(index=chunk.index, names=info.names, bytes=chunk.nbytes, sent=True)

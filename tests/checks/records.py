@@ -1,7 +1,7 @@
 """Run records for the check tests: one that passes every check, and the mutations the engines make.
 
 `make_record()` is a small embedded-engine record (2 syncs of 2 chunks over 3 names, then a re-sync of
-unchanged weights) that passes every check; `vllm_record()` is the same as vLLM reports it (no slots,
+unchanged weights) that passes every check; `vllm_record()` is the same as vLLM reports it (no shards,
 counts or HF-name engine checksums). `reject_chunk` makes the engine refuse one chunk the way the sender
 records it: the call's status and `Rejection`s (what the engine's parser returns), the sync stopped there,
 and `names_rejected` as `transport.sync.names_rejected` fills it.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
 from harness.record import ChunkRecord, HttpCall, RunRecord, SyncRecord
+from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.transport.client import EngineRejected
 from reference_impl.transport.observed import Rejection, RejectionKind
@@ -29,7 +30,7 @@ def _sync(s: int, checkpoint: dict[str, str], mode: str) -> SyncRecord:
     return SyncRecord(
         index=s,
         weight_version=s + 1,
-        mode=mode,
+        export_mode=mode,
         chunks_planned=2,
         chunks_sent=2,
         chunks_received=2,
@@ -75,40 +76,23 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
     last = sync_records[-1].sent_checksums
     return RunRecord(
         scenario_id=scenario_id,
-        scenario={
-            "id": scenario_id,
-            "model": "qwen3",
-            "tp": 1,
-            "pp": 1,
-            "ep": 1,
-            "etp": 1,
-            "colocate": False,
-            "mode": mode,
-            "engine": "embedded",
-            "syncs": syncs,
-            "bucket_bytes": 1024,
-            "dtype": "float32",
-            "seed": 0,
-            "tags": [],
-            "expect": "PASS",
-            "fault": None,
-        },
+        scenario=Scenario(model="qwen3", export_mode=mode, syncs=syncs, chunk_bytes=1024, seed=0),
         http=http,
         syncs=sync_records,
-        requested_mode=mode,
+        requested_export_mode=mode,
         checkpoint_checksums=dict(checkpoint),
-        engine_slots=list(NAMES),
+        engine_shards=list(NAMES),
         cross_mode_checksums={"raw": dict(last), "bridge": dict(last)},
         logprob_budget=dict(LOGPROB_BUDGETS["float32"]),
     )
 
 
 def vllm_record() -> RunRecord:
-    """`make_record()` as vLLM reports it: no slots, counts or HF-name engine checksums."""
+    """`make_record()` as vLLM reports it: no shards, counts or HF-name engine checksums."""
     rec = make_record()
-    rec.scenario["engine"] = "vllm"
+    rec.scenario.engine = "vllm"
     rec.engine_capabilities = engine_kind("vllm").capabilities
-    rec.engine_slots = []
+    rec.engine_shards = []
     for s in rec.syncs:
         s.engine_checksums = {}
         s.engine_update_counts = {}

@@ -1,4 +1,4 @@
-"""Names (every name sent could be placed) and coverage (every engine slot updated exactly once)."""
+"""Names (every name sent could be placed) and coverage (every engine shard updated exactly once)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def test_name_rejection_from_vllm_names_the_hf_name_and_quotes_vllms_words() -> 
 
 
 def test_first_name_problem_is_the_first_answers(record: RunRecord) -> None:
-    reject_chunk(record, 0, 1, 400, [rejection(NAMES[2], "shape", "[2] != [4]"), rejection(VISION, "name", "no slot")])
+    reject_chunk(record, 0, 1, 400, [rejection(NAMES[2], "shape", "[2] != [4]"), rejection(VISION, "name", "no shard")])
     message = check_names(record).message
-    assert message == f"sync 0 chunk 1: engine cannot place name '{VISION}' (/update_weights status 400: no slot)"
+    assert message == f"sync 0 chunk 1: engine cannot place name '{VISION}' (/update_weights status 400: no shard)"
 
 
 def test_dtype_and_shape_rejections_are_not_name_errors(record: RunRecord) -> None:
@@ -56,8 +56,8 @@ def test_generic_chunk_rejection_alone_is_not_a_name_error() -> None:
 
 
 def test_names_rejected_without_an_answer_of_another_kind_is_name_error(record: RunRecord) -> None:
-    record.syncs[1].names_rejected = {VISION: "no slot for this name"}
-    assert verdict_of(record) == ("NAME_ERROR", f"sync 1: engine rejected name '{VISION}': no slot for this name")
+    record.syncs[1].names_rejected = {VISION: "no shard for this name"}
+    assert verdict_of(record) == ("NAME_ERROR", f"sync 1: engine rejected name '{VISION}': no shard for this name")
 
 
 def test_names_rejected_of_another_kind_in_that_sync_is_not_name_error(record: RunRecord) -> None:
@@ -106,28 +106,28 @@ def test_vllm_200_for_a_name_the_checkpoint_lacks_is_name_error() -> None:
     assert message.startswith(f"sync 1: engine answered 200 for '{extra}', which the checkpoint does not have")
 
 
-def test_slot_updated_twice_is_coverage_gap(record: RunRecord) -> None:
+def test_shard_updated_twice_is_coverage_gap(record: RunRecord) -> None:
     record.syncs[1].engine_update_counts[NAMES[1]] = 2
     assert verdict_of(record) == (
         "COVERAGE_GAP",
-        f"sync 1: engine slot '{NAMES[1]}' updated 2 times, expected exactly once",
+        f"sync 1: engine shard '{NAMES[1]}' updated 2 times, expected exactly once",
     )
 
 
-def test_slots_never_updated_is_coverage_gap(record: RunRecord) -> None:
+def test_shards_never_updated_is_coverage_gap(record: RunRecord) -> None:
     del record.syncs[0].engine_update_counts[NAMES[2]]
     del record.syncs[0].engine_update_counts[NAMES[0]]
     result = check_coverage(record)
     assert result.failed
-    assert result.message == f"sync 0: engine slot '{NAMES[0]}' never updated, expected exactly once (+1 more slots)"
+    assert result.message == f"sync 0: engine shard '{NAMES[0]}' never updated, expected exactly once (+1 more shards)"
 
 
-def test_coverage_skipped_without_slots_or_counts(record: RunRecord) -> None:
-    record.engine_slots = []
+def test_coverage_skipped_without_shards_or_counts(record: RunRecord) -> None:
+    record.engine_shards = []
     for s in record.syncs:
         s.engine_update_counts = {}
     result = check_coverage(record)
-    assert result.skipped and "no engine slots" in result.reason
+    assert result.skipped and "no engine shards" in result.reason
 
 
 def test_vllm_record_coverage_from_names_sent() -> None:

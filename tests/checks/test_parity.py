@@ -86,19 +86,19 @@ def test_cross_mode_skipped_when_absent(record: RunRecord) -> None:
 
 
 def test_mode_mismatch_is_parity_fail(record: RunRecord) -> None:
-    record.syncs[1].mode = "raw"
+    record.syncs[1].export_mode = "raw"
     assert verdict_of(record) == ("PARITY_FAIL", "requested mode bridge but raw ran (sync 1)")
 
 
 def test_group_members_with_identical_weights_pass(record: RunRecord) -> None:
-    other = record.model_copy(deep=True, update={"scenario_id": "m/tp1-pp1/noncolocate/raw/bucket-1"})
+    other = record.model_copy(deep=True, update={"scenario_id": "m/tp1-pp1/noncolocate/raw/chunk-1"})
     assert group_differences([record, other]) == []
     record.group_members = [other.scenario_id]
     assert judge(record)[0] == "PASS"
 
 
 def test_group_member_with_different_weights_is_parity_fail(record: RunRecord) -> None:
-    other = record.model_copy(deep=True, update={"scenario_id": "m/tp1-pp1/noncolocate/raw/bucket-1"})
+    other = record.model_copy(deep=True, update={"scenario_id": "m/tp1-pp1/noncolocate/raw/chunk-1"})
     name = sorted(other.syncs[-1].engine_checksums)[0]
     other.syncs[-1].engine_checksums[name] = "f" * 32
     other.syncs[1].engine_logprobs = [[-1.0, -2.5]]

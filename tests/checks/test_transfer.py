@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from harness.checks import check_chunks, check_crash, check_http_status, check_syncs_ran, judge
 from harness.record import ErrorRecord, RunRecord
+from harness.scenario import Scenario
 
 from .records import NAMES, reject_chunk, rejection, verdict_of, vllm_record
 
 
 def test_config_error_and_nothing_ran_is_explained() -> None:
-    bad = RunRecord(scenario_id="x", scenario={"id": "x", "syncs": 2}, config_error="PP=3 does not divide 28 layers")
+    bad = RunRecord(
+        scenario_id="x", scenario=Scenario(model="qwen3", syncs=2), config_error="PP=3 does not divide 28 layers"
+    )
     assert verdict_of(bad) == ("CONFIG_ERROR", "invalid scenario: PP=3 does not divide 28 layers")
     results = {r.name: r for r in judge(bad)[1]}
     assert results["syncs_ran"].skipped and "CONFIG_ERROR" in results["syncs_ran"].reason

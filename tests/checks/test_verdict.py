@@ -72,9 +72,9 @@ def test_priority_name_over_http_over_chunks(record: RunRecord) -> None:
 
 
 def test_expectation_met_uses_scenario_expect(record: RunRecord) -> None:
-    record.scenario["expect"] = "CHUNK_MISMATCH"
+    record.scenario.expect = "CHUNK_MISMATCH"
     assert expected_verdict(record) == "CHUNK_MISMATCH"
     assert not expectation_met(record, "PASS")
     assert expectation_met(record, "CHUNK_MISMATCH")
-    del record.scenario["expect"]
+    record.scenario.expect = "PASS"
     assert expectation_met(record, "PASS")

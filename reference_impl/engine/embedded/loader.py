@@ -2,16 +2,16 @@
 
 The engine holds the checkpoint's architecture (built from its `config.json`) filled with its own
 seeded dummy weights (`models.hf_model.build_engine_model`), so a sync that moves nothing cannot pass
-(README "One scenario", step 3). Its *slots* are checkpoint tensors: one per HF checkpoint name (what
+(README "One scenario", step 3). Its *shards* are checkpoint tensors: one per HF checkpoint name (what
 the trainer sends, in the checkpoint's layout), placed into a writable view of a transformers
 parameter (`models.checkpoint_views`, by the family's view rules: identity for ordinary parameters,
 per-expert slices or a transpose of the fused MoE experts) and spoken of in vLLM terms,
 `(vllm_param_name, shard_id)` (`models.vllm_names`, by the family's name table). A tied
-`lm_head.weight` is not a slot.
+`lm_head.weight` is not a shard.
 
 `EngineLoader.load` is stricter than vLLM's `load_weights`: it validates a whole chunk first and
 rejects it atomically (nothing copied) when any name cannot be placed, any shape differs from its
-slot's, or any dtype differs from the engine's parameter dtype. vLLM raises on unknown names
+shard's, or any dtype differs from the engine's parameter dtype. vLLM raises on unknown names
 (`KeyError`/`ValueError` in `qwen2.py`/`utils.py` `AutoWeightsLoader`) but silently skips a tied
 `lm_head.weight` and casts other dtypes with only a warning; we report both (README "Verdicts").
 A fused expert tensor in the wrong orientation is a shape rejection naming the expected layout (vLLM
@@ -54,8 +54,8 @@ class LoadRejected(Exception):
 
 
 @dataclass(frozen=True)
-class Slot:
-    """One engine slot: checkpoint tensor `hf_name` placed at `target` (vLLM name, shard).
+class EngineShard:
+    """One engine shard: checkpoint tensor `hf_name` placed at `target` (vLLM name, shard).
 
     `tensor` says which view of which transformers parameter holds it; `shape` is the checkpoint
     tensor's shape (the view's), `dtype` the parameter's.
@@ -69,7 +69,7 @@ class Slot:
 
     @property
     def layout(self) -> str:
-        """The checkpoint layout the slot expects, in words ("" for a plain parameter)."""
+        """The checkpoint layout the shard expects, in words ("" for a plain parameter)."""
         return self.tensor.layout
 
 
@@ -78,19 +78,19 @@ class EngineLoader:
 
     Args:
         model: the transformers model whose parameters are the engine's weights.
-        family: its family key (a `model_type` of `models.families.FAMILIES`).
+        model_type: its `model_type` (a key of `models.families.FAMILIES`).
 
     Raises:
-        KeyError: an unknown family.
-        RuntimeError: a checkpoint tensor of `model` maps to no vLLM parameter, two map to one slot (the
+        KeyError: a model_type without a model family.
+        RuntimeError: a checkpoint tensor of `model` maps to no vLLM parameter, two map to one shard (the
             name table is out of date with transformers), a view rule is broken, or the model has
-            state (buffers) save_pretrained would write that no slot could receive.
+            state (buffers) save_pretrained would write that no shard could receive.
     """
 
-    def __init__(self, model: torch.nn.Module, family: str) -> None:
+    def __init__(self, model: torch.nn.Module, model_type: str) -> None:
         self.model = model
-        self.family = family
-        fam = model_family(family)
+        self.model_type = model_type
+        fam = model_family(model_type)
         self.names = fam.names  # vLLM name rules (`models.vllm_names`)
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())  # deduplicated
         state = model.state_dict(keep_vars=True)
@@ -102,43 +102,43 @@ class EngineLoader:
         }
         unsent = [n for n, t in state.items() if not isinstance(t, torch.nn.Parameter)]
         if unsent:
-            raise RuntimeError(f"{family} model has buffers in its state dict that no slot receives: {unsent[:3]}")
-        self.slots: dict[str, Slot] = {}
+            raise RuntimeError(f"{model_type} model has buffers in its state dict that no shard receives: {unsent[:3]}")
+        self.shards: dict[str, EngineShard] = {}
         seen: dict[VllmTarget, str] = {}
         for hf_name, ct in checkpoint_tensors(fam.views, self.params).items():
             target = hf_to_vllm(self.names, hf_name)
             if not is_vllm_param(self.names, target.name):
-                raise RuntimeError(f"{hf_name} maps to {target.name}, which is not a {family} vLLM parameter")
+                raise RuntimeError(f"{hf_name} maps to {target.name}, which is not a {model_type} vLLM parameter")
             if target in seen:
-                raise RuntimeError(f"{hf_name} and {seen[target]} both map to slot {target.slot}")
+                raise RuntimeError(f"{hf_name} and {seen[target]} both map to shard {target.key}")
             seen[target] = hf_name
             p = self.params[ct.param]
-            self.slots[hf_name] = Slot(hf_name, target, tuple(ct.view(p).shape), p.dtype, ct)
-        # vLLM parameter name -> its slots, for messages about names that map to a shard no slot has.
-        self.shards: dict[str, list[Slot]] = {}
-        for slot in self.slots.values():
-            self.shards.setdefault(slot.target.name, []).append(slot)
+            self.shards[hf_name] = EngineShard(hf_name, target, tuple(ct.view(p).shape), p.dtype, ct)
+        # vLLM parameter name -> its shards, for messages about names that map to a shard no shard has.
+        self.shards: dict[str, list[EngineShard]] = {}
+        for shard in self.shards.values():
+            self.shards.setdefault(shard.target.name, []).append(shard)
         self.counts: dict[str, int] = {}
         self.reset_counts()
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Path, seed: int) -> EngineLoader:
         """A loader over `checkpoint`'s architecture with dummy weights of `seed` (`build_engine_model`)."""
-        model, family = build_engine_model(checkpoint, seed)
-        return cls(model, family)
+        model, model_type = build_engine_model(checkpoint, seed)
+        return cls(model, model_type)
 
-    def slot_strings(self) -> list[str]:
-        """Every slot as `vllm_name[shard]` (or `vllm_name`), in the model's parameter order."""
-        return [s.target.slot for s in self.slots.values()]
+    def shard_ids(self) -> list[str]:
+        """Every shard as `vllm_name[shard]` (or `vllm_name`), in the model's parameter order."""
+        return [s.target.key for s in self.shards.values()]
 
     def reset_counts(self) -> None:
-        """Set every slot's update count to 0 (at the start of an update session)."""
-        self.counts = dict.fromkeys(self.slot_strings(), 0)
+        """Set every shard's update count to 0 (at the start of an update session)."""
+        self.counts = dict.fromkeys(self.shard_ids(), 0)
 
     def validate(
         self, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]
     ) -> tuple[dict[str, str], dict[str, str]]:
-        """Check a chunk's declared metadata against the slots; loads nothing.
+        """Check a chunk's declared metadata against the shards; loads nothing.
 
         Returns:
             (rejected, kinds): HF name -> reason and HF name -> "name" | "shape" | "dtype"; both empty
@@ -156,7 +156,7 @@ class EngineLoader:
 
         check_lengths(names, dtype_names, shapes)
         for name, dname, shape in zip(names, dtype_names, shapes, strict=True):
-            slot = self.slots.get(name)
+            shard = self.shards.get(name)
             if name in self.tied:
                 reject(
                     name,
@@ -164,19 +164,19 @@ class EngineLoader:
                     f"tied to {self.tied[name]} (tie_word_embeddings) so it is not an engine parameter; "
                     "vLLM would skip it silently; do not send it, send the embedding only",
                 )
-            elif slot is None:
+            elif shard is None:
                 reject(name, "name", self._unknown_name_reason(name))
             elif dname not in DTYPE_NAMES:
-                reject(name, "dtype", f"unknown dtype name {dname!r}; expected {dtype_name(slot.dtype)!r}")
-            elif DTYPE_NAMES[dname] != slot.dtype:
+                reject(name, "dtype", f"unknown dtype name {dname!r}; expected {dtype_name(shard.dtype)!r}")
+            elif DTYPE_NAMES[dname] != shard.dtype:
                 reject(
                     name,
                     "dtype",
-                    f"declared dtype {dname} but the engine parameter {slot.target.slot} is "
-                    f"{dtype_name(slot.dtype)}; send {dtype_name(slot.dtype)}",
+                    f"declared dtype {dname} but the engine parameter {shard.target.key} is "
+                    f"{dtype_name(shard.dtype)}; send {dtype_name(shard.dtype)}",
                 )
-            elif tuple(int(d) for d in shape) != slot.shape:
-                reject(name, "shape", self._shape_reason(slot, shape))
+            elif tuple(int(d) for d in shape) != shard.shape:
+                reject(name, "shape", self._shape_reason(shard, shape))
         return rejected, kinds
 
     def _unknown_name_reason(self, name: str) -> str:
@@ -184,22 +184,22 @@ class EngineLoader:
         known = self.shards.get(target.name)
         if not known:
             return (
-                f"not a {self.family} checkpoint parameter of this engine (maps to vLLM name {target.name}, "
-                "which the engine has no slot for); send HF checkpoint names"
+                f"not a {self.model_type} checkpoint parameter of this engine (maps to vLLM name {target.name}, "
+                "which the engine has no shard for); send HF checkpoint names"
             )
         first, last = known[0], known[-1]
         return (
-            f"not a {self.family} checkpoint tensor of this engine: it maps to vLLM slot {target.slot}, but the "
+            f"not a {self.model_type} checkpoint tensor of this engine: it maps to vLLM shard {target.key}, but the "
             f"engine fills {target.name} from {len(known)} checkpoint tensor(s), {first.hf_name} "
             f"[{first.target.shard}]" + (f" .. {last.hf_name} [{last.target.shard}]" if len(known) > 1 else "")
         )
 
     @staticmethod
-    def _shape_reason(slot: Slot, shape: Sequence[int]) -> str:
+    def _shape_reason(shard: EngineShard, shape: Sequence[int]) -> str:
         got = [int(d) for d in shape]
-        layout = f" ({slot.layout})" if slot.layout else ""
-        reason = f"shape {got} but the engine slot {slot.target.slot} expects {list(slot.shape)}{layout}"
-        if len(got) >= 2 and got[:-2] + got[-2:][::-1] == list(slot.shape):
+        layout = f" ({shard.layout})" if shard.layout else ""
+        reason = f"shape {got} but the engine shard {shard.target.key} expects {list(shard.shape)}{layout}"
+        if len(got) >= 2 and got[:-2] + got[-2:][::-1] == list(shard.shape):
             reason += "; the last two dims are swapped (the other orientation): transpose them before sending"
         return reason
 
@@ -210,9 +210,9 @@ class EngineLoader:
         shapes: Sequence[Sequence[int]],
         tensors: Sequence[torch.Tensor],
     ) -> None:
-        """Validate one chunk as a whole, then copy every tensor into its parameter and count the slot.
+        """Validate one chunk as a whole, then copy every tensor into its parameter and count the shard.
 
-        Each tensor is copied into its slot's view of a transformers parameter (see `models.checkpoint_views`).
+        Each tensor is copied into its shard's view of a transformers parameter (see `models.checkpoint_views`).
 
         Args:
             names: HF checkpoint names, in chunk order.
@@ -228,35 +228,35 @@ class EngineLoader:
         if len(tensors) != len(names):
             raise ValueError(f"{len(tensors)} tensors for {len(names)} names")
         for name, t in zip(names, tensors, strict=True):
-            slot = self.slots.get(name)
-            if slot is None or name in rejected:
+            shard = self.shards.get(name)
+            if shard is None or name in rejected:
                 continue
-            if t.dtype != slot.dtype:
+            if t.dtype != shard.dtype:
                 rejected[name], kinds[name] = (
-                    f"received {dtype_name(t.dtype)} data but the engine parameter is {dtype_name(slot.dtype)}",
+                    f"received {dtype_name(t.dtype)} data but the engine parameter is {dtype_name(shard.dtype)}",
                     "dtype",
                 )
-            elif tuple(t.shape) != slot.shape:
-                rejected[name], kinds[name] = "received " + self._shape_reason(slot, t.shape), "shape"
+            elif tuple(t.shape) != shard.shape:
+                rejected[name], kinds[name] = "received " + self._shape_reason(shard, t.shape), "shape"
         if rejected:
             raise LoadRejected(rejected, kinds)
         with torch.no_grad():
             for name, t in zip(names, tensors, strict=True):
-                slot = self.slots[name]
-                self.view(slot).copy_(t)
-                self.counts[slot.target.slot] += 1
+                shard = self.shards[name]
+                self.view(shard).copy_(t)
+                self.counts[shard.target.key] += 1
 
-    def view(self, slot: Slot) -> torch.Tensor:
-        """The writable view of the engine's parameter that holds `slot`'s checkpoint tensor."""
-        return slot.tensor.view(self.params[slot.tensor.param])
+    def view(self, shard: EngineShard) -> torch.Tensor:
+        """The writable view of the engine's parameter that holds `shard`'s checkpoint tensor."""
+        return shard.tensor.view(self.params[shard.tensor.param])
 
     def checksums(self) -> dict[str, str]:
-        """Checkpoint name -> `tensor_checksum` of every slot, over its view made contiguous.
+        """Checkpoint name -> `tensor_checksum` of every shard, over its view made contiguous.
 
         In checkpoint names and layout: equal, bit for bit, to the checksums of the checkpoint's
-        safetensors tensors after a full sync of them (tied aliases are no slots and not listed).
+        safetensors tensors after a full sync of them (tied aliases are no shards and not listed).
         """
-        return {n: tensor_checksum(self.view(slot)) for n, slot in self.slots.items()}
+        return {n: tensor_checksum(self.view(shard)) for n, shard in self.shards.items()}
 
     def reset_weights(self) -> None:
         """Zero every parameter (vLLM `/weight_checker {"action": "reset"}`)."""
@@ -265,5 +265,5 @@ class EngineLoader:
                 p.zero_()
 
     def total_bytes(self) -> int:
-        """Bytes of all slots (what one full sync moves)."""
-        return sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in self.slots.values())
+        """Bytes of all shards (what one full sync moves)."""
+        return sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in self.shards.values())

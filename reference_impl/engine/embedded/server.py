@@ -32,13 +32,13 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
   the shared buffer, copied by the load, dropped before the handle is closed). A missing, malformed or
   unopenable handle is a 400 naming the chunk (kind "bytes"); so is a handle under backend gloo (nothing
   is broadcast-received then: a sender that passes handles does not broadcast).
-- POST /finish_weight_update `{"weight_version": v}` -> `{"weight_version", "update_counts": {slot:
-  n for every slot}, "load_s"}`. A slot is one checkpoint tensor, keyed by its vLLM target string
+- POST /finish_weight_update `{"weight_version": v}` -> `{"weight_version", "update_counts": {shard:
+  n for every shard}, "load_s"}`. A shard is one checkpoint tensor, keyed by its vLLM target string
   (`vllm_name` or `vllm_name[shard]`, e.g. `model.layers.0.mlp.experts.routed_experts.w13_weight[3:w1]`); a full sync
-  counts every slot exactly once.
-- POST /weight_checker `{"action": "checksum" | "slots" | "reset" | "compare", "baseline"?}`: "checksum"
-  -> `{"checksums": {checkpoint_name: checksum}}` over each slot's view of the engine's parameters in the
-  checkpoint's layout (equal to the safetensors tensors' after a full sync); "slots" -> the slot strings;
+  counts every shard exactly once.
+- POST /weight_checker `{"action": "checksum" | "shards" | "reset" | "compare", "baseline"?}`: "checksum"
+  -> `{"checksums": {checkpoint_name: checksum}}` over each shard's view of the engine's parameters in the
+  checkpoint's layout (equal to the safetensors tensors' after a full sync); "shards" -> the shard strings;
   "compare" compares the checksums with `baseline` (checkpoint names).
 - POST /v1/completions `{"prompt": [token ids], "max_tokens": 0|1, "temperature", "prompt_logprobs",
   "logprobs", "multi_modal_data": {"image": data URL}}` -> vLLM's `CompletionResponse` with
@@ -58,7 +58,7 @@ tied `lm_head.weight` and a dtype mismatch are errors where vLLM skips / casts s
 vLLM plugin refuses a dtype mismatch too); errors are 4xx with `{"detail": {"rejected", "kinds"}}`
 where vLLM answers 500 with the worker's exception text ("Call to collective_rpc method failed ...");
 answers carry counts and load times where vLLM's carry only `{"message"}`. `harness.checks` reads
-both kinds of answer (tests/test_same_verdicts.py sends the same bad inputs to both engines).
+both kinds of answer (tests/test_vllm_engine.py sends the same bad inputs to both engines).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class FinishRequest(BaseModel):
 
 
 class CheckerRequest(BaseModel):
-    action: Literal["checksum", "slots", "reset", "compare"]
+    action: Literal["checksum", "shards", "reset", "compare"]
     baseline: dict[str, str] | None = None
 
 
@@ -375,8 +375,8 @@ def create_app(
     @app.post("/weight_checker")
     def weight_checker(req: CheckerRequest) -> dict[str, Any]:
         with st.lock:
-            if req.action == "slots":
-                return {"slots": st.loader.slot_strings()}
+            if req.action == "shards":
+                return {"shards": st.loader.shard_ids()}
             if req.action == "reset":
                 st.loader.reset_weights()
                 return {"status": "reset"}

@@ -36,14 +36,14 @@ class VllmEngine(EngineKind):
     # An engine core that profiles memory and warms up: 18-55 s on 2 shared cores, much more under load.
     start_timeout_s = 900.0
     note = (
-        "engine vllm: no per-slot update counts or HF-name checksums (vLLM answers {message}; its "
+        "engine vllm: no per-shard update counts or HF-name checksums (vLLM answers {message}; its "
         "/weight_checker keys are vLLM names and cannot see prepacked linear weights on CPU): coverage is "
         "judged from the names sent against the checkpoint, engine-side parity from log-probs"
     )
 
     def validate(self, request: EngineRequest) -> str | None:
         """What keeps `request` from running on real vLLM on this host (None when nothing does)."""
-        config = request.model.facts()
+        config = request.model.model_config()
         if not request.logprobs:
             return (
                 "engine vllm needs logprobs: true: vLLM reports no per-tensor checksums in HF names, so log-prob "

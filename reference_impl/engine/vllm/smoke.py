@@ -37,7 +37,7 @@ from wsh_vllm_plugin.protocol import UpdateInfo, dtype_name, pack
 
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import free_port
-from reference_impl.transport.client import EngineRejected, UpdateClient
+from reference_impl.transport.client import EngineClient, EngineRejected
 from reference_impl.transport.noncolocate import connect_broadcast
 from reference_impl.transport.sync import run_sync
 
@@ -93,7 +93,7 @@ def wait_health(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> fl
     raise RuntimeError(f"no /health 200 within {timeout_s}s")
 
 
-def prompt_logprobs(client: UpdateClient) -> list[float]:
+def prompt_logprobs(client: EngineClient) -> list[float]:
     body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
     try:
         answer = client._post("/v1/completions", body)
@@ -142,7 +142,7 @@ def main() -> int:
     t0 = time.perf_counter()
     proc = start_server(args.vllm_python, ckpt, port, Path(args.log))
     report["server_pid"] = proc.pid
-    client = UpdateClient(url, timeout_s=300, parse_rejections=engine_kind("vllm").parse_rejections)
+    client = EngineClient(url, timeout_s=300, parse_rejections=engine_kind("vllm").parse_rejections)
     try:
         report["health_s"] = round(wait_health(url, proc, args.health_timeout), 1)
         report["world_size"] = httpx.get(url + "/get_world_size").json()
@@ -177,7 +177,7 @@ def main() -> int:
 
         # Sync B: the whole checkpoint through the harness's run_sync + BroadcastChannel (one chunk).
         t_b = time.perf_counter()
-        res, plan = run_sync(owned=list(weights.items()), rank=0, world_size=1, bucket_bytes=64 << 20,
+        res, plan = run_sync(named=list(weights.items()), rank=0, world_size=1, chunk_bytes=64 << 20,
                              sync_index=1, weight_version=1, client=client, channel=channel)  # fmt: skip
         report["sync_b_s"] = round(time.perf_counter() - t_b, 3)
         report["sync_b_chunks"] = len(plan)
@@ -199,7 +199,7 @@ def main() -> int:
         gen = torch.Generator().manual_seed(7)
         perturbed = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in weights.items()}
         t_c = time.perf_counter()
-        res, plan = run_sync(owned=list(perturbed.items()), rank=0, world_size=1, bucket_bytes=20_000,
+        res, plan = run_sync(named=list(perturbed.items()), rank=0, world_size=1, chunk_bytes=20_000,
                              sync_index=2, weight_version=2, client=client, channel=channel)  # fmt: skip
         if not res.finished:
             client.finish(2, "2")  # type: ignore[arg-type]
@@ -214,7 +214,7 @@ def main() -> int:
         # Sync D: a chunk with a name vLLM cannot place; the receive-first engine must answer (no hang).
         bad = {"model.layers.0.self_attn.no_such.weight": weights["model.norm.weight"]}
         t_d = time.perf_counter()
-        res, _ = run_sync(owned=list(bad.items()), rank=0, world_size=1, bucket_bytes=64 << 20,
+        res, _ = run_sync(named=list(bad.items()), rank=0, world_size=1, chunk_bytes=64 << 20,
                           sync_index=3, weight_version=3, client=client, channel=channel)  # fmt: skip
         report["sync_d_s"] = round(time.perf_counter() - t_d, 3)
         report["sync_d_rejected"] = {k: v[:300] for k, v in res.names_rejected.items()}
@@ -223,7 +223,7 @@ def main() -> int:
         except EngineRejected as e:
             report["after_bad_logprobs"] = f"{e}"[:300]
         # Recovery: a full sync of the checkpoint after the failed one.
-        res, _ = run_sync(owned=list(weights.items()), rank=0, world_size=1, bucket_bytes=64 << 20,
+        res, _ = run_sync(named=list(weights.items()), rank=0, world_size=1, chunk_bytes=64 << 20,
                           sync_index=4, weight_version=4, client=client, channel=channel)  # fmt: skip
         if not res.finished:
             with contextlib.suppress(EngineRejected):

@@ -1,5 +1,5 @@
 """The model families, one file each (`<model_type>.py` defines `FAMILY`, a `ModelFamily`), and their
-registry keyed by transformers `config.model_type` (also the `family:` of a model entry).
+registry keyed by transformers `config.model_type` (also the `model_type:` of a model entry).
 
 Adding a family: add its file and one line to `FAMILIES` below (README, "Adding a model family").
 """

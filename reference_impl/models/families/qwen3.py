@@ -81,7 +81,7 @@ QWEN3_DECODER = (
 )
 
 NAMES = FamilyNames(
-    family="qwen3",
+    model_type="qwen3",
     renames=(),  # Qwen3ForCausalLM's vLLM module tree has the HF names
     stacked=stacked_rules("model."),
     experts=(),

@@ -47,7 +47,7 @@ QWEN3_MOE_BLOCK = (
 )
 
 NAMES = FamilyNames(
-    family="qwen3_moe",
+    model_type="qwen3_moe",
     renames=(),  # Qwen3MoeForCausalLM's vLLM module tree has the HF names
     # Qwen3MoeModel.hf_to_vllm_mapper (qwen3_moe.py): q/k/v -> qkv_proj, dense .mlp.gate_proj/up_proj ->
     # gate_up_proj ("experts.gate_up_proj must be handled by MoERunner.load_weights").
@@ -82,7 +82,7 @@ def check_scale_down(spec: ModelSpec, real: ModelSpec) -> list[str]:
     count (EP 2) >= experts per token, the moe_intermediate_size / hidden_size ratio, and the dense/sparse
     layer pattern (decoder_sparse_step, mlp_only_layers). Empty when all are kept."""
     problems: list[str] = []
-    f, r = spec.facts(), real.facts()
+    f, r = spec.model_config(), real.model_config()
     if f.experts_per_token != r.experts_per_token:
         problems.append(f"experts per token {f.experts_per_token} differs from real {r.experts_per_token}")
     if f.num_experts % 2 or f.num_experts < f.experts_per_token:

@@ -77,7 +77,7 @@ QWEN3_VL_RENAMES = (
 )
 
 NAMES = FamilyNames(
-    family="qwen3_vl",
+    model_type="qwen3_vl",
     # Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (vllm/model_executor/models/qwen3_vl.py).
     renames=QWEN3_VL_RENAMES,
     # The language model is Qwen3LLMForCausalLM (a Qwen3ForCausalLM) at `language_model.`.
@@ -98,7 +98,7 @@ def check_scale_down(spec: ModelSpec, real: ModelSpec) -> list[str]:
     vision depth >= 2 holding every deepstack index, mRoPE sections in the real proportion summing to
     head_dim/2, special token ids inside the vocabulary. Empty when all are kept."""
     problems: list[str] = []
-    f, r = spec.facts(), real.facts()
+    f, r = spec.model_config(), real.model_config()
     v, rv = spec.config["vision_config"], spec.source_config["vision_config"]
     for k in ("patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings"):
         if v[k] != rv[k]:

@@ -11,7 +11,7 @@ checkpoints (checked against the file transformers writes in tests/test_moe_layo
   `mlp.experts.down_proj` [E, moe_inter, hidden] = stack_e(down_e.T);
 - transformers 5.12.1 `save_pretrained` (its in-memory layout): [E, 2*moe_inter, hidden] =
   stack_e(cat(gate_e, up_e)) and [E, hidden, moe_inter] = stack_e(down_e).
-Gate comes before up along the 2*moe_inter axis in both. `LayoutFacts.fused_experts_layout` picks one.
+Gate comes before up along the 2*moe_inter axis in both. `ConvertConfig.fused_experts_layout` picks one.
 
 vLLM names: Qwen3-VL's prefix renames over a Qwen3-MoE language model
 (`vllm/model_executor/models/qwen3_vl_moe.py`). Checkpoint views: transformers holds the fused experts
@@ -28,7 +28,7 @@ import torch
 from reference_impl.models.checkpoint_views import SavedAs, ViewRule, transpose_last_two
 from reference_impl.models.families import qwen3, qwen3_moe, qwen3_vl
 from reference_impl.models.family import ModelFamily
-from reference_impl.models.raw_rules import FamilyTable, LayoutFacts, Rule, prefixed
+from reference_impl.models.raw_rules import ConvertConfig, FamilyTable, Rule, prefixed
 from reference_impl.models.vllm_names import FamilyNames, expert_rules, under
 
 RULES: list[Rule] = qwen3_vl.VISION_RULES + prefixed(qwen3_moe.RULES, "language_model.", qwen3_vl.language_hf)
@@ -36,7 +36,7 @@ RULES: list[Rule] = qwen3_vl.VISION_RULES + prefixed(qwen3_moe.RULES, "language_
 _PER_EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def fuse_experts(owned: list[tuple[str, torch.Tensor]], facts: LayoutFacts) -> list[tuple[str, torch.Tensor]]:
+def fuse_experts(named: list[tuple[str, torch.Tensor]], facts: ConvertConfig) -> list[tuple[str, torch.Tensor]]:
     """Replace each layer's per-expert gate/up/down tensors by the two fused tensors (module doc).
 
     Raises:
@@ -44,7 +44,7 @@ def fuse_experts(owned: list[tuple[str, torch.Tensor]], facts: LayoutFacts) -> l
     """
     layers: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out: list[tuple[str, torch.Tensor]] = []
-    for name, t in owned:
+    for name, t in named:
         m = _PER_EXPERT.match(name)
         if m is None:
             out.append((name, t))
@@ -65,7 +65,7 @@ def fuse_experts(owned: list[tuple[str, torch.Tensor]], facts: LayoutFacts) -> l
 
 
 NAMES = FamilyNames(
-    family="qwen3_vl_moe",
+    model_type="qwen3_vl_moe",
     # Qwen3VLMoeForConditionalGeneration subclasses Qwen3VLForConditionalGeneration (qwen3_vl_moe.py) and
     # keeps its hf_to_vllm_mapper (qwen3_vl.py).
     renames=qwen3_vl.QWEN3_VL_RENAMES,

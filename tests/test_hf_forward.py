@@ -1,4 +1,4 @@
-"""The trainer-side reference forward: the vision path's extras reach the language model, mRoPE
+"""The trainer-side transformers forward: the vision path's extras reach the language model, mRoPE
 position ids are computed or rejected with the expected layout, temperature reaches the fused path."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from reference_impl.forward import logprobs as lp
-from reference_impl.forward.reference import (
+from reference_impl.forward.hf import (
+    HfForward,
     IncompleteState,
     PositionIdsError,
-    ReferenceForward,
     check_position_ids,
     fixed_prompts,
     vl_hidden_states,
@@ -20,18 +20,18 @@ from reference_impl.models.registry import load_model
 
 
 @pytest.fixture(scope="module")
-def vl() -> ReferenceForward:
+def vl() -> HfForward:
     ckpt = make_checkpoint(load_model("qwen3-vl"), seed=1234)
-    ref = ReferenceForward(ckpt)
+    ref = HfForward(ckpt)
     ref.load(read_checkpoint(ckpt))
     return ref
 
 
-def image_prompt(ref: ReferenceForward):  # type: ignore[no-untyped-def]
+def image_prompt(ref: HfForward):  # type: ignore[no-untyped-def]
     return next(p for p in fixed_prompts(ref.config) if p.pixel_values is not None)
 
 
-def test_vision_kwargs_pass_through_equal_the_models_own_forward(vl: ReferenceForward) -> None:
+def test_vision_kwargs_pass_through_equal_the_models_own_forward(vl: HfForward) -> None:
     prompt = image_prompt(vl)
     ids = torch.tensor([prompt.input_ids])
     with torch.no_grad():
@@ -45,7 +45,7 @@ def test_vision_kwargs_pass_through_equal_the_models_own_forward(vl: ReferenceFo
     assert torch.allclose(ours, theirs, atol=1e-6)
 
 
-def test_dropping_the_deepstack_embeddings_changes_the_result(vl: ReferenceForward) -> None:
+def test_dropping_the_deepstack_embeddings_changes_the_result(vl: HfForward) -> None:
     # The deepstack features matter: without them the hidden states differ (so passing them is checked).
     prompt = image_prompt(vl)
     ids = torch.tensor([prompt.input_ids])
@@ -69,7 +69,7 @@ def test_position_ids_of_the_wrong_shape_are_rejected(shape: tuple[int, ...]) ->
     check_position_ids(torch.zeros(4, 1, 24, dtype=torch.long), 1, 24)
 
 
-def test_given_position_ids_are_used_and_computed_ones_match(vl: ReferenceForward) -> None:
+def test_given_position_ids_are_used_and_computed_ones_match(vl: HfForward) -> None:
     prompt = image_prompt(vl)
     ids = torch.tensor([prompt.input_ids])
     mask = (ids == vl.model.config.image_token_id).int()
@@ -82,7 +82,7 @@ def test_given_position_ids_are_used_and_computed_ones_match(vl: ReferenceForwar
     assert not torch.allclose(auto, wrong)
 
 
-def test_temperature_reaches_the_fused_path(vl: ReferenceForward) -> None:
+def test_temperature_reaches_the_fused_path(vl: HfForward) -> None:
     prompt = fixed_prompts(vl.config)[0]
     ids = torch.tensor([prompt.input_ids])
     with torch.no_grad():
@@ -93,7 +93,7 @@ def test_temperature_reaches_the_fused_path(vl: ReferenceForward) -> None:
             assert torch.allclose(got, expected, atol=1e-5)
 
 
-def test_load_refuses_an_incomplete_state(vl: ReferenceForward) -> None:
+def test_load_refuses_an_incomplete_state(vl: HfForward) -> None:
     state = dict(read_checkpoint(make_checkpoint(load_model("qwen3-vl"), seed=1234)))
     state.pop("model.visual.pos_embed.weight")
     with pytest.raises(IncompleteState, match="pos_embed"):

@@ -1,4 +1,4 @@
-"""The trainer-side log-prob forward: what the trainer believes the rollout engine should compute.
+"""The transformers forward: log-probs of the fixed prompts from a transformers model of the checkpoint.
 
 It runs on the trainer's sender over exactly the tensors the last sync sent (HF names, checkpoint
 layout), placed into a transformers model of the checkpoint's architecture (`models.hf_model`) through
@@ -31,11 +31,11 @@ from reference_impl.models.checkpoint_views import checkpoint_tensors
 from reference_impl.models.families import model_family
 from reference_impl.models.hf_model import build_engine_model
 
-FORWARD_NAME = "transformers reference forward over the sent tensors (fused log-probs)"
+FORWARD_NAME = "transformers forward over the sent tensors (fused log-probs)"
 
 
 class IncompleteState(ValueError):
-    """The sent tensors do not cover the model (a broken sync): no reference forward is possible."""
+    """The sent tensors do not cover the model (a broken sync): no forward is possible."""
 
 
 class PositionIdsError(ValueError):
@@ -118,15 +118,15 @@ def vl_hidden_states(
     return out.last_hidden_state
 
 
-class ReferenceForward:
+class HfForward:
     """A transformers model of a checkpoint's architecture that takes the tensors a sync sent."""
 
     def __init__(self, checkpoint: Path) -> None:
         self.config = json.loads((Path(checkpoint) / "config.json").read_text())
-        self.model, self.family = build_engine_model(checkpoint, seed=None)
+        self.model, self.model_type = build_engine_model(checkpoint, seed=None)
         self.model.eval()
         params = dict(self.model.named_parameters())
-        views = model_family(self.family).views
+        views = model_family(self.model_type).views
         self.views = {n: ct.view(params[ct.param]) for n, ct in checkpoint_tensors(views, params).items()}
 
     @property
