@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from harness.checks import expectation_met
 from harness.record import RunRecord
 from harness.scenario import Scenario, expand, load_matrix, select
 from harness.validate import validate
@@ -117,8 +118,7 @@ def run_scenarios(
                 _write_outputs(records, out, run_id, env, [sc.id for sc in scenarios])
                 if after_each is not None:
                     after_each(records, out)
-                expect = rec.scenario.expect
-                style = "green" if rec.verdict == expect else "red"
+                style = "green" if expectation_met(rec, rec.verdict) else "red"
                 progress.console.print(f"[{style}]{rec.verdict:14s}[/] {rec.scenario_id}")
                 progress.advance(task)
 
@@ -131,7 +131,7 @@ def run_scenarios(
             runner.close()
         shutdown_ray()
     wall = time.perf_counter() - t0
-    bad = [r for r in records if r.verdict != r.scenario.expect]
+    bad = [r for r in records if not expectation_met(r, r.verdict)]
     console.print(f"{len(records)} scenarios in {wall:.0f} s, {len(bad)} unexpected; results in {out}")
     console.print(f"summary: {out / 'summary.md'}")
     return records, out
@@ -144,7 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}", file=sys.stderr)
         return 2
     records, _ = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address)
-    return 0 if records and all(r.verdict == r.scenario.expect for r in records) else 1
+    return 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
 
 
 def cmd_faults(args: argparse.Namespace) -> int:
@@ -159,7 +159,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
     records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address, write_fault_table)
     write_fault_table(records, out)
     print(f"fault table: {out / 'faults.md'}")
-    return 0 if records and all(r.verdict == r.scenario.expect for r in records) else 1
+    return 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
 
 
 def _terminate_like_interrupt(signum: int, frame: object) -> None:

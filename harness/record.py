@@ -20,9 +20,19 @@ from pydantic import BaseModel, Field
 
 from harness.scenario import Scenario
 from reference_impl.engine.base import Capabilities
-from reference_impl.transport.observed import ChunkRecord, HttpCall, SyncReport
+from reference_impl.transport.observed import ChunkRecord, HttpCall, SyncReport, TensorLayout
 
-__all__ = ["PHASES", "VERDICTS", "ChunkRecord", "ErrorRecord", "HttpCall", "RunRecord", "SyncRecord"]
+__all__ = [
+    "PHASES",
+    "VERDICTS",
+    "ChunkRecord",
+    "ErrorRecord",
+    "HttpCall",
+    "OracleFailure",
+    "RunRecord",
+    "SyncRecord",
+    "TensorLayout",
+]
 
 PHASES: tuple[str, ...] = ("gather", "convert", "transfer", "load")
 
@@ -47,6 +57,16 @@ class ErrorRecord(BaseModel):
     type: str  # exception class name, e.g. "KeyError"
     message: str
     traceback: str = ""
+
+
+class OracleFailure(BaseModel):
+    """One of the harness's own oracles could not run (the expected state, the trainer-side forward, the
+    log-prob comparison, the second export path, the group comparison). It is never a verdict of the
+    system under test: the check it belongs to says "oracle could not run" with this reason."""
+
+    check: str  # the check the oracle serves, e.g. "logprob_parity"
+    sync: int | None = None  # the sync it was run for, None when not per sync
+    reason: str  # exception class and message
 
 
 class SyncRecord(SyncReport):
@@ -78,13 +98,17 @@ class RunRecord(BaseModel):
     ended_at: float = 0.0
     config_error: str | None = None
     deadlock: bool = False
+    deadlock_at: str = ""  # what was in flight when the deadline passed ("sync 0", "perturb 2", ...)
+    progress: dict[str, str] = Field(default_factory=dict)  # process label -> its last phase, at the deadline
     stacks: list[str] = Field(default_factory=list)  # stack dump files (deadlocks)
     http: list[HttpCall] = Field(default_factory=list)
     errors: list[ErrorRecord] = Field(default_factory=list)
+    oracle_failures: list[OracleFailure] = Field(default_factory=list)
     syncs: list[SyncRecord] = Field(default_factory=list)
     requested_export_mode: str = ""  # export mode the scenario asked for
     engine_capabilities: Capabilities | None = None  # what the scenario's engine can report (None: not run)
     checkpoint_checksums: dict[str, str] = Field(default_factory=dict)  # ground truth, HF names
+    checkpoint_layout: dict[str, TensorLayout] = Field(default_factory=dict)  # HF name -> shape and dtype
     engine_shards: list[str] = Field(default_factory=list)  # every engine parameter shard (HF names)
     # Both exports of one trainer state (after the last sync): mode -> HF name -> checksum.
     cross_mode_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)

@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.checks import expected_verdict, first_failure, judge
+from harness.checks import expectation_met, expected_verdict, first_failure, judge
 from harness.record import PHASES, RunRecord, SyncRecord
 from reference_impl.engine import DEFAULT_ENGINE
 
@@ -160,7 +160,7 @@ def record_row(record: RunRecord) -> dict[str, Any]:
         http_200=http_200_summary(record),
         verdict=verdict,
         expected=expected,
-        expect_met=verdict == expected,
+        expect_met=expectation_met(record, verdict),
         message=deciding.message if deciding is not None else "",
     )
     return row
@@ -430,7 +430,7 @@ def fault_table(records: Iterable[RunRecord]) -> pd.DataFrame:
                 "scenario": rec.scenario_id,
                 "expected": expected_verdict(rec),
                 "got": verdict,
-                "caught": verdict == expected_verdict(rec),
+                "caught": expectation_met(rec, verdict),
                 "message": failure.message if failure else "",
             }
         )

@@ -11,7 +11,9 @@ next scenario gets fresh ones. Every record is written as soon as its scenario e
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -21,20 +23,21 @@ from typing import Any
 
 import ray
 
-from harness.checks import LOGPROB_BUDGETS, group_differences, judged, logprob_parity
+from harness.checks import LOGPROB_BUDGETS, check_transfer_init, group_differences, judged, logprob_parity
 from harness.faults import FAULTS
 from harness.oracles.expected import ExpectedState
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool
-from harness.record import ErrorRecord, RunRecord, SyncRecord
+from harness.record import ErrorRecord, OracleFailure, RunRecord, SyncRecord
 from harness.scenario import Scenario
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from reference_impl.engine import engine_kind
 from reference_impl.forward.hf import fixed_prompts
-from reference_impl.models.checkpoint import checkpoint_checksums, make_checkpoint
+from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient
-from reference_impl.transport.observed import HttpCall, SyncReport
+from reference_impl.transport.observed import HttpCall, SyncReport, TensorLayout
+from reference_impl.transport.progress import read_progress
 from reference_impl.worker import TrainerSetup
 
 
@@ -88,8 +91,7 @@ class Runner:
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            record.deadlock = True
-            record.notes.append(f"{what}: no progress within {timeout:.0f} s")
+            self._deadline_passed(record, what, timeout)
             raise ScenarioFailed(what) from None
         except ray.exceptions.RayError as e:
             # Find which rank failed: the first ref whose get raises.
@@ -130,6 +132,9 @@ class Runner:
             spec = load_model(sc.model)
             ckpt = make_checkpoint(spec, sc.seed, sc.dtype)
             record.checkpoint_checksums = checkpoint_checksums(ckpt)
+            record.checkpoint_layout = {
+                n: TensorLayout(shape=shape, dtype=dtype) for n, (shape, dtype) in checkpoint_layout(ckpt).items()
+            }
             ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
             deadline = sc.deadline_s or 120.0 + ckpt_bytes / 20e6
             pool = self.pool(sc.world_size)
@@ -138,7 +143,9 @@ class Runner:
             engine = EngineActor.options(
                 scheduling_strategy=pool.engine_strategy(sc.colocate), num_gpus=pool.engine_gpus(sc.colocate)
             ).remote()
-            setup = TrainerSetup(sc.model, str(ckpt), sc.dtype, sc.tp, sc.pp, sc.ep, sc.etp)
+            trace = self.trace_dir(sc.id)
+            shutil.rmtree(trace, ignore_errors=True)
+            setup = TrainerSetup(sc.model, str(ckpt), sc.dtype, sc.tp, sc.pp, sc.ep, sc.etp, trace_dir=str(trace))
             setup_refs = [a.setup.remote(setup) for a in pool.actors]
             engine_fault = fault.hook if fault and fault.side == "engine" else None
             url = self._get(
@@ -160,32 +167,46 @@ class Runner:
             connect = [a.connect_engine.remote(url, sc.engine, sc.colocate) for a in pool.actors]
             for calls in self._get(connect, deadline, record, "connect engine"):
                 record.http.extend(calls)
+            if not check_transfer_init(record).ok:  # nothing sent after this would reach the engine
+                record.notes.append("stopped after connect: the engine joined more than one transfer group")
+                raise ScenarioFailed("connect engine")
             record.logprob_budget = dict(LOGPROB_BUDGETS[sc.dtype]) if sc.logprobs else {}
             prompts = fixed_prompts(json.loads((ckpt / "config.json").read_text())) if sc.logprobs else []
             temperature = sc.temperature(kind.capabilities.prompt_logprobs_honour_temperature)
             # syncs #0..N-1, then one more that re-sends unchanged weights (its log-probs must not move).
-            expected = ExpectedState(ckpt, sc.seed)  # the oracle: checkpoint + the trainer's elementwise step
+            # The expected state is the harness's oracle (checkpoint + the trainer's elementwise step).
+            expected = self._oracle(record, "parity_expected", None, lambda: ExpectedState(ckpt, sc.seed))
             for i in range(sc.syncs + 1):
                 resync = i == sc.syncs
                 if 0 < i < sc.syncs:
                     refs = [a.perturb.remote(i, sc.seed) for a in pool.actors]
-                    expected.advance(i)  # while the ranks step
+                    if expected is not None:  # while the ranks step
+                        expected = self._oracle(record, "parity_expected", i, functools.partial(expected.advance, i))
                     self._get(refs, deadline, record, f"perturb {i}")
                 refs = [a.sync.remote(i, i, sc.export_mode, sc.chunk_bytes) for a in pool.actors]
-                expected_sums = expected.checksums()  # while the ranks sync
+                expected_sums = (  # while the ranks sync
+                    self._oracle(record, "parity_expected", i, expected.checksums) if expected is not None else None
+                )
                 per_rank = self._get(refs, deadline, record, f"sync {i}")
                 sync = self._merge_sync(i, per_rank, record)
                 sync.perturbed = not resync
-                sync.expected_checksums = expected_sums
+                sync.expected_checksums = expected_sums or {}
                 if reports_tensors:
                     sync.engine_checksums = checker.checksums()
                 record.syncs.append(sync)
                 if prompts:
                     self._measure_logprobs(sync, pool, checker, prompts, temperature, deadline, record)
-            for mode in ("raw", "bridge"):
-                sums = self._get(
-                    [a.export_checksums.remote(mode) for a in pool.actors], deadline, record, f"export {mode}"
+            for mode in ("raw", "bridge"):  # a second export path of the same state: an oracle
+                sums = self._oracle(
+                    record,
+                    "parity_cross_mode",
+                    None,
+                    lambda m=mode: self._get_oracle(
+                        [a.export_checksums.remote(m) for a in pool.actors], deadline, record, f"export {m}"
+                    ),
                 )
+                if sums is None:
+                    break
                 record.cross_mode_checksums[mode] = sums[0]
             healthy = True
         except ScenarioFailed:
@@ -197,6 +218,8 @@ class Runner:
             if checker is not None:  # the harness's own calls (checksums, log-probs), also on failure
                 record.http.extend(checker.calls)
                 checker.close()
+            if not healthy:
+                self._recover_calls(record)
             if engine is not None:
                 with contextlib.suppress(Exception):
                     ray.get(engine.stop.remote(), timeout=30)
@@ -216,23 +239,81 @@ class Runner:
         deadline: float,
         record: RunRecord,
     ) -> None:
-        """Trainer log-probs (the sender's transformers forward over what it sent) vs the engine's, on the fixed
-        prompts; the comparison goes into `sync.logprobs`."""
-        trainer = self._get(
-            [pool.actors[0].trainer_logprobs.remote(temperature)],
-            deadline,
+        """Trainer log-probs (the sender's transformers forward over what it sent) vs the engine's, on the
+        fixed prompts; the comparison goes into `sync.logprobs`. The trainer-side forward and the comparison
+        are oracles: when one cannot run, that is recorded for the log-prob check, never raised."""
+        trainer = self._oracle(
             record,
-            f"trainer log-probs after sync {sync.index}",
-        )[0]
+            "logprob_parity",
+            sync.index,
+            lambda: self._get_oracle(
+                [pool.actors[0].trainer_logprobs.remote(temperature)],
+                deadline,
+                record,
+                f"trainer log-probs after sync {sync.index}",
+            )[0],
+        )
+        if trainer is None:
+            return
         if "skipped" in trainer:
             record.notes.append(f"sync {sync.index}: no log-prob comparison: {trainer['skipped']}")
             return
         engine = [checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index) for p in prompts]
         sync.engine_logprobs = engine
-        sync.logprobs = logprob_parity(trainer["prompts"], engine) | {
-            "forward": trainer["forward"],
-            "temperature": temperature,
-        }
+        parity = self._oracle(record, "logprob_parity", sync.index, lambda: logprob_parity(trainer["prompts"], engine))
+        if parity is not None:
+            sync.logprobs = parity | {"forward": trainer["forward"], "temperature": temperature}
+
+    @staticmethod
+    def _oracle(record: RunRecord, check: str, sync: int | None, fn: Callable[[], Any]) -> Any:
+        """Run one of the harness's own oracles; when it raises, record an `OracleFailure` for `check` (the
+        check then says "oracle could not run") and return None: an oracle never makes a verdict of the
+        system under test. A deadline passing inside it is still a DEADLOCK (`ScenarioFailed`)."""
+        return Runner._oracle_into(record.oracle_failures, check, fn, sync)
+
+    @staticmethod
+    def _oracle_into(failures: list[OracleFailure], check: str, fn: Callable[[], Any], sync: int | None = None) -> Any:
+        """`_oracle` that appends its failure to `failures`."""
+        try:
+            return fn()
+        except ScenarioFailed:
+            raise
+        except Exception as e:
+            cause = getattr(e, "cause", None) or e
+            text = " ".join(str(cause).split())[:500] or "(no message)"
+            failures.append(OracleFailure(check=check, sync=sync, reason=f"{type(cause).__name__}: {text}"))
+            return None
+
+    def _get_oracle(self, refs: list[Any], timeout: float, record: RunRecord, what: str) -> list[Any]:
+        """ray.get for an oracle's remote call: a timeout is a DEADLOCK as in `_get`; an exception in the
+        actor is raised as it is (for `_oracle` to record), not recorded as the rank's crash."""
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self._deadline_passed(record, what, timeout)
+            raise ScenarioFailed(what) from None
+
+    def _deadline_passed(self, record: RunRecord, what: str, timeout: float) -> None:
+        """Mark a DEADLOCK in `what` and keep every rank's last phase (`transport.progress`)."""
+        record.deadlock = True
+        record.deadlock_at = what
+        record.notes.append(f"{what}: no progress within {timeout:.0f} s")
+        record.progress = read_progress(self.trace_dir(record.scenario_id))
+
+    def trace_dir(self, scenario_id: str) -> Path:
+        """Where a scenario's ranks keep their progress lines and call logs."""
+        return self.out_dir / "trace" / scenario_id.replace("/", "__")
+
+    def _recover_calls(self, record: RunRecord) -> None:
+        """Add the calls the ranks logged (`rank<r>.calls.jsonl`) that never came back to the runner (a sync
+        that hung or raised): nothing recorded is lost when a scenario fails."""
+        seen = {(c.rank, c.t, c.route, c.sync, c.chunk) for c in record.http}
+        for log in sorted(self.trace_dir(record.scenario_id).glob("*.calls.jsonl")):
+            for line in log.read_text().splitlines():
+                call = HttpCall.model_validate_json(line)
+                if (call.rank, call.t, call.route, call.sync, call.chunk) not in seen:
+                    record.http.append(call)
+        record.http.sort(key=lambda c: c.t)
 
     @staticmethod
     def _merge_sync(index: int, per_rank: list[tuple[SyncReport, list[HttpCall]]], record: RunRecord) -> SyncRecord:
@@ -256,11 +337,13 @@ class Runner:
     def finish_group(self, members: list[RunRecord]) -> list[RunRecord]:
         """Compare a finished group's members (`checks.group_differences`), store what was found in each
         record, judge and save them again; returns the updated records."""
-        diffs = group_differences(members)
+        failures: list[OracleFailure] = []
+        diffs = self._oracle_into(failures, "group_invariance", lambda: group_differences(members)) or []
         out = []
         for rec in members:
             rec.group_members = [m.scenario_id for m in members if m is not rec]
             rec.group_differences = diffs
+            rec.oracle_failures.extend(failures)
             rec = judged(rec)
             rec.save(self.record_path(rec.scenario_id))
             out.append(rec)

@@ -50,6 +50,7 @@ class Scenario(BaseModel):
     engine_seed: int = 4321
     tags: list[str] = Field(default_factory=list)
     expect: str = "PASS"
+    expect_note: str = ""  # a phrase some check must also say (e.g. "oracle could not run"), with `expect`
     fault: str | None = None
     suffix: str = ""  # distinguishes scenarios that share model/layout/placement/mode; {field} placeholders
     group: str = ""  # scenarios with the same group_key must leave bit-identical engine weights

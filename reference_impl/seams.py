@@ -10,6 +10,7 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 
 | seam | what runs there |
 | --- | --- |
+| `connect_engine` | a trainer rank sets up its channel to the engine (/init_weight_transfer_engine) |
 | `train_step` | the trainer's step between syncs over every (global name, parameter) |
 | `convert` | raw export: one full Megatron parameter -> its HF (name, tensor) pairs |
 | `export` | the export mode dispatch (raw / bridge) |
@@ -38,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 SEAMS: dict[str, tuple[str, str]] = {
+    "connect_engine": ("reference_impl.worker", "TrainerWorker.connect_engine"),
     "train_step": ("reference_impl.trainer.step", "apply"),
     "convert": ("reference_impl.export.stream", "convert"),
     "export": ("reference_impl.export.stream", "export"),

@@ -33,6 +33,7 @@ from reference_impl.transport import sync
 from reference_impl.transport.client import EngineClient
 from reference_impl.transport.noncolocate import connect_broadcast
 from reference_impl.transport.observed import HttpCall, SyncReport
+from reference_impl.transport.progress import Progress
 from reference_impl.transport.sync import SENDER, Channel
 
 
@@ -48,6 +49,9 @@ class TrainerSetup:
     pp: int = 1
     ep: int = 1
     etp: int = 1
+    # Where each rank keeps its progress line (`rank<r>.txt`) and the sender its call log
+    # (`rank<r>.calls.jsonl`), for the watchdog and for the calls of a sync that never returns.
+    trace_dir: str | None = None
 
 
 class TrainerWorker:
@@ -64,6 +68,8 @@ class TrainerWorker:
         self.last_sent: dict[str, torch.Tensor] = {}  # sender: the tensors of the last sync, by HF name
         self.reference: Any = None  # sender: the trainer-side log-prob forward (built on first use)
         self.checkpoint = ""
+        self.trace_dir: Path | None = None
+        self.progress = Progress(None)
 
     def pid(self) -> int:
         """OS process id (for stack dumps and cleanup)."""
@@ -74,6 +80,9 @@ class TrainerWorker:
         self.teardown()
         t0 = time.perf_counter()
         self.checkpoint = setup.checkpoint
+        self.trace_dir = Path(setup.trace_dir) if setup.trace_dir else None
+        self.progress = Progress(self.trace_dir / f"rank{self.rank}.txt" if self.trace_dir else None)
+        self.progress.at("setup: building the Megatron model and loading the checkpoint")
         self.spec = load_model(setup.model)
         self.layout = init_model_parallel(setup.tp, setup.pp, setup.ep, setup.etp)
         self.model = build_model(
@@ -99,7 +108,10 @@ class TrainerWorker:
             base_url,
             session_ends_on_error=kind.capabilities.session_ends_on_error,
             parse_rejections=kind.parse_rejections,
+            rank=self.rank,
+            call_log=self.trace_dir / f"rank{self.rank}.calls.jsonl" if self.trace_dir else None,
         )
+        self.progress.at("connect: /init_weight_transfer_engine in flight")
         if colocate:
             from reference_impl.transport.colocate import CudaIpcChannel, SharedMemoryChannel
 
@@ -123,6 +135,7 @@ class TrainerWorker:
         assert self.model is not None and self.layout is not None
         t0 = time.perf_counter()
         self.last_sent = {}
+        self.progress.at(f"sync {index}: {export_mode} export (gather and convert)")
         ex = stream.export(export_mode, self.model, self.layout, self.convert_config)
         named, phases = ex.tensors, ex.phases
         t_export = time.perf_counter() - t0
@@ -136,6 +149,7 @@ class TrainerWorker:
             client=self.client,
             channel=self.channel,
             keep=self.last_sent if self.rank == SENDER else None,
+            progress=self.progress,
         )
         res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
         res.total_s += t_export
@@ -153,6 +167,7 @@ class TrainerWorker:
 
         if self.rank != SENDER:
             return {}
+        self.progress.at("trainer log-probs: the transformers forward over what the last sync sent")
         if self.reference is None:
             self.reference = HfForward(Path(self.checkpoint))
         try:
@@ -170,11 +185,13 @@ class TrainerWorker:
         `trainer.step.step` (elementwise, a function of each value, the step index and the seed only), so
         the harness can compute the state every export must produce from the checkpoint alone."""
         assert self.model is not None
+        self.progress.at(f"step {step}: the trainer's step on every parameter")
         train_step.apply(iter_global_params(self.model.chunks), step, seed)
 
     def export_checksums(self, export_mode: str) -> dict[str, str]:
         """Checksums of every HF tensor `export_mode` exports from the current state (complete on the sender)."""
         assert self.model is not None and self.layout is not None
+        self.progress.at(f"second export path: {export_mode} export of the last state (gather and convert)")
         ex = stream.export(export_mode, self.model, self.layout, self.convert_config)
         mine = {n: tensor_checksum(t) for n, t in ex.tensors}
         if self.world_size == 1:

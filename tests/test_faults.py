@@ -15,7 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness.checks import expectation_met
 from harness.faults import FAULTS, fault_scenarios
+from harness.record import RunRecord
 from harness.scenario import Scenario
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +32,9 @@ def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
     rec = runner.run_scenario(sc)
     elapsed = time.monotonic() - t0
     assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
+    assert expectation_met(rec, rec.verdict), (sc.expect_note, rec.checks)  # and the note it expects, if any
     assert any(n.startswith(f"fault injected: {name}") for n in rec.notes) or FAULTS[name].side == "engine"
+    _assert_the_fault_is_named(name, rec)
     if FAULTS[name].expect == "DEADLOCK":
         # Ended within its deadline (+ setup) + 30 s, with one stack file per rank and the engine.
         assert elapsed < sc.deadline_s + 30 + 60
@@ -54,6 +58,25 @@ def _our_processes(marker: str) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+# What the deciding check's message must say for faults whose verdict class alone would not show that the
+# harness found the right thing.
+MESSAGE_SAYS = {
+    "stale_cache_in_sync_loop": "sync 1: ",
+    "step_skips_one_parameter": "model.norm.weight",
+    "transposed_fused_experts": "the last two dims are swapped",
+    "planner_key_error": "raised KeyError",
+    "second_init_from_pp_stage": "rank 0, then rank 1",
+    "drop_last_chunk": "/update_weights calls with 200",
+}
+
+
+def _assert_the_fault_is_named(name: str, rec: RunRecord) -> None:
+    if name not in MESSAGE_SAYS:
+        return
+    deciding = next(c for c in rec.checks if not c["ok"] and not c["skipped"] and c["verdict_on_fail"] == rec.verdict)
+    assert MESSAGE_SAYS[name] in deciding["message"], deciding
 
 
 def test_interrupted_run_leaves_no_process(tmp_path: Path) -> None:

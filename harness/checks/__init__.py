@@ -21,6 +21,7 @@ from harness.checks.parity import (
     check_parity_sent,
     check_parity_sync0,
     check_requested_mode,
+    check_sent_layout,
     group_differences,
 )
 from harness.checks.transfer import (
@@ -30,6 +31,7 @@ from harness.checks.transfer import (
     check_deadlock,
     check_http_status,
     check_syncs_ran,
+    check_transfer_init,
 )
 from harness.checks.verdict import (
     CHECKS,
@@ -62,7 +64,9 @@ __all__ = [
     "check_parity_sync0",
     "check_requested_mode",
     "check_resync_unchanged",
+    "check_sent_layout",
     "check_syncs_ran",
+    "check_transfer_init",
     "expectation_met",
     "expected_verdict",
     "first_failure",

@@ -24,6 +24,7 @@ __all__ = [
     "failed",
     "first_line",
     "more",
+    "oracle_failure",
     "passed",
     "prefix",
     "short",
@@ -131,3 +132,12 @@ def engine_reports_tensors(record: RunRecord) -> bool:
     record without them, e.g. a CONFIG_ERROR, is judged as if it did)."""
     caps = record.engine_capabilities
     return caps is None or caps.per_tensor_reports
+
+
+def oracle_failure(record: RunRecord, check: str) -> str | None:
+    """Why the oracle serving `check` could not run ("oracle could not run: ..." with the sync), or None."""
+    failure = next((f for f in record.oracle_failures if f.check == check), None)
+    if failure is None:
+        return None
+    where = f" after sync {failure.sync}" if failure.sync is not None else ""
+    return f"oracle could not run{where}: {failure.reason}"

@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from harness.checks.base import CheckResult, engine_reports_tensors, failed, passed, skipped
+from harness.checks.base import CheckResult, engine_reports_tensors, failed, oracle_failure, passed, skipped
 from harness.record import RunRecord
 
 # Log-prob budgets by checkpoint dtype. fp32 on CPU: trainer (fused, chunked, fp32 logits from the
@@ -54,6 +54,11 @@ def check_logprobs(record: RunRecord) -> CheckResult:
     """After every sync, engine log-probs on the fixed prompts match the trainer's within the budget."""
     name, verdict = "logprob_parity", "PARITY_FAIL"
     measured = [s for s in record.syncs if s.logprobs]
+    why = oracle_failure(record, name)
+    if why is not None:
+        if engine_reports_tensors(record):
+            return skipped(name, verdict, why)
+        return failed(name, verdict, f"{why}; and this engine reports nothing else about the weights it holds")
     if not engine_reports_tensors(record):
         # Log-probs are the only evidence of what such an engine (vLLM) holds: a finished sync without them
         # shows nothing, so it cannot pass.

@@ -2,9 +2,9 @@
 exactly once per sync (COVERAGE_GAP).
 
 Name problems are read from data: the engine's answers as its parser turned them into `Rejection`s
-(`HttpCall.rejections`, kind "name"), the sender's `SyncRecord.names_rejected`, names an engine answered
-200 for but never placed, and trainer exceptions of the name class (a ``KeyError``, or a message that says
-a parameter name cannot be placed, e.g. "no parameter named '...'").
+(`HttpCall.rejections`, kind "name"), the sender's `SyncRecord.names_rejected`, and names an engine
+answered 200 for but never placed. NAME_ERROR is only for names an engine could not place: an exception
+raised in the trainer's own code (a ``KeyError`` of its planner or converter included) is a CRASH.
 """
 
 from __future__ import annotations
@@ -12,33 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from harness.checks.base import (
-    ENGINE_REJECTED,
     CheckResult,
     engine_reports_tensors,
-    error_origin,
     excerpt,
     failed,
-    first_line,
     more,
     passed,
     prefix,
     skipped,
     status_text,
 )
-from harness.record import ErrorRecord, RunRecord
-from reference_impl.engine.exception_text import stated_names
+from harness.record import RunRecord
 from reference_impl.transport.observed import GENERIC_REJECTION
 
 NAME_KIND = "name"
 _REASON = 160  # characters of an engine's reason in a name message
-
-
-def is_name_error(err: ErrorRecord) -> bool:
-    """Whether an exception is a name problem: a ``KeyError``, or (never for ``EngineRejected``, whose call
-    the HTTP log judges) a message in the explicit "cannot place this name" phrasings."""
-    if err.type == "KeyError":
-        return True
-    return err.type != ENGINE_REJECTED and bool(stated_names(err.message, loose=False))
 
 
 def _in_answers(record: RunRecord) -> Iterator[str]:
@@ -63,15 +51,6 @@ def _in_syncs(record: RunRecord) -> Iterator[str]:
         for key, reason in sync.names_rejected.items():
             if not reason.startswith(GENERIC_REJECTION) and known.get(key, NAME_KIND) == NAME_KIND:
                 yield f"sync {sync.index}: engine rejected name '{key}': {excerpt(reason, _REASON)}"
-
-
-def _in_errors(record: RunRecord) -> Iterator[str]:
-    for err in record.errors:
-        if is_name_error(err):
-            stated = stated_names(err.message, loose=False)
-            key = stated[0][0] if stated else first_line(err.message).strip("'\"")
-            text = excerpt(first_line(err.message), _REASON)
-            yield f"{error_origin(err)} raised {err.type} on name '{key}': {text}"
 
 
 def _silently_ignored(record: RunRecord) -> Iterator[str]:
@@ -109,7 +88,6 @@ def name_problems(record: RunRecord) -> Iterator[str]:
     """A message for every name problem in the record, the engine's answers first."""
     yield from _in_answers(record)
     yield from _in_syncs(record)
-    yield from _in_errors(record)
     yield from _silently_ignored(record)
     yield from _accepted_unknown(record)
 

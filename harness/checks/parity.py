@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harness.checks.base import CheckResult, engine_reports_tensors, failed, passed, short, skipped
+from harness.checks.base import CheckResult, engine_reports_tensors, failed, oracle_failure, passed, short, skipped
 from harness.checks.logprobs import logprob_parity
-from harness.record import RunRecord
+from harness.record import RunRecord, TensorLayout
 
 VERDICT = "PARITY_FAIL"
 
@@ -47,6 +47,41 @@ def check_parity_sync0(record: RunRecord) -> CheckResult:
     return failed(name, VERDICT, f"sync 0: {diff}") if diff else passed(name, VERDICT)
 
 
+def _layout_difference(sent: TensorLayout, held: TensorLayout) -> str:
+    """What differs between a sent tensor's layout and the checkpoint's, in words."""
+    what = f"sent as {sent} but the checkpoint holds {held}"
+    if sent.dtype == held.dtype and len(sent.shape) >= 2 and sent.shape[:-2] + sent.shape[-2:][::-1] == held.shape:
+        what += ": the last two dims are swapped"
+    return what
+
+
+def check_sent_layout(record: RunRecord) -> CheckResult:
+    """Every sent tensor has the checkpoint's shape and dtype, judged by name before any forward runs.
+
+    A finding of its own (a transposed fused expert, a wrong dtype), whatever the engine made of it: the
+    verdict is HTTP_ERROR when the engine refused the chunk that carried it (its answer supports the
+    finding) and PARITY_FAIL when the engine took it."""
+    name = "sent_layout"
+    if not record.checkpoint_layout:
+        return skipped(name, VERDICT, "no checkpoint layout recorded")
+    for sync in record.syncs:
+        bad = [
+            (n, layout)
+            for n, layout in sync.sent_layout.items()
+            if n in record.checkpoint_layout and layout != record.checkpoint_layout[n]
+        ]
+        if not bad:
+            continue
+        first, layout = bad[0]
+        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+        refused = first in sync.names_rejected
+        message = f"sync {sync.index}: '{first}' {_layout_difference(layout, record.checkpoint_layout[first])}{more}"
+        if refused:
+            return failed(name, "HTTP_ERROR", message + "; the engine refused it")
+        return failed(name, VERDICT, message + "; the engine answered 200")
+    return passed(name, VERDICT)
+
+
 def check_parity_expected(record: RunRecord) -> CheckResult:
     """After every sync, what was sent and what the engine holds equal the expected state bit for bit: the
     checkpoint for sync 0, then the trainer's elementwise step applied to it (`harness.oracles.expected`,
@@ -55,6 +90,9 @@ def check_parity_expected(record: RunRecord) -> CheckResult:
     sent is judged first (the export and the sync loop), then what the engine holds (transport and load);
     an engine without per-tensor reports is judged on what was sent here and on log-probs elsewhere."""
     name = "parity_expected"
+    why = oracle_failure(record, name)
+    if why is not None:
+        return skipped(name, VERDICT, why)
     judged = [s for s in record.syncs if s.expected_checksums]
     if not judged:
         return skipped(name, VERDICT, "no expected state recorded")
@@ -91,6 +129,9 @@ def check_parity_sent(record: RunRecord) -> CheckResult:
 def check_parity_cross_mode(record: RunRecord) -> CheckResult:
     """Raw and bridge exports of the same trainer state agree name for name, bit for bit."""
     name = "parity_cross_mode"
+    why = oracle_failure(record, name)
+    if why is not None:
+        return skipped(name, VERDICT, why)
     maps = record.cross_mode_checksums
     missing = [mode for mode in ("raw", "bridge") if mode not in maps]
     if missing:
@@ -140,6 +181,9 @@ def group_differences(records: Sequence[RunRecord]) -> list[str]:
 def check_group(record: RunRecord) -> CheckResult:
     """Members of a group (e.g. one scenario at several chunk sizes) left identical engine weights."""
     name = "group_invariance"
+    why = oracle_failure(record, name)
+    if why is not None:
+        return skipped(name, VERDICT, why)
     if not record.group_members:
         return skipped(name, VERDICT, "not part of a group (or the group has not finished)")
     if record.group_differences:

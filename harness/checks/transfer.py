@@ -1,10 +1,10 @@
 """The transfer itself: the scenario was valid, made progress, raised nothing unexplained, every call
 answered 200, every chunk planned was sent and received, and every sync ran to its end.
 
-Exceptions that are *not* crashes (they are judged by the HTTP / name checks instead):
+Every exception raised in the trainer's or the harness's code is a crash (a ``KeyError`` too: NAME_ERROR
+is only for names an engine could not place), except (they are judged by the HTTP / name checks):
 
 - ``EngineRejected``: the update client's exception when the engine answers non-200.
-- Name-class exceptions (`names.is_name_error`).
 - Engine-side exceptions when the engine did answer some call with an error status (>= 400): the engine
   handled the exception and the trainer saw it as that non-200. An engine that died (no response,
   status 0) stays a crash.
@@ -28,7 +28,7 @@ from harness.checks.base import (
     skipped,
     status_text,
 )
-from harness.checks.names import check_names, is_name_error
+from harness.checks.names import check_names
 from harness.record import ErrorRecord, RunRecord, SyncRecord
 
 
@@ -45,20 +45,45 @@ def check_deadlock(record: RunRecord) -> CheckResult:
     name, verdict = "deadlock", "DEADLOCK"
     if not record.deadlock:
         return passed(name, verdict)
-    where = "before the first sync"
-    if record.syncs:
+    if record.deadlock_at:
+        where = f"in {record.deadlock_at}"
+    elif record.syncs:
         last = record.syncs[-1]
         where = (
-            f"in sync {last.index} after {last.chunks_sent}/{last.chunks_planned} chunks sent, "
-            f"{last.chunks_received} received"
+            f"after sync {last.index} ({last.chunks_sent}/{last.chunks_planned} chunks sent, "
+            f"{last.chunks_received} received)"
         )
+    else:
+        where = "before the first sync"
+    phases = "; ".join(f"{label}: {phase}" for label, phase in record.progress.items())
+    in_flight = f" (last phases: {phases})" if phases else ""
     stacks = f"; stacks saved: {', '.join(record.stacks)}" if record.stacks else "; no stacks saved"
-    return failed(name, verdict, f"no progress before the deadline {where}{stacks}")
+    return failed(name, verdict, f"no progress before the deadline {where}{in_flight}{stacks}")
+
+
+INIT_ROUTE = "/init_weight_transfer_engine"
+
+
+def check_transfer_init(record: RunRecord) -> CheckResult:
+    """Exactly one transfer-group init per engine per scenario: a second successful
+    /init_weight_transfer_engine (e.g. from another PP stage's first rank) replaces the engine's group, and
+    the sender's broadcasts then reach nobody. The message names the rank that sent each init."""
+    name, verdict = "transfer_init", "CRASH"
+    inits = [c for c in record.http if c.route == INIT_ROUTE and c.status == 200]
+    if len(inits) <= 1:
+        return passed(name, verdict)
+    ranks = ", then ".join("the harness" if c.rank is None else f"rank {c.rank}" for c in inits)
+    return failed(
+        name,
+        verdict,
+        f"the engine accepted {len(inits)} {INIT_ROUTE} calls ({ranks}): one transfer group per engine, and the "
+        "later init replaces the earlier one, so the sender's broadcasts would reach nobody",
+    )
 
 
 def is_crash(record: RunRecord, err: ErrorRecord) -> bool:
     """Whether an error is a crash, or is judged by the HTTP / name checks instead (module doc)."""
-    if err.type == ENGINE_REJECTED or is_name_error(err):
+    if err.type == ENGINE_REJECTED:
         return False
     return not (err.where == "engine" and any(call.status >= 400 for call in record.http))
 
@@ -151,6 +176,7 @@ def check_chunks(record: RunRecord) -> CheckResult:
 _EXPLAINING: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_config,
     check_deadlock,
+    check_transfer_init,
     check_crash,
     check_names,
     check_http_status,

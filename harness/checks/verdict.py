@@ -20,6 +20,7 @@ from harness.checks.parity import (
     check_parity_sent,
     check_parity_sync0,
     check_requested_mode,
+    check_sent_layout,
 )
 from harness.checks.transfer import (
     check_chunks,
@@ -28,6 +29,7 @@ from harness.checks.transfer import (
     check_deadlock,
     check_http_status,
     check_syncs_ran,
+    check_transfer_init,
 )
 from harness.record import RunRecord
 
@@ -47,7 +49,9 @@ PRIORITY: tuple[str, ...] = (
 CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_config,
     check_deadlock,
+    check_transfer_init,
     check_crash,
+    check_sent_layout,
     check_http_status,
     check_names,
     check_chunks,
@@ -92,6 +96,17 @@ def expected_verdict(record: RunRecord) -> str:
     return record.scenario.expect
 
 
-def expectation_met(record: RunRecord, verdict: str) -> bool:
-    """Whether `verdict` is the one the scenario expects."""
-    return verdict == expected_verdict(record)
+def expectation_met(record: RunRecord, verdict: str | None = None) -> bool:
+    """Whether the record's verdict (`verdict`, else judged now) is the one the scenario expects and, when
+    the scenario also expects a note (`expect_note`), some check's message or reason says it."""
+    results = None
+    if verdict is None:
+        verdict, results = judge(record)
+    if verdict != expected_verdict(record):
+        return False
+    note = record.scenario.expect_note
+    if not note:
+        return True
+    if results is None:
+        results = judge(record)[1]
+    return any(note in r.message or note in r.reason for r in results)

@@ -140,8 +140,9 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "fused_drops_visual_kwargs",
-            "the fused log-prob forward no longer passes visual_pos_masks to the language model",
-            "CRASH",
+            "the fused log-prob forward no longer passes visual_pos_masks / deepstack embeddings to the language "
+            "model",
+            "PARITY_FAIL",
             "trainer",
             {"model": "qwen3-vl", **_SMALL},
             trainer.fused_drops_visual_kwargs,
@@ -156,10 +157,11 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "position_ids_wrong_shape",
-            "[batch, seq] position ids handed to an mRoPE model (needs (3 or 4, batch, seq))",
-            "CRASH",
+            "[batch, seq] position ids handed to the trainer-side mRoPE forward, which raises: its oracle "
+            "could not run, the verdict comes from the other checks",
+            "PASS",
             "trainer",
-            {"model": "qwen3-vl", **_SMALL},
+            {"model": "qwen3-vl", **_SMALL, "expect_note": "oracle could not run"},
             trainer.position_ids_wrong_shape,
         ),
         Fault(
@@ -177,6 +179,30 @@ FAULTS: dict[str, Fault] = {
             "trainer",
             {"model": "qwen3", "syncs": 3, "chunk_bytes": 65536},
             trainer.step_skips_one_parameter,
+        ),
+        Fault(
+            "transposed_fused_experts",
+            "Qwen3-VL-MoE's fused expert tensors sent with their last two dims swapped",
+            "HTTP_ERROR",
+            "trainer",
+            {"model": "qwen3-vl-moe", "ep": 2, **_SMALL},
+            trainer.transposed_fused_experts,
+        ),
+        Fault(
+            "planner_key_error",
+            "the trainer's own chunk planner raises KeyError on a name",
+            "CRASH",
+            "trainer",
+            {"model": "qwen3", **_SMALL},
+            trainer.planner_key_error,
+        ),
+        Fault(
+            "second_init_from_pp_stage",
+            "the last PP stage's first rank sends a second /init_weight_transfer_engine",
+            "CRASH",
+            "trainer",
+            {"model": "qwen3", "pp": 2, **_SMALL},
+            trainer.second_init_from_pp_stage,
         ),
     ]
 }

@@ -163,30 +163,13 @@ def ipc_buffer_reused_early() -> None:
 
 
 def fused_drops_visual_kwargs() -> None:
-    """The language model's forward no longer accepts `visual_pos_masks` / `deepstack_visual_embeds`
-    (a refactor of the fused forward dropped the vision path's extra arguments)."""
+    """The trainer's fused forward no longer passes `visual_pos_masks` / `deepstack_visual_embeds` to the
+    language model (a refactor dropped the vision path's extra arguments): the image's deepstack features
+    never reach the text layers, and the log-probs of every image prompt are silently wrong."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(
-            self,
-            input_ids=None,
-            attention_mask=None,
-            position_ids=None,
-            past_key_values=None,  # type: ignore[no-untyped-def]
-            inputs_embeds=None,
-            use_cache=None,
-            cache_position=None,
-        ):
-            return orig(
-                self,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                inputs_embeds=inputs_embeds,
-                use_cache=use_cache,
-                cache_position=cache_position,
-            )
+        def forward(self, *args, visual_pos_masks=None, deepstack_visual_embeds=None, **kwargs):  # type: ignore[no-untyped-def]
+            return orig(self, *args, **kwargs)
 
         return forward
 
@@ -245,3 +228,57 @@ def step_skips_one_parameter() -> None:
         return apply
 
     seams.replace("train_step", make)
+
+
+def transposed_fused_experts() -> None:
+    """The raw export sends Qwen3-VL-MoE's fused expert tensors (`mlp.experts.gate_up_proj`, `down_proj`)
+    with their last two dims swapped: the transformers in-memory orientation instead of the released
+    checkpoints' (the layout bug of a public report)."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def export(mode, model, layout, facts):  # type: ignore[no-untyped-def]
+            ex = orig(mode, model, layout, facts)
+            fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+            ex.tensors = [(n, t.transpose(1, 2).contiguous() if n.endswith(fused) else t) for n, t in ex.tensors]
+            return ex
+
+        return export
+
+    seams.replace("export", make)
+
+
+def planner_key_error() -> None:
+    """The trainer's own chunk planner looks a tensor up by a name it never had and raises KeyError: a bug
+    of the trainer's code (CRASH), not a name an engine could not place."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def plan_chunks(tensors, chunk_bytes):  # type: ignore[no-untyped-def]
+            owners = {m.name: m.owner for m in tensors}
+            owners["model.layers.0.self_attn.qkv_proj.weight"]
+            return orig(tensors, chunk_bytes)
+
+        return plan_chunks
+
+    seams.replace("plan_chunks", make)
+
+
+def second_init_from_pp_stage() -> None:
+    """The first rank of the last PP stage also believes it is the sender and joins the engine through its
+    own /init_weight_transfer_engine (every stage leader "initialises the update group"): the engine joins
+    that second group, and the real sender's broadcasts reach nobody."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def connect_engine(self, base_url, engine, colocate=False, timeout_s=120.0):  # type: ignore[no-untyped-def]
+            layout = self.layout
+            if self.rank == 0 or layout is None or layout.pp_rank != layout.pp - 1 or layout.tp_rank != 0:
+                return orig(self, base_url, engine, colocate, timeout_s)
+            rank, self.rank = self.rank, 0  # the bug: this stage leader takes itself for the sender
+            try:
+                calls = orig(self, base_url, engine, colocate, timeout_s)
+            finally:
+                self.rank = rank
+            return [c.model_copy(update={"rank": rank}) for c in calls]
+
+        return connect_engine
+
+    seams.replace("connect_engine", make)

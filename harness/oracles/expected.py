@@ -32,11 +32,13 @@ class ExpectedState:
         self.tensors: dict[str, torch.Tensor] = read_checkpoint(checkpoint)
         self.index = 0
 
-    def advance(self, k: int) -> None:
-        """Apply the trainer's step k to every tensor (the change the trainer makes before sync k)."""
+    def advance(self, k: int) -> ExpectedState:
+        """Apply the trainer's step k to every tensor (the change the trainer makes before sync k); returns
+        this state."""
         for name, t in self.tensors.items():
             self.tensors[name] = step(t, k, self.seed)
         self.index = k
+        return self
 
     def checksums(self) -> dict[str, str]:
         """HF name -> `tensor_checksum` of the current expected tensors."""

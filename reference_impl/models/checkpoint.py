@@ -153,6 +153,31 @@ def checkpoint_checksums(path: Path) -> dict[str, str]:
     return out
 
 
+def checkpoint_layout(path: Path) -> dict[str, tuple[list[int], str]]:
+    """HF name -> (shape, dtype name) of every tensor of a checkpoint folder, read from the safetensors
+    headers only (no tensor data)."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[list[int], str]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                piece = fh.get_slice(name)
+                out[name] = (list(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype()))
+    return out
+
+
+# safetensors header dtype codes -> torch dtype names (the protocol's spelling)
+_SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "I64": "int64",
+    "I32": "int32",
+    "U8": "uint8",
+}
+
+
 def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder, by HF name (safetensors, every shard)."""
     from safetensors.torch import load_file

@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -58,10 +59,18 @@ class EngineClient:
         session_ends_on_error: bool = False,
         *,
         parse_rejections: RejectionParser,
+        rank: int | None = None,
+        call_log: str | Path | None = None,
     ) -> None:
         """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM).
         `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`)."""
         self.base_url, self.timeout_s = base_url, timeout_s
+        self.rank = rank  # the trainer rank making the calls (None: the harness itself)
+        # Every call is also appended to `call_log` as it completes (one JSON line), so the calls of a
+        # sync that never returns (a hang, a crash) are not lost with it.
+        self.call_log = Path(call_log) if call_log else None
+        if self.call_log is not None:
+            self.call_log.parent.mkdir(parents=True, exist_ok=True)
         self.session_ends_on_error = session_ends_on_error
         self.parse_rejections = parse_rejections
         self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
@@ -77,18 +86,21 @@ class EngineClient:
         chunk: int | None = None,
         sent_names: Sequence[str] = (),
     ) -> Any:
-        t0 = time.perf_counter()
+        t_sent, t0 = time.time(), time.perf_counter()
         try:
             resp = self.http.post(route, json=body)
             status, text = resp.status_code, resp.text
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"
         ms = (time.perf_counter() - t0) * 1e3
-        call = HttpCall(route=route, status=status, ms=ms, sync=sync, chunk=chunk)
+        call = HttpCall(route=route, status=status, t=t_sent, ms=ms, sync=sync, chunk=chunk, rank=self.rank)
         if status != 200:  # parsed whole, stored cut short
             call.rejections = self.parse_rejections(route, status, text, sent_names)
             call.error = text[:MAX_STORED_BODY]
         self.calls.append(call)
+        if self.call_log is not None:
+            with open(self.call_log, "a") as log:
+                log.write(call.model_dump_json() + "\n")
         if status != 200:
             # vLLM's server closes the connection after an error answer; start a fresh pool so the next
             # call does not land on the closed keep-alive connection.

@@ -40,11 +40,23 @@ class HttpCall(BaseModel):
 
     route: str
     status: int  # HTTP status; 0 when no response arrived (connection error)
+    t: float = 0.0  # unix seconds when the request was sent
     ms: float  # wall milliseconds from request to response
     sync: int | None = None  # sync index, None for calls outside a sync (init, checksum)
     chunk: int | None = None  # chunk index within the sync for /update_weights
     error: str | None = None  # response body (truncated) when status != 200
     rejections: list[Rejection] = Field(default_factory=list)  # the non-200 answer, parsed
+    rank: int | None = None  # the trainer rank that made the call, None for the harness's own calls
+
+
+class TensorLayout(BaseModel):
+    """A tensor's shape and dtype name ("float32", "bfloat16", ...), as sent or as a checkpoint holds it."""
+
+    shape: list[int]
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.shape} {self.dtype}"
 
 
 class ChunkRecord(BaseModel):
@@ -74,5 +86,6 @@ class SyncReport(BaseModel):
     names_accepted: list[str] = Field(default_factory=list)
     names_rejected: dict[str, str] = Field(default_factory=dict)  # HF name -> engine's reason (GENERIC_REJECTION)
     sent_checksums: dict[str, str] = Field(default_factory=dict)  # HF name -> checksum of sent bytes
+    sent_layout: dict[str, TensorLayout] = Field(default_factory=dict)  # HF name -> shape and dtype sent
     engine_update_counts: dict[str, int] = Field(default_factory=dict)  # engine shard -> updates
     finished: bool = False  # /finish_weight_update answered 200

@@ -31,8 +31,9 @@ from wsh_vllm_plugin.protocol import SENDER_RANK, UpdateInfo, dtype_from_name, d
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.transport.client import EngineClient, EngineRejected
-from reference_impl.transport.observed import GENERIC_REJECTION, ChunkRecord, SyncReport
+from reference_impl.transport.observed import GENERIC_REJECTION, ChunkRecord, SyncReport, TensorLayout
 from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
+from reference_impl.transport.progress import Progress
 
 SENDER = SENDER_RANK
 
@@ -137,8 +138,10 @@ def run_sync(
     client: EngineClient | None,
     channel: Channel | None,
     keep: dict[str, torch.Tensor] | None = None,
+    progress: Progress | None = None,
 ) -> tuple[SyncReport, list[Chunk]]:
     """One sync's transfer on this rank (see module doc). The sender passes `client` and `channel`.
+    `progress` is told every phase this rank enters (what a watchdog reports when the rank hangs).
 
     With `keep`, the sender also stores every tensor it sent there (name -> tensor, no copy), e.g. for
     the trainer-side log-prob forward. Returns this rank's observations and the chunk plan. Seconds in
@@ -146,20 +149,27 @@ def run_sync(
     wall time less that wait, less checksum time and less the engine's reported load time (`load`).
     """
     res = SyncReport(rank=rank)
+    progress = progress or Progress(None)
+    where = f"sync {sync_index}"
+    progress.at(f"{where}: exchanging tensor metadata with every rank (all_gather_object)")
     metas = gather_metadata(named, rank, world_size)
     plan = plan_chunks(metas, chunk_bytes)
     by_name = dict(named)
     if rank != SENDER:
+        progress.at(f"{where}: handing its tensors of {len(plan)} chunks to the sender point to point (gather)")
         hand_off(plan, by_name, rank)
+        progress.at(f"{where}: handed every tensor it owns to the sender")
         return res, plan
     assert client is not None and channel is not None, "the sender needs the engine client and a channel"
     t_recv = t_sum = t_load = 0.0
     t_loop0 = time.perf_counter()
     # A rejected start is recorded in client.calls; the chunk schedule still runs so every rank stays in step.
+    progress.at(f"{where}: /start_weight_update in flight")
     with contextlib.suppress(EngineRejected):
         client.start(sync_index, weight_version)
     for chunk in plan:
         t0 = time.perf_counter()
+        progress.at(f"{where}: collecting chunk {chunk.index} of {len(plan)} from its owners (gather)")
         tensors = collect(chunk, by_name)
         t1 = time.perf_counter()
         info = update_info(chunk)
@@ -169,6 +179,7 @@ def run_sync(
             res.chunks.append(entry.model_copy(update={"sent": False, "note": why}))
             continue
         try:
+            progress.at(f"{where}: chunk {chunk.index} of {len(plan)} on the wire: /update_weights in flight")
             answer = send_chunk(channel, client, tensors, info, sync_index)
             entry.received = True
             t_load += float(answer.get("load_s", 0.0))
@@ -177,6 +188,8 @@ def run_sync(
             res.names_rejected.update(names_rejected(info.names, e))
         res.chunks.append(entry)
         res.names_sent.extend(info.names)
+        for n, shape, dtype in zip(info.names, info.shapes, info.dtype_names, strict=True):
+            res.sent_layout[n] = TensorLayout(shape=list(shape), dtype=dtype)  # as declared to the engine
         res.bytes += chunk.nbytes
         t2 = time.perf_counter()
         for m, t in zip(chunk.tensors, tensors, strict=True):
@@ -187,6 +200,7 @@ def run_sync(
         t_recv += t1 - t0
     try:
         if client.session_open:  # else the engine already ended it: nothing to finish (not finished)
+            progress.at(f"{where}: /finish_weight_update in flight (load)")
             answer = client.finish(sync_index, weight_version)
             res.finished = True
             res.engine_update_counts = {k: int(v) for k, v in answer.get("update_counts", {}).items()}
@@ -196,4 +210,5 @@ def run_sync(
     res.phases = {"gather": t_recv, "transfer": max(loop - t_recv - t_load, 0.0), "load": t_load}
     res.total_s = loop
     res.chunks_planned = len(plan)
+    progress.at(f"{where}: finished")
     return res, plan

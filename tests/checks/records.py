@@ -10,7 +10,7 @@ and `names_rejected` as `transport.sync.names_rejected` fills it.
 from __future__ import annotations
 
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
-from harness.record import ChunkRecord, HttpCall, RunRecord, SyncRecord
+from harness.record import ChunkRecord, HttpCall, RunRecord, SyncRecord, TensorLayout
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.transport.client import EngineRejected
@@ -22,6 +22,7 @@ NAMES = [
     "model.layers.0.self_attn.q_proj.weight",
     "lm_head.weight",
 ]
+LAYOUT = TensorLayout(shape=[4, 8], dtype="float32")
 VISION = "model.visual.decoder.layers.0.self_attention.linear_proj.weight"
 
 
@@ -44,6 +45,7 @@ def _sync(s: int, checkpoint: dict[str, str], mode: str) -> SyncRecord:
         names_sent=list(NAMES),
         names_accepted=list(NAMES),
         sent_checksums=dict(sums),
+        sent_layout={name: LAYOUT for name in NAMES},
         engine_checksums=dict(sums),
         expected_checksums=dict(sums),
         engine_update_counts=dict.fromkeys(NAMES, 1),
@@ -81,6 +83,7 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
         syncs=sync_records,
         requested_export_mode=mode,
         checkpoint_checksums=dict(checkpoint),
+        checkpoint_layout={name: LAYOUT for name in NAMES},
         engine_shards=list(NAMES),
         cross_mode_checksums={"raw": dict(last), "bridge": dict(last)},
         logprob_budget=dict(LOGPROB_BUDGETS["float32"]),

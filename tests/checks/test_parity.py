@@ -9,12 +9,13 @@ from harness.checks import (
     check_parity_expected,
     check_parity_sent,
     check_parity_sync0,
+    check_sent_layout,
     group_differences,
     judge,
 )
-from harness.record import RunRecord
+from harness.record import OracleFailure, RunRecord, TensorLayout
 
-from .records import NAMES, verdict_of, vllm_record
+from .records import NAMES, reject_chunk, rejection, verdict_of, vllm_record
 
 
 def test_sync0_checksum_differs_is_parity_fail(record: RunRecord) -> None:
@@ -148,3 +149,48 @@ def test_without_an_expected_state_the_check_is_skipped(record: RunRecord) -> No
         sync.expected_checksums = {}
     result = check_parity_expected(record)
     assert result.skipped and "no expected state" in result.reason
+
+
+def test_transposed_tensor_the_engine_refused_is_http_error_naming_the_swapped_dims(record: RunRecord) -> None:
+    name = NAMES[2]
+    record.checkpoint_layout[name] = TensorLayout(shape=[16, 128, 96], dtype="float32")
+    record.syncs[0].sent_layout[name] = TensorLayout(shape=[16, 96, 128], dtype="float32")
+    reason = "shape [16, 96, 128] but the engine shard expects [16, 128, 96]"
+    reject_chunk(record, 0, 1, 400, [rejection(name, "shape", reason)])
+    expected = (
+        "HTTP_ERROR",
+        f"sync 0: '{name}' sent as [16, 96, 128] float32 but the checkpoint holds [16, 128, 96] float32: the last "
+        "two dims are swapped; the engine refused it",
+    )
+    result = check_sent_layout(record)
+    assert (result.verdict_on_fail, result.message) == expected
+    assert verdict_of(record) == expected
+
+
+def test_wrong_layout_the_engine_took_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[1].sent_layout[NAMES[0]] = TensorLayout(shape=[4, 8], dtype="bfloat16")
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        f"sync 1: '{NAMES[0]}' sent as [4, 8] bfloat16 but the checkpoint holds [4, 8] float32; the engine answered "
+        "200",
+    )
+
+
+def test_oracle_that_could_not_run_skips_its_check_and_never_fails_the_scenario(record: RunRecord) -> None:
+    for check in ("parity_expected", "parity_cross_mode", "logprob_parity", "group_invariance"):
+        record.oracle_failures.append(OracleFailure(check=check, sync=1, reason="RuntimeError: boom"))
+    verdict, results = judge(record)
+    assert verdict == "PASS"
+    skipped = {r.name: r.reason for r in results if r.skipped}
+    assert skipped["parity_expected"] == "oracle could not run after sync 1: RuntimeError: boom"
+    assert {"parity_cross_mode", "logprob_parity", "group_invariance"} <= set(skipped)
+
+
+def test_oracle_failure_on_an_engine_without_reports_fails_the_logprob_check() -> None:
+    rec = vllm_record()
+    rec.oracle_failures.append(OracleFailure(check="logprob_parity", sync=0, reason="RuntimeError: boom"))
+    assert verdict_of(rec) == (
+        "PARITY_FAIL",
+        "oracle could not run after sync 0: RuntimeError: boom; and this engine reports nothing else about the "
+        "weights it holds",
+    )

@@ -26,8 +26,24 @@ def test_deadlock_says_where_and_which_stacks(record: RunRecord) -> None:
     record.errors.append(ErrorRecord(where="runner", type="TimeoutError", message="watchdog fired"))
     assert verdict_of(record) == (
         "DEADLOCK",
-        f"no progress before the deadline in sync {s.index} after 1/2 chunks sent, 1 received; "
+        f"no progress before the deadline after sync {s.index} (1/2 chunks sent, 1 received); "
         "stacks saved: stacks/rank1.txt",
+    )
+
+
+def test_deadlock_in_sync_0_names_the_sync_and_each_rank_s_phase(record: RunRecord) -> None:
+    """A hang in the very first sync is not "before the first sync": the runner knows what was in flight
+    and every rank's last phase."""
+    record.deadlock, record.deadlock_at, record.syncs = True, "sync 0", []
+    record.progress = {
+        "rank0": "sync 0: chunk 3 of 9 on the wire: /update_weights in flight",
+        "rank1": "sync 0: handing its tensors of 9 chunks to the sender point to point (gather)",
+    }
+    assert verdict_of(record) == (
+        "DEADLOCK",
+        "no progress before the deadline in sync 0 (last phases: rank0: sync 0: chunk 3 of 9 on the wire: "
+        "/update_weights in flight; rank1: sync 0: handing its tensors of 9 chunks to the sender point to point "
+        "(gather)); no stacks saved",
     )
 
 
