@@ -208,3 +208,15 @@ def test_chunk_recorded_as_received_without_its_call_on_the_wire_is_chunk_mismat
         "sync 1: the sender recorded 2 chunks as received but the engine answered 1 /update_weights calls with 200 "
         "(first: chunk 1, 1 names)"
     )
+
+
+def test_second_transfer_group_init_names_both_ranks(record: RunRecord) -> None:
+    init = next(c for c in record.http if c.route == "/init_weight_transfer_engine")
+    init.rank = 0
+    record.http.insert(1, init.model_copy(update={"rank": 1, "t": init.t + 0.01}))
+    record.syncs = []
+    assert verdict_of(record) == (
+        "CRASH",
+        "the engine accepted 2 /init_weight_transfer_engine calls (rank 0, then rank 1): one transfer group per "
+        "engine, and the later init replaces the earlier one, so the sender's broadcasts would reach nobody",
+    )
