@@ -6,7 +6,9 @@ phase column (``gather_s`` ...) the median of that phase over the same syncs. ``
 ``bytes_per_sync / steady_s / 1e9``. The verdict is re-derived from the record by `harness.checks`.
 
 ``summary.md`` holds the table a PR author pastes (Model | TP | EP | PP | colocate | mode | first (s)
-| steady (s) | GB/s | 200s per route | chunks | verdict) and a list of every row that did not PASS.
+| steady (s) | GB/s | 200s per route | chunks | verdict), then every row that did not PASS with the
+message of the check that decided its verdict and the names of the other failing checks, then every
+oracle that could not run (never a verdict of the system under test).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ COLUMNS: tuple[str, ...] = (
     "expected",
     "expect_met",
     "message",
+    "also_failing",
+    "oracle_notes",
 )
 
 MARKDOWN_HEADER: tuple[str, ...] = (
@@ -162,6 +166,8 @@ def record_row(record: RunRecord) -> dict[str, Any]:
         expected=expected,
         expect_met=expectation_met(record, verdict),
         message=deciding.message if deciding is not None else "",
+        also_failing=",".join(r.name for r in results if r.failed and r is not deciding),
+        oracle_notes="; ".join(r.reason for r in results if r.skipped and r.reason.startswith("oracle could not run")),
     )
     return row
 
@@ -323,7 +329,12 @@ def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[s
     for row in failing.to_dict(orient="records"):
         status = "as expected" if row["expect_met"] else f"UNEXPECTED, expected {row['expected']}"
         message = _cell(row["message"]) or "(no message)"
-        lines.append(f"- `{row['scenario']}`: **{row['verdict']}** ({status}) — {message}")
+        also = f" (also failing: {', '.join(row['also_failing'].split(','))})" if row.get("also_failing") else ""
+        lines.append(f"- `{row['scenario']}`: **{row['verdict']}** ({status}) — {message}{also}")
+    noted = df[df["oracle_notes"].astype(bool)] if len(df) else df
+    if len(noted):
+        lines += ["", "## Oracles that could not run", ""]
+        lines += [f"- `{row['scenario']}`: {_cell(row['oracle_notes'])}" for row in noted.to_dict(orient="records")]
     unexpected_pass = df[(df["verdict"] == "PASS") & ~df["expect_met"].astype(bool)] if len(df) else df
     for row in unexpected_pass.to_dict(orient="records"):
         lines.append(f"- `{row['scenario']}`: **PASS** (UNEXPECTED, expected {row['expected']})")

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from harness.plots import plot_steady_update_time, steady_table
-from harness.record import PHASES, ChunkRecord, HttpCall, RunRecord, SyncRecord
+from harness.record import PHASES, ChunkRecord, HttpCall, OracleFailure, RunRecord, SyncRecord
 from harness.results import (
     COLUMNS,
     MARKDOWN_HEADER,
@@ -155,6 +155,24 @@ def test_write_summary(tmp_path: Path, records: list[RunRecord]) -> None:
     failing = md.split("## Not passing", 1)[1]
     assert "qwen3-vl/tp2-pp2/noncolocate/bridge" in failing and NAMES[1] in failing
     assert "noncolocate/raw" not in failing
+
+
+def test_not_passing_rows_name_the_other_failing_checks_and_oracle_notes(tmp_path: Path, records) -> None:
+    """The deciding check's message first, then the other failing checks by name; an oracle that could not
+    run is listed apart, never as a failure."""
+    bad = records[1]
+    bad.syncs[1].export_mode = "raw"  # a second failing check beside parity_sent
+    bad.oracle_failures.append(OracleFailure(check="logprob_parity", sync=2, reason="TypeError: boom"))
+    df = summarize(records)
+    row = df.set_index("scenario").loc[bad.scenario_id]
+    assert row["verdict"] == "PARITY_FAIL"
+    also = row["also_failing"].split(",")
+    assert also == ["requested_mode"] and NAMES[1] in row["message"]
+    assert row["oracle_notes"] == "oracle could not run after sync 2: TypeError: boom"
+    md = write_summary(df, tmp_path)["md"].read_text()
+    failing = md.split("## Not passing", 1)[1]
+    assert f"(also failing: {', '.join(also)})" in failing
+    assert "## Oracles that could not run" in md and "TypeError: boom" in md.split("## Oracles that could not run")[1]
 
 
 def test_write_env(tmp_path: Path) -> None:
