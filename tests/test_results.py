@@ -167,7 +167,7 @@ def test_not_passing_rows_name_the_other_failing_checks_and_oracle_notes(tmp_pat
     row = df.set_index("scenario").loc[bad.scenario_id]
     assert row["verdict"] == "PARITY_FAIL"
     also = row["also_failing"].split(",")
-    assert also == ["requested_mode"] and NAMES[1] in row["message"]
+    assert also == ["requested_export_mode"] and NAMES[1] in row["message"]
     assert row["oracle_notes"] == "oracle could not run after sync 2: TypeError: boom"
     md = write_summary(df, tmp_path)["md"].read_text()
     failing = md.split("## Not passing", 1)[1]
