@@ -656,12 +656,14 @@ def test_session_errors(engines: dict[str, Engine]) -> None:
     assert "start_weight_update" in detail["error"]
     assert detail["kinds"] == {"model.norm.weight": "session"}
     assert httpx.get(f"{eng.url}/health").status_code == 200
-    # finish without start, start twice
-    assert eng.post("/finish_weight_update", {}).status_code == 400
+    # finish without start, start twice: session refusals, as vLLM's answers parse
+    r = eng.post("/finish_weight_update", {})
+    assert r.status_code == 400 and r.json()["detail"]["kinds"] == {"/finish_weight_update": "session"}
     assert eng.post("/start_weight_update", {}).status_code == 200
     r = eng.post("/start_weight_update", {})
     assert r.status_code == 400
     assert "finish_weight_update" in r.json()["detail"]["error"]
+    assert r.json()["detail"]["kinds"] == {"/start_weight_update": "session"}
     _valid_update(eng)
     assert eng.post("/finish_weight_update", {"weight_version": 3}).status_code == 200
     # malformed body: 400 naming the field

@@ -57,8 +57,10 @@ loaded; the finish counts show the gap) where vLLM's worker drops the session on
 tied `lm_head.weight` and a dtype mismatch are errors where vLLM skips / casts silently (the harness's
 vLLM plugin refuses a dtype mismatch too); errors are 4xx with `{"detail": {"rejected", "kinds"}}`
 where vLLM answers 500 with the worker's exception text ("Call to collective_rpc method failed ...");
-answers carry counts and load times where vLLM's carry only `{"message"}`. `harness.checks` reads
-both kinds of answer (tests/test_vllm_engine.py sends the same bad inputs to both engines).
+answers carry counts and load times where vLLM's carry only `{"message"}`. Each engine kind's adapter
+parses its own answers into `Rejection`s (`answers.py` here, `engine/vllm/answers.py` for vLLM), so the
+checks read the same data from both (tests/test_vllm_engine.py sends the same bad inputs to both
+engines and asserts the same verdicts).
 """
 
 from __future__ import annotations
@@ -251,10 +253,8 @@ def create_app(
     def start_weight_update(req: StartRequest | None = None) -> dict[str, Any]:
         with st.lock:
             if st.session_open:
-                raise _http_error(
-                    400,
-                    "start_weight_update called while an update session is open; POST /finish_weight_update first",
-                )
+                why = "start_weight_update called while an update session is open; POST /finish_weight_update first"
+                raise _http_error(400, why, {"/start_weight_update": why}, {"/start_weight_update": "session"})
             st.session_open = True
             st.session_load_s = 0.0
             st.loader.reset_counts()
@@ -341,10 +341,8 @@ def create_app(
     def finish_weight_update(req: FinishRequest | None = None) -> dict[str, Any]:
         with st.lock:
             if not st.session_open:
-                raise _http_error(
-                    400,
-                    "finish_weight_update called without an open session; POST /start_weight_update first",
-                )
+                why = "finish_weight_update called without an open session; POST /start_weight_update first"
+                raise _http_error(400, why, {"/finish_weight_update": why}, {"/finish_weight_update": "session"})
             st.session_open = False
             if req is not None and req.weight_version is not None:
                 st.weight_version = req.weight_version
