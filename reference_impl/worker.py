@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from wsh_vllm_plugin.protocol import InitInfo
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
@@ -116,7 +117,7 @@ class TrainerWorker:
             from reference_impl.transport.colocate import CudaIpcChannel, SharedMemoryChannel
 
             self.channel = CudaIpcChannel() if torch.cuda.is_available() else SharedMemoryChannel()
-            self.client.init_transfer({"backend": self.channel.backend})
+            self.client.init_transfer(InitInfo(backend=self.channel.backend))
             return self._drain_calls()
         self.channel = connect_broadcast(self.client, timeout_s)
         return self._drain_calls()

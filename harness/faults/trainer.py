@@ -47,10 +47,10 @@ def legacy_vision_names() -> None:
     tower had its own conversion table): `model.visual.decoder.layers.0.self_attention.linear_proj.weight`."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def convert(name, tensor, rules, facts):  # type: ignore[no-untyped-def]
+        def convert(name, tensor, rules, config):  # type: ignore[no-untyped-def]
             if name.startswith("vision_model."):
                 return [("model.visual." + name.removeprefix("vision_model."), tensor)]
-            return orig(name, tensor, rules, facts)
+            return orig(name, tensor, rules, config)
 
         return convert
 
@@ -61,8 +61,8 @@ def noncolocate_ignores_bridge() -> None:
     """The non-colocate path calls the raw exporter whatever mode was asked for."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def export(mode, model, layout, facts):  # type: ignore[no-untyped-def]
-            return orig("raw", model, layout, facts)
+        def export(mode, model, layout, config):  # type: ignore[no-untyped-def]
+            return orig("raw", model, layout, config)
 
         return export
 
@@ -74,11 +74,11 @@ def gqa_split_wrong() -> None:
     heads were ungrouped) instead of per query group with head_dim: shapes are right, values are not."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def convert(name, tensor, rules, facts):  # type: ignore[no-untyped-def]
-            out = orig(name, tensor, rules, facts)
+        def convert(name, tensor, rules, config):  # type: ignore[no-untyped-def]
+            out = orig(name, tensor, rules, config)
             names = [n for n, _ in out]
             if len(out) == 3 and [n.rsplit(".", 2)[-2] for n in names] == ["q_proj", "k_proj", "v_proj"]:
-                q_rows, kv_rows = facts.num_heads * facts.head_dim, facts.num_kv_heads * facts.head_dim
+                q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
                 blocks = (tensor[:q_rows], tensor[q_rows : q_rows + kv_rows], tensor[q_rows + kv_rows :])
                 return [(n, b.contiguous()) for n, b in zip(names, blocks, strict=True)]
             return out
@@ -123,8 +123,8 @@ def tied_lm_head_sent() -> None:
     """A separate `lm_head.weight` (the embedding) is sent to an engine whose lm_head is tied."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def convert(name, tensor, rules, facts):  # type: ignore[no-untyped-def]
-            out = orig(name, tensor, rules, facts)
+        def convert(name, tensor, rules, config):  # type: ignore[no-untyped-def]
+            out = orig(name, tensor, rules, config)
             if name.endswith("embedding.word_embeddings.weight"):
                 out = [*out, ("lm_head.weight", out[0][1])]
             return out
@@ -236,8 +236,8 @@ def transposed_fused_experts() -> None:
     checkpoints' (the layout bug of a public report)."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def export(mode, model, layout, facts):  # type: ignore[no-untyped-def]
-            ex = orig(mode, model, layout, facts)
+        def export(mode, model, layout, config):  # type: ignore[no-untyped-def]
+            ex = orig(mode, model, layout, config)
             fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
             ex.tensors = [(n, t.transpose(1, 2).contiguous() if n.endswith(fused) else t) for n, t in ex.tensors]
             return ex

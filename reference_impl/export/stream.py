@@ -70,7 +70,7 @@ def _fused_layout(checkpoint: Path, hidden: int) -> str:
 
 
 def export_raw(
-    model: TrainerModel, layout: RankLayout, facts: ConvertConfig, table: FamilyTable | None = None
+    model: TrainerModel, layout: RankLayout, config: ConvertConfig, table: FamilyTable | None = None
 ) -> tuple[NamedTensors, dict[str, float]]:
     """This rank's named HF tensors via the family's raw table (see module doc), and phase seconds.
 
@@ -87,7 +87,7 @@ def export_raw(
     tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
     etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
     ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
-    local_experts = facts.num_experts // layout.ep if facts.num_experts else 0
+    local_experts = config.num_experts // layout.ep if config.num_experts else 0
     named: NamedTensors = []
     t_gather = t_convert = 0.0
     for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
@@ -104,12 +104,12 @@ def export_raw(
         t1 = time.perf_counter()
         if mine:
             for n, t in named:
-                named.extend(convert(n, t, table.rules, facts))
+                named.extend(convert(n, t, table.rules, config))
         t_gather += t1 - t0
         t_convert += time.perf_counter() - t1
     if table.post is not None and named:
         t0 = time.perf_counter()
-        named = table.post(named, facts)
+        named = table.post(named, config)
         t_convert += time.perf_counter() - t0
     return named, {"gather": t_gather, "convert": t_convert}
 
@@ -126,21 +126,22 @@ def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[NamedTensors
 
 @dataclass
 class Export:
-    """One export on one rank: the tensors it owns, phase seconds, and the mode that actually ran."""
+    """One export on one rank: the (HF name, tensor) pairs it owns, phase seconds, and the export mode
+    that actually ran."""
 
-    named: NamedTensors
+    tensors: NamedTensors
     phases: dict[str, float]
     export_mode: str
 
 
-def export(mode: str, model: TrainerModel, layout: RankLayout, facts: ConvertConfig) -> Export:
-    """Dispatch on `mode` ("raw" | "bridge").
+def export(export_mode: str, model: TrainerModel, layout: RankLayout, config: ConvertConfig) -> Export:
+    """Dispatch on `export_mode` ("raw" | "bridge").
 
     Raises:
-        ValueError: unknown mode.
+        ValueError: an unknown export mode.
     """
-    if mode == "raw":
-        return Export(*export_raw(model, layout, facts), export_mode="raw")
-    if mode == "bridge":
+    if export_mode == "raw":
+        return Export(*export_raw(model, layout, config), export_mode="raw")
+    if export_mode == "bridge":
         return Export(*export_bridge(model, layout), export_mode="bridge")
-    raise ValueError(f"unknown export mode {mode!r}; use one of {MODES}")
+    raise ValueError(f"unknown export mode {export_mode!r}; use one of {MODES}")

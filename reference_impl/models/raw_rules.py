@@ -115,7 +115,7 @@ def prefixed(rules: Sequence[Rule], megatron_prefix: str, hf_rename: Callable[[s
 
 
 def convert(
-    name: str, tensor: torch.Tensor, rules: Sequence[Rule], facts: ConvertConfig
+    name: str, tensor: torch.Tensor, rules: Sequence[Rule], config: ConvertConfig
 ) -> list[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs for one full Megatron parameter.
 
@@ -127,7 +127,7 @@ def convert(
         groups = rule.match(name)
         if groups is None:
             continue
-        outs = rule.transform(tensor, facts)
+        outs = rule.transform(tensor, config)
         if outs and len(outs) != len(rule.hf):
             raise ValueError(f"rule {rule.megatron}: {len(outs)} tensors for {len(rule.hf)} HF names")
         return [(tmpl.format(**groups), t) for tmpl, t in zip(rule.hf, outs, strict=False)]

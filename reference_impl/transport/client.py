@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -109,14 +109,10 @@ class EngineClient:
             raise EngineRejected(call, text)
         return json.loads(text) if text else {}
 
-    def init_transfer(self, init_info: InitInfo | Mapping[str, Any]) -> Any:
-        """POST /init_weight_transfer_engine {"init_info": ...} (blocks until the engine joined).
-
-        A mapping is read as `InitInfo` keyword arguments (TypeError on an unknown key); the body always
-        carries every `InitInfo` field.
-        """
-        info = init_info if isinstance(init_info, InitInfo) else InitInfo(**init_info)
-        return self._post("/init_weight_transfer_engine", {"init_info": asdict(info)})
+    def init_transfer(self, init_info: InitInfo) -> Any:
+        """POST /init_weight_transfer_engine {"init_info": ...} with every `InitInfo` field (blocks until
+        the engine joined)."""
+        return self._post("/init_weight_transfer_engine", {"init_info": asdict(init_info)})
 
     def start(self, sync: int, weight_version: int | None = None) -> Any:
         """POST /start_weight_update (the version travels as a string, as vLLM declares it)."""

@@ -36,7 +36,7 @@ RULES: list[Rule] = qwen3_vl.VISION_RULES + prefixed(qwen3_moe.RULES, "language_
 _PER_EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def fuse_experts(named: list[tuple[str, torch.Tensor]], facts: ConvertConfig) -> list[tuple[str, torch.Tensor]]:
+def fuse_experts(named: list[tuple[str, torch.Tensor]], config: ConvertConfig) -> list[tuple[str, torch.Tensor]]:
     """Replace each layer's per-expert gate/up/down tensors by the two fused tensors (module doc).
 
     Raises:
@@ -50,13 +50,13 @@ def fuse_experts(named: list[tuple[str, torch.Tensor]], facts: ConvertConfig) ->
             out.append((name, t))
             continue
         layers.setdefault(m.group("layer"), {}).setdefault(m.group("proj"), {})[int(m.group("e"))] = t
-    released = facts.fused_experts_layout == "released"
+    released = config.fused_experts_layout == "released"
     for layer, projs in layers.items():
         for proj, experts in projs.items():
-            if sorted(experts) != list(range(facts.num_experts)):
-                raise ValueError(f"{layer}.{proj}: experts {sorted(experts)} are not 0..{facts.num_experts - 1}")
-        gate_up = [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], 0) for e in range(facts.num_experts)]
-        down = [projs["down_proj"][e] for e in range(facts.num_experts)]
+            if sorted(experts) != list(range(config.num_experts)):
+                raise ValueError(f"{layer}.{proj}: experts {sorted(experts)} are not 0..{config.num_experts - 1}")
+        gate_up = [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], 0) for e in range(config.num_experts)]
+        down = [projs["down_proj"][e] for e in range(config.num_experts)]
         if released:
             gate_up, down = [t.T for t in gate_up], [t.T for t in down]
         out.append((f"{layer}.gate_up_proj", torch.stack(gate_up).contiguous()))
