@@ -1,7 +1,8 @@
 """The named seams of the weight-sync path: the only places where a fault injection may replace code.
 
 A seam is a module attribute that production code calls through its module (so replacing the attribute
-changes what runs) and that has a purpose of its own on the sync path; nothing here exists only to be
+changes what runs; a method of a Ray actor's class is not one: Ray binds an actor's methods when it
+creates the actor) and that has a purpose of its own on the sync path; nothing here exists only to be
 patched. The harness's fault injections (`harness/faults/`) reach the system under test through
 `replace` and nothing else: a fault names the seam it changes, and a seam that moves breaks loudly here
 instead of silently patching nothing.
@@ -10,7 +11,7 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 
 | seam | what runs there |
 | --- | --- |
-| `connect_engine` | a trainer rank sets up its channel to the engine (/init_weight_transfer_engine) |
+| `talks_to_engine` | which trainer rank sets up the channel to the engine (/init_weight_transfer_engine) |
 | `train_step` | the trainer's step between syncs over every (global name, parameter) |
 | `convert` | raw export: one full Megatron parameter -> its HF (name, tensor) pairs |
 | `export` | the export mode dispatch (raw / bridge) |
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 SEAMS: dict[str, tuple[str, str]] = {
-    "connect_engine": ("reference_impl.worker", "TrainerWorker.connect_engine"),
+    "talks_to_engine": ("reference_impl.worker", "talks_to_engine"),
     "train_step": ("reference_impl.trainer.step", "apply"),
     "convert": ("reference_impl.export.stream", "convert"),
     "export": ("reference_impl.export.stream", "export"),

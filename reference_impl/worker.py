@@ -55,6 +55,12 @@ class TrainerSetup:
     trace_dir: str | None = None
 
 
+def talks_to_engine(rank: int, layout: RankLayout | None) -> bool:
+    """Whether this trainer rank is the one that sets up the channel to the engine and sends (global rank
+    0, the sender; the other ranks hand their tensors to it). A seam (`reference_impl.seams`)."""
+    return rank == SENDER
+
+
 class TrainerWorker:
     """One trainer rank (see module doc). Methods return plain data (dicts) for the runner."""
 
@@ -102,7 +108,7 @@ class TrainerWorker:
         a thread while this rank joins as rank 0. Colocate: a shared-memory segment (CUDA IPC on GPU)
         passed by handle; the engine has nothing to join. Returns the HTTP calls made.
         """
-        if self.rank != SENDER:
+        if not talks_to_engine(self.rank, self.layout):
             return []
         kind = engine_kind(engine)  # e.g. whether a failed chunk ends the session (see transport.client)
         self.client = EngineClient(

@@ -31,7 +31,7 @@ def test_replace_swaps_and_returns_the_previous_callable() -> None:
 
 
 def test_unknown_seam_says_which_exist() -> None:
-    with pytest.raises(KeyError, match="known seams: connect_engine, train_step"):
+    with pytest.raises(KeyError, match="known seams: talks_to_engine, train_step"):
         seams.replace("no_such_seam", lambda orig: orig)
 
 

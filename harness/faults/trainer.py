@@ -263,22 +263,15 @@ def planner_key_error() -> None:
 
 
 def second_init_from_pp_stage() -> None:
-    """The first rank of the last PP stage also believes it is the sender and joins the engine through its
+    """The first rank of the last PP stage also believes it talks to the engine and joins it through its
     own /init_weight_transfer_engine (every stage leader "initialises the update group"): the engine joins
     that second group, and the real sender's broadcasts reach nobody."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def connect_engine(self, base_url, engine, colocate=False, timeout_s=120.0):  # type: ignore[no-untyped-def]
-            layout = self.layout
-            if self.rank == 0 or layout is None or layout.pp_rank != layout.pp - 1 or layout.tp_rank != 0:
-                return orig(self, base_url, engine, colocate, timeout_s)
-            rank, self.rank = self.rank, 0  # the bug: this stage leader takes itself for the sender
-            try:
-                calls = orig(self, base_url, engine, colocate, timeout_s)
-            finally:
-                self.rank = rank
-            return [c.model_copy(update={"rank": rank}) for c in calls]
+        def talks_to_engine(rank, layout):  # type: ignore[no-untyped-def]
+            last_stage_leader = layout is not None and layout.pp_rank == layout.pp - 1 and layout.tp_rank == 0
+            return orig(rank, layout) or last_stage_leader
 
-        return connect_engine
+        return talks_to_engine
 
-    seams.replace("connect_engine", make)
+    seams.replace("talks_to_engine", make)
