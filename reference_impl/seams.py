@@ -29,6 +29,7 @@ Engine side (replaced inside the embedded engine's process by a fault hook it lo
 
 | seam | what runs there |
 | --- | --- |
+| `engine_validate` | the loader checks a chunk's names, dtypes and shapes before anything is loaded |
 | `engine_load` | the loader copies one validated chunk into the engine's parameters |
 | `engine_session_start` | the loader's per-session reset at /start_weight_update |
 """
@@ -54,6 +55,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "fused_logprobs": ("reference_impl.forward.logprobs", "fused_logprobs"),
     "vl_hidden_states": ("reference_impl.forward.hf", "vl_hidden_states"),
     "vl_text_forward": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextModel.forward"),
+    "engine_validate": ("reference_impl.engine.embedded.loader", "EngineLoader.validate"),
     "engine_load": ("reference_impl.engine.embedded.loader", "EngineLoader.load"),
     "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),
 }
@@ -83,6 +85,9 @@ def current(seam: str) -> Callable[..., Any]:
     return getattr(owner, attr)
 
 
+_ORIGINALS: dict[str, Callable[..., Any]] = {}  # what ran at each replaced seam before its first replacement
+
+
 def replace(seam: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
     """Replace what runs at `seam` by `make(current)` in this process; returns the previous callable.
 
@@ -91,5 +96,16 @@ def replace(seam: str, make: Callable[[Callable[..., Any]], Callable[..., Any]])
     """
     owner, attr = _owner(seam)
     previous = getattr(owner, attr)
+    _ORIGINALS.setdefault(seam, previous)
     setattr(owner, attr, make(previous))
     return previous
+
+
+def restore_all() -> list[str]:
+    """Put back what ran at every replaced seam (undo every fault in this process); returns their names."""
+    restored = list(_ORIGINALS)
+    for seam, original in _ORIGINALS.items():
+        owner, attr = _owner(seam)
+        setattr(owner, attr, original)
+    _ORIGINALS.clear()
+    return restored

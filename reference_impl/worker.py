@@ -11,8 +11,10 @@ size.
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -224,8 +226,11 @@ class TrainerWorker:
         destroy_model_parallel()
         gc.collect()
 
-    def run_in_process(self, fn: Any) -> None:
-        """Call `fn()` in this rank's process (the runner uses it to apply a scenario's fault injection;
-        the pool is discarded after that scenario)."""
-        fn()
+    def run_in_process(self, fn: Callable[[], Any] | str) -> Any:
+        """Call `fn()` in this rank's process, `fn` a callable or `MODULE:FUNCTION` (the runner applies and
+        undoes a scenario's fault injection this way; the pool is discarded after that scenario)."""
+        if isinstance(fn, str):
+            module, _, name = fn.partition(":")
+            fn = getattr(importlib.import_module(module), name)
+        return fn()
 

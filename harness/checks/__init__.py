@@ -30,6 +30,7 @@ from harness.checks.transfer import (
     check_crash,
     check_deadlock,
     check_http_status,
+    check_recovery,
     check_syncs_ran,
     check_transfer_init,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "check_parity_expected",
     "check_parity_sent",
     "check_parity_sync0",
+    "check_recovery",
     "check_requested_mode",
     "check_resync_unchanged",
     "check_sent_layout",

@@ -90,8 +90,8 @@ def check_resync_unchanged(record: RunRecord) -> CheckResult:
     """A sync of unchanged weights leaves the engine's log-probs exactly as they were."""
     name, verdict = "resync_logprobs_unchanged", "PARITY_FAIL"
     for prev, s in zip(record.syncs, record.syncs[1:], strict=False):
-        if s.perturbed or not s.engine_logprobs or not prev.engine_logprobs:
-            continue
+        if s.perturbed or s.recovery or not s.engine_logprobs or not prev.engine_logprobs:
+            continue  # a recovery sync follows a failed one: the engine's log-probs are expected to move
         if s.engine_logprobs != prev.engine_logprobs:
             diff = logprob_parity(prev.engine_logprobs, s.engine_logprobs)
             return failed(

@@ -28,6 +28,7 @@ from harness.checks.transfer import (
     check_crash,
     check_deadlock,
     check_http_status,
+    check_recovery,
     check_syncs_ran,
     check_transfer_init,
 )
@@ -50,6 +51,7 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_config,
     check_deadlock,
     check_transfer_init,
+    check_recovery,
     check_crash,
     check_sent_layout,
     check_http_status,

@@ -138,6 +138,14 @@ class EngineClient:
         self.session_open, self.session_closed_by = False, ""
         return self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
 
+    def health(self) -> int:
+        """GET /health: the status code, 0 when no answer arrives (the call is not recorded as an HttpCall:
+        it says whether the engine is alive, nothing about the update)."""
+        try:
+            return self.http.get("/health", timeout=10).status_code
+        except httpx.HTTPError:
+            return 0
+
     def checksums(self) -> dict[str, str]:
         """POST /weight_checker {"action": "checksum"} -> HF name -> checksum."""
         return self._post("/weight_checker", {"action": "checksum"})["checksums"]
