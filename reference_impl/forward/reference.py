@@ -3,9 +3,8 @@
 It runs on the trainer's sender over exactly the tensors the last sync sent (HF names, checkpoint
 layout), placed into a transformers model of the checkpoint's architecture through the same checkpoint
 views the engine uses (`engine.embedded.checkpoint_view`). The record names this forward
-(`FORWARD_NAME`): the Megatron model's own forward is not used on CPU (its pipeline schedule and the
-local-spec vision attention need CUDA-only paths; STACK.md), so the trainer log-probs come from this
-second implementation, not from the engine's code path:
+(`FORWARD_NAME`). The trainer log-probs of a run come from this second implementation, not from the
+engine's code path (the Megatron model's own forward is `forward.megatron`):
 
 - text: the decoder's last hidden states [T, H] and the output weight [V, H] (the embedding when
   tied) go through `logprobs.fused_logprobs` in token chunks, with the temperature;
