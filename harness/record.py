@@ -97,8 +97,11 @@ class SyncRecord(SyncReport):
     perturbed: bool = True  # the trainer's weights changed since the previous sync (False: a re-sync)
     recovery: bool = False  # the clean sync after a failed one (`RunRecord.recovery`)
     # Log-prob parity after this sync (`harness.checks.logprob_parity`): forward, temperature, tokens,
-    # max_abs, mean_abs, mean_exp_abs (NeMo-RL's mean exp|diff|), first_diff.
+    # max_abs, mean_abs, mean_exp_abs (NeMo-RL's mean exp|diff|), first_diff. `logprobs`: the trainer's
+    # Megatron forward vs the engine; `logprobs_expected`: a transformers forward over the expected state
+    # vs the engine.
     logprobs: dict[str, Any] = Field(default_factory=dict)
+    logprobs_expected: dict[str, Any] = Field(default_factory=dict)
     engine_logprobs: list[list[float]] = Field(default_factory=list)  # per fixed prompt, after this sync
 
 
@@ -132,6 +135,9 @@ class RunRecord(BaseModel):
     group_members: list[str] = Field(default_factory=list)
     group_differences: list[str] = Field(default_factory=list)
     logprob_budget: dict[str, float] = Field(default_factory=dict)  # max_abs / mean_exp_abs allowed
+    # The same for the trainer's Megatron forward vs the engine: `logprob_budget` plus the model family's
+    # known, sourced gap (`ModelFamily.trainer_logprob_gap`), when it has one.
+    trainer_logprob_budget: dict[str, float] = Field(default_factory=dict)
     verdict: str = ""
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)

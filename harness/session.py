@@ -25,7 +25,10 @@ from harness.placement import TrainerPool
 from harness.record import ErrorRecord, OracleFailure, RecoveryRecord, RunRecord, SyncRecord
 from harness.scenario import Scenario
 from reference_impl.engine.base import EngineKind
-from reference_impl.forward.hf import Prompt
+from reference_impl.forward.hf import FORWARD_NAME as HF_FORWARD
+from reference_impl.forward.hf import HfForward, Prompt
+from reference_impl.models.families import model_family
+from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient, EngineRejected
 from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.progress import read_progress
@@ -104,6 +107,7 @@ class ScenarioSession:
     checker: EngineClient = None  # type: ignore[assignment]  # the harness's own client, once the engine is up
     prompts: list[Prompt] = field(default_factory=list)
     expected: ExpectedState | None = None
+    hf_view: HfForward | None = None  # the transformers forward over the expected state, built on first use
 
     # ------------------------------------------------------------------ remote calls and oracles
 
@@ -169,7 +173,11 @@ class ScenarioSession:
         the log-probs. A fault armed for one sync (`fault_sync`) is applied just before it and undone after.
         When some sync failed, the engine's liveness and a clean recovery sync end the run (`recover`)."""
         sc = self.sc
-        self.record.logprob_budget = dict(LOGPROB_BUDGETS[sc.dtype]) if sc.logprobs else {}
+        if sc.logprobs:
+            budget = LOGPROB_BUDGETS[sc.dtype]
+            gap = model_family(load_model(sc.model).model_type).trainer_logprob_gap
+            self.record.logprob_budget = dict(budget)
+            self.record.trainer_logprob_budget = {k: v + gap for k, v in budget.items()}
         self.expected = self.oracle("parity_expected", None, lambda: ExpectedState(self.checkpoint, sc.seed))
         try:
             for i in range(sc.syncs + 1):
@@ -214,28 +222,36 @@ class ScenarioSession:
         return sync
 
     def measure_logprobs(self, sync: SyncRecord) -> None:
-        """Trainer log-probs (the sender's transformers forward over what it sent) vs the engine's, on the
-        fixed prompts; the comparison goes into `sync.logprobs`. The trainer-side forward and the comparison
-        are oracles: when one cannot run, that is recorded for the log-prob check, never raised."""
+        """The engine's prompt log-probs on the fixed prompts after this sync, against two views:
+        the trainer's own (its Megatron forward on every rank, `sync.logprobs`) and a transformers forward
+        over the expected state (`sync.logprobs_expected`, in this process). Both are oracles: when one
+        cannot run, that is recorded for its check, never raised."""
         temperature = self.sc.temperature(self.kind.capabilities.prompt_logprobs_honour_temperature)
-        what = f"trainer log-probs after sync {sync.index}"
-        trainer = self.oracle(
-            "logprob_parity",
-            sync.index,
-            lambda: self.get_oracle([self.pool.actors[0].trainer_logprobs.remote(temperature)], self.deadline, what)[0],
-        )
-        if trainer is None:
-            return
-        if "skipped" in trainer:
-            self.record.notes.append(f"sync {sync.index}: no log-prob comparison: {trainer['skipped']}")
-            return
         engine = [
             self.checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index) for p in self.prompts
         ]
         sync.engine_logprobs = engine
-        parity = self.oracle("logprob_parity", sync.index, lambda: logprob_parity(trainer["prompts"], engine))
-        if parity is not None:
-            sync.logprobs = parity | {"forward": trainer["forward"], "temperature": temperature}
+        what = f"trainer log-probs after sync {sync.index}"
+        refs = lambda: [a.trainer_logprobs.remote(temperature) for a in self.pool.actors]  # noqa: E731
+        trainer = self.oracle("logprob_parity", sync.index, lambda: self.get_oracle(refs(), self.deadline, what)[0])
+        if trainer is not None:
+            parity = self.oracle("logprob_parity", sync.index, lambda: logprob_parity(trainer["prompts"], engine))
+            if parity is not None:
+                sync.logprobs = parity | {"forward": trainer["forward"], "temperature": temperature}
+        view = self.oracle("logprob_expected", sync.index, lambda: self._expected_view(temperature))
+        if view is not None:
+            parity = self.oracle("logprob_expected", sync.index, lambda: logprob_parity(view, engine))
+            if parity is not None:
+                sync.logprobs_expected = parity | {"forward": HF_FORWARD, "temperature": temperature}
+
+    def _expected_view(self, temperature: float) -> list[list[float]]:
+        """Log-probs of the fixed prompts from a transformers model holding the expected state."""
+        if self.expected is None:
+            raise RuntimeError("no expected state (its oracle could not run)")
+        if self.hf_view is None:
+            self.hf_view = HfForward(self.checkpoint)
+        self.hf_view.load(self.expected.tensors)
+        return [self.hf_view.logprobs(p, temperature)[0].tolist() for p in self.prompts]
 
     def cross_export(self) -> None:
         """Both export modes of the last state (a second export path: an oracle of the parity check)."""

@@ -21,9 +21,8 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 | `send_chunk` | the sender hands one chunk to its channel |
 | `hand_off` / `collect` | non-sender ranks hand their tensors to the sender / the sender collects them |
 | `colocate_pack` | the colocate producer packs a chunk into its shared buffer |
-| `fused_logprobs` | the trainer-side fused log-prob kernel |
-| `vl_hidden_states` | the trainer-side Qwen3-VL forward (vision path kwargs, mRoPE ids) |
-| `vl_text_forward` | transformers' Qwen3-VL language model forward (the library's own) |
+| `megatron_forward_kwargs` | the trainer's log-prob forward: one prompt's inputs to the Megatron model |
+| `megatron_logprobs_kernel` | the trainer's vocab-parallel fused log-prob kernel (takes the temperature) |
 
 Engine side (replaced inside the embedded engine's process by a fault hook it loads at start):
 
@@ -52,9 +51,8 @@ SEAMS: dict[str, tuple[str, str]] = {
     "hand_off": ("reference_impl.transport.sync", "hand_off"),
     "collect": ("reference_impl.transport.sync", "collect"),
     "colocate_pack": ("reference_impl.transport.colocate", "pack"),
-    "fused_logprobs": ("reference_impl.forward.logprobs", "fused_logprobs"),
-    "vl_hidden_states": ("reference_impl.forward.hf", "vl_hidden_states"),
-    "vl_text_forward": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextModel.forward"),
+    "megatron_forward_kwargs": ("reference_impl.forward.megatron", "forward_kwargs"),
+    "megatron_logprobs_kernel": ("reference_impl.forward.megatron", "vocab_parallel_logprobs"),
     "engine_validate": ("reference_impl.engine.embedded.loader", "EngineLoader.validate"),
     "engine_load": ("reference_impl.engine.embedded.loader", "EngineLoader.load"),
     "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),

@@ -12,7 +12,13 @@ re-sync), `verdict` (the order of verdicts and `judge`); `base` holds `CheckResu
 from __future__ import annotations
 
 from harness.checks.base import CheckResult
-from harness.checks.logprobs import LOGPROB_BUDGETS, check_logprobs, check_resync_unchanged, logprob_parity
+from harness.checks.logprobs import (
+    LOGPROB_BUDGETS,
+    check_logprobs,
+    check_logprobs_expected,
+    check_resync_unchanged,
+    logprob_parity,
+)
 from harness.checks.names import check_coverage, check_names
 from harness.checks.parity import (
     check_group,
@@ -58,6 +64,7 @@ __all__ = [
     "check_group",
     "check_http_status",
     "check_logprobs",
+    "check_logprobs_expected",
     "check_names",
     "check_parity_cross_mode",
     "check_parity_expected",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from harness.checks.base import CheckResult
-from harness.checks.logprobs import check_logprobs, check_resync_unchanged
+from harness.checks.logprobs import check_logprobs, check_logprobs_expected, check_resync_unchanged
 from harness.checks.names import check_coverage, check_names
 from harness.checks.parity import (
     check_group,
@@ -66,6 +66,7 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_syncs_ran,
     check_group,
     check_logprobs,
+    check_logprobs_expected,
     check_resync_unchanged,
 )
 

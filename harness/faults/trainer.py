@@ -163,39 +163,47 @@ def ipc_buffer_reused_early() -> None:
 
 
 def fused_drops_visual_kwargs() -> None:
-    """The trainer's fused forward no longer passes `visual_pos_masks` / `deepstack_visual_embeds` to the
-    language model (a refactor dropped the vision path's extra arguments): the image's deepstack features
-    never reach the text layers, and the log-probs of every image prompt are silently wrong."""
+    """The trainer's log-prob forward no longer hands the vision inputs (`pixel_values`, `image_grid_thw`)
+    to the model (a refactor of the fused forward dropped the vision path's extra arguments): the image
+    tokens are embedded as text, and the log-probs of every image prompt are silently wrong."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(self, *args, visual_pos_masks=None, deepstack_visual_embeds=None, **kwargs):  # type: ignore[no-untyped-def]
-            return orig(self, *args, **kwargs)
+        def forward_kwargs(model, prompt):  # type: ignore[no-untyped-def]
+            kwargs = orig(model, prompt)
+            kwargs.pop("pixel_values", None)
+            kwargs.pop("image_grid_thw", None)
+            return kwargs
 
-        return forward
+        return forward_kwargs
 
-    seams.replace("vl_text_forward", make)
+    seams.replace("megatron_forward_kwargs", make)
 
 
 def temperature_not_passed() -> None:
-    """The trainer's fused log-prob path never receives the sampling temperature (it computes at T = 1)."""
+    """The trainer's fused log-prob kernel never receives the sampling temperature (it computes at T = 1)."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        return lambda hidden, weight, targets, temperature=1.0, **kw: orig(hidden, weight, targets, **kw)
+        def kernel(logits, targets, temperature, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return orig(logits, targets, 1.0, *args, **kwargs)
 
-    seams.replace("fused_logprobs", make)
+        return kernel
+
+    seams.replace("megatron_logprobs_kernel", make)
 
 
 def position_ids_wrong_shape() -> None:
-    """The caller passes text-style [batch, seq] position ids to the mRoPE model."""
+    """The trainer's forward hands text-style [batch, seq] position ids to the mRoPE model, whose guard
+    refuses them: the trainer-side forward raises (its oracle cannot run)."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def vl_hidden_states(model, input_ids, pixel_values, image_grid_thw, position_ids=None):  # type: ignore[no-untyped-def]
-            flat = torch.arange(input_ids.shape[1])[None].expand_as(input_ids)
-            return orig(model, input_ids, pixel_values, image_grid_thw, flat)
+        def forward_kwargs(model, prompt):  # type: ignore[no-untyped-def]
+            kwargs = orig(model, prompt)
+            kwargs["position_ids"] = torch.arange(len(prompt.input_ids))[None]
+            return kwargs
 
-        return vl_hidden_states
+        return forward_kwargs
 
-    seams.replace("vl_hidden_states", make)
+    seams.replace("megatron_forward_kwargs", make)
 
 
 def stale_cache_in_sync_loop() -> None:

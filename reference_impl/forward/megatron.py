@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from reference_impl.forward.hf import Prompt
+from reference_impl.forward.hf import Prompt, check_position_ids
 from reference_impl.forward.logprobs import _check_temperature
 from reference_impl.models.families import model_family
 from reference_impl.trainer.cpu_shims import cuda_factories_to_cpu
@@ -199,10 +199,15 @@ def prompt_logprobs(model: TrainerModel, prompt: Prompt, temperature: float) -> 
     step = partial(_forward_step, targets, temperature, int(model.config.vocab_size))
     # On CPU, megatron-core's schedule and default causal mask allocate on device "cuda" (cpu_shims).
     on_cpu = cuda_factories_to_cpu() if not torch.cuda.is_available() else contextlib.nullcontext()
+    kwargs = forward_kwargs(model, prompt)
+    if _is_vl(model) and kwargs.get("position_ids") is not None:
+        # Megatron-Bridge's Qwen3VLModel silently drops position ids that are not [3, b, s] and computes its
+        # own: refuse them here instead of training on ids nobody used.
+        check_position_ids(kwargs["position_ids"], 1, len(prompt.input_ids))
     with torch.no_grad(), on_cpu:
         store = get_forward_backward_func()(
             forward_step_func=step,
-            data_iterator=iter([forward_kwargs(model, prompt)]),
+            data_iterator=iter([kwargs]),
             model=model.chunks,
             num_microbatches=1,
             seq_length=len(prompt.input_ids),

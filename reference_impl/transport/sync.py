@@ -137,14 +137,12 @@ def run_sync(
     weight_version: int,
     client: EngineClient | None,
     channel: Channel | None,
-    keep: dict[str, torch.Tensor] | None = None,
     progress: Progress | None = None,
 ) -> tuple[SyncReport, list[Chunk]]:
     """One sync's transfer on this rank (see module doc). The sender passes `client` and `channel`.
     `progress` is told every phase this rank enters (what a watchdog reports when the rank hangs).
 
-    With `keep`, the sender also stores every tensor it sent there (name -> tensor, no copy), e.g. for
-    the trainer-side log-prob forward. Returns this rank's observations and the chunk plan. Seconds in
+    Returns this rank's observations and the chunk plan. Seconds in
     `phases`: `gather` here is the sender's wait for other ranks' tensors; `transfer` is the chunk loop's
     wall time less that wait, less checksum time and less the engine's reported load time (`load`).
     """
@@ -194,8 +192,6 @@ def run_sync(
         t2 = time.perf_counter()
         for m, t in zip(chunk.tensors, tensors, strict=True):
             res.sent_checksums[m.name] = tensor_checksum(t)
-            if keep is not None:
-                keep[m.name] = t
         t_sum += time.perf_counter() - t2
         t_recv += t1 - t0
     try:

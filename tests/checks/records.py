@@ -51,6 +51,7 @@ def _sync(s: int, checkpoint: dict[str, str], mode: str) -> SyncRecord:
         engine_update_counts=dict.fromkeys(NAMES, 1),
         finished=True,
         logprobs=logprob_parity([[-1.0, -2.0]], [[-1.0 + 2e-6, -2.0]]) | {"temperature": 0.7},
+        logprobs_expected=logprob_parity([[-1.0, -2.0]], [[-1.0 + 3e-6, -2.0]]) | {"temperature": 0.7},
         engine_logprobs=[[-1.0 + 2e-6, -2.0 - 0.01 * s]],
     )
 
@@ -87,6 +88,7 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
         engine_shards=list(NAMES),
         cross_mode_checksums={"raw": dict(last), "bridge": dict(last)},
         logprob_budget=dict(LOGPROB_BUDGETS["float32"]),
+        trainer_logprob_budget=dict(LOGPROB_BUDGETS["float32"]),
     )
 
 
