@@ -96,6 +96,10 @@ class SyncRecord(SyncReport):
     expected_checksums: dict[str, str] = Field(default_factory=dict)
     perturbed: bool = True  # the trainer's weights changed since the previous sync (False: a re-sync)
     recovery: bool = False  # the clean sync after a failed one (`RunRecord.recovery`)
+    engine_weight_version: str | None = None  # GET /weight_info after the finish (None: not asked)
+    # The probe served through the engine's caches after this sync: generated token, its log-prob on the
+    # engine and under the expected state (`harness.session.ScenarioSession.measure_probe`).
+    probe: dict[str, Any] = Field(default_factory=dict)
     # Log-prob parity after this sync (`harness.checks.logprob_parity`): forward, temperature, tokens,
     # max_abs, mean_abs, mean_exp_abs (NeMo-RL's mean exp|diff|), first_diff. `logprobs`: the trainer's
     # Megatron forward vs the engine; `logprobs_expected`: a transformers forward over the expected state

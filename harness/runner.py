@@ -31,6 +31,7 @@ from harness.stacks import dump_stacks
 from harness.validate import validate
 from reference_impl.engine import engine_kind
 from reference_impl.forward.hf import fixed_prompts
+from reference_impl.forward.prompts import probe_prompt
 from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient
@@ -125,7 +126,9 @@ class Runner:
                 record.engine_shards = checker.shards()
             session.connect()
             if sc.logprobs:
-                session.prompts = fixed_prompts(json.loads((ckpt / "config.json").read_text()))
+                config = json.loads((ckpt / "config.json").read_text())
+                session.prompts = fixed_prompts(config)
+                session.probe = probe_prompt(config)
             session.run_syncs()
             session.cross_export()
             healthy = True

@@ -34,6 +34,7 @@ from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.progress import read_progress
 
 RESTORE_SEAMS = "reference_impl.seams:restore_all"  # undoes a fault armed for one sync
+PROBE_TEMPERATURE = 1.0  # a generated token's log-prob: vLLM reports it from the raw logits
 
 
 class ScenarioFailed(Exception):
@@ -108,6 +109,8 @@ class ScenarioSession:
     prompts: list[Prompt] = field(default_factory=list)
     expected: ExpectedState | None = None
     hf_view: HfForward | None = None  # the transformers forward over the expected state, built on first use
+    hf_view_state: int = -1  # the expected state's step the view holds
+    probe: list[int] = field(default_factory=list)  # a prompt served before and after every sync
 
     # ------------------------------------------------------------------ remote calls and oracles
 
@@ -206,8 +209,12 @@ class ScenarioSession:
         return True
 
     def sync(self, index: int, perturbed: bool = True) -> SyncRecord:
-        """One sync on every rank, merged into the record, then the engine's report and the log-probs."""
+        """One sync on every rank, merged into the record, then the engine's report, its weight version,
+        the probe through its caches and the log-probs. Before the sync the probe is served once (so an
+        engine with a prefix cache holds it under the old weights)."""
         sc = self.sc
+        if self.probe:
+            self.checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
         refs = [a.sync.remote(index, index, sc.export_mode, sc.chunk_bytes) for a in self.pool.actors]
         expected = self.expected
         sums = self.oracle("parity_expected", index, expected.checksums) if expected is not None else None
@@ -217,6 +224,10 @@ class ScenarioSession:
         self.record.syncs.append(sync)  # before the engine is asked anything more: nothing of it is lost
         if self.kind.capabilities.per_tensor_reports:
             sync.engine_checksums = self.checker.checksums()
+        if sync.finished:
+            sync.engine_weight_version = self.checker.weight_version(sync=index)
+        if self.probe:
+            self.measure_probe(sync)
         if self.prompts:
             self.measure_logprobs(sync)
         return sync
@@ -244,14 +255,28 @@ class ScenarioSession:
             if parity is not None:
                 sync.logprobs_expected = parity | {"forward": HF_FORWARD, "temperature": temperature}
 
-    def _expected_view(self, temperature: float) -> list[list[float]]:
+    def measure_probe(self, sync: SyncRecord) -> None:
+        """Serve the probe prompt again after the sync (no prompt log-probs: the engine may answer from its
+        prefix cache) and put its generated token's log-prob beside that token's log-prob under the
+        expected state (`sync.probe`): a cache that outlived the update answers with the old weights."""
+        token, engine = self.checker.generate(self.probe, PROBE_TEMPERATURE, sync=sync.index)
+        sequence = Prompt([*self.probe, token])
+        expected = self.oracle(
+            "engine_caches", sync.index, lambda: self._expected_view(PROBE_TEMPERATURE, [sequence])[0][-1]
+        )
+        if expected is not None:
+            sync.probe = {"token": token, "engine": engine, "expected": expected}
+
+    def _expected_view(self, temperature: float, prompts: list[Prompt] | None = None) -> list[list[float]]:
         """Log-probs of the fixed prompts from a transformers model holding the expected state."""
         if self.expected is None:
             raise RuntimeError("no expected state (its oracle could not run)")
         if self.hf_view is None:
             self.hf_view = HfForward(self.checkpoint)
-        self.hf_view.load(self.expected.tensors)
-        return [self.hf_view.logprobs(p, temperature)[0].tolist() for p in self.prompts]
+        if self.hf_view_state != self.expected.index:
+            self.hf_view.load(self.expected.tensors)
+            self.hf_view_state = self.expected.index
+        return [self.hf_view.logprobs(p, temperature)[0].tolist() for p in (prompts or self.prompts)]
 
     def cross_export(self) -> None:
         """Both export modes of the last state (a second export path: an oracle of the parity check)."""

@@ -75,6 +75,9 @@ MESSAGE_SAYS = {
     "second_init_from_pp_stage": "rank 0, then rank 1",
     "drop_last_chunk": "/update_weights calls with 200",
     "engine_dies_after_rejected_chunk": "the engine died after the failed sync 0",
+    "no_prefix_cache_reset": "a cache (the prefix cache?) answered with the old weights",
+    "encoder_cache_survives_update": "log-prob max |diff|",
+    "weight_version_not_committed": "the engine reports weight version '0' after finishing version 1",
 }
 
 

@@ -12,6 +12,7 @@ re-sync), `verdict` (the order of verdicts and `judge`); `base` holds `CheckResu
 from __future__ import annotations
 
 from harness.checks.base import CheckResult
+from harness.checks.engine_state import check_engine_caches, check_weight_version
 from harness.checks.logprobs import (
     LOGPROB_BUDGETS,
     check_logprobs,
@@ -61,6 +62,7 @@ __all__ = [
     "check_coverage",
     "check_crash",
     "check_deadlock",
+    "check_engine_caches",
     "check_group",
     "check_http_status",
     "check_logprobs",
@@ -76,6 +78,7 @@ __all__ = [
     "check_sent_layout",
     "check_syncs_ran",
     "check_transfer_init",
+    "check_weight_version",
     "expectation_met",
     "expected_verdict",
     "first_failure",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from harness.checks.base import CheckResult
+from harness.checks.engine_state import check_engine_caches, check_weight_version
 from harness.checks.logprobs import check_logprobs, check_logprobs_expected, check_resync_unchanged
 from harness.checks.names import check_coverage, check_names
 from harness.checks.parity import (
@@ -68,6 +69,8 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_logprobs,
     check_logprobs_expected,
     check_resync_unchanged,
+    check_weight_version,
+    check_engine_caches,
 )
 
 

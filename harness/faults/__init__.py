@@ -199,6 +199,27 @@ FAULTS: dict[str, Fault] = {
             {"model": "qwen3", "syncs": 3, "chunk_bytes": 65536, "fault_sync": 1},
             trainer=trainer.wrong_dtype,
         ),
+        Fault(
+            "no_prefix_cache_reset",
+            "after an update the sender resets the encoder cache but not the prefix cache",
+            "PARITY_FAIL",
+            {"model": "qwen3", "syncs": 3, "chunk_bytes": 65536},
+            trainer=trainer.no_prefix_cache_reset,
+        ),
+        Fault(
+            "encoder_cache_survives_update",
+            "after an update the sender resets only the prefix cache: old image features are reused",
+            "PARITY_FAIL",
+            {"model": "qwen3-vl", "syncs": 3, "chunk_bytes": 65536},
+            trainer=trainer.encoder_cache_survives_update,
+        ),
+        Fault(
+            "weight_version_not_committed",
+            "the engine loads the weights but /finish_weight_update never commits the new version",
+            "PARITY_FAIL",
+            {"model": "qwen3", **_SMALL},
+            engine=engine.weight_version_not_committed,
+        ),
     ]
 }
 

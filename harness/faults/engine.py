@@ -77,3 +77,9 @@ def exit_after_rejected_chunk() -> None:
         return validate
 
     seams.replace("engine_validate", at_validate)
+
+
+def weight_version_not_committed() -> None:
+    """/finish_weight_update loads the weights but never commits the new version: the engine keeps
+    reporting (and tagging its rollouts with) the version it started with."""
+    seams.replace("engine_commit_version", lambda orig: lambda self, version: None)

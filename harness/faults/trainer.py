@@ -283,3 +283,29 @@ def second_init_from_pp_stage() -> None:
         return talks_to_engine
 
     seams.replace("talks_to_engine", make)
+
+
+def no_prefix_cache_reset() -> None:
+    """After an update the sender resets the engine's encoder cache but not its prefix cache: a prompt
+    seen before the update is answered from keys/values of the old weights."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_engine_caches(client, sync):  # type: ignore[no-untyped-def]
+            client.reset_encoder_cache(sync)
+
+        return reset_engine_caches
+
+    seams.replace("reset_engine_caches", make)
+
+
+def encoder_cache_survives_update() -> None:
+    """After an update the sender resets only the engine's prefix cache (huggingface/trl#7198): an image
+    seen before the update is embedded by the old vision tower."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_engine_caches(client, sync):  # type: ignore[no-untyped-def]
+            client.reset_prefix_cache(sync)
+
+        return reset_engine_caches
+
+    seams.replace("reset_engine_caches", make)

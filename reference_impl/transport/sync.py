@@ -102,6 +102,19 @@ def send_chunk(channel: Channel, client: EngineClient, tensors: list[torch.Tenso
     return channel.send(client, tensors, info, sync)
 
 
+def reset_engine_caches(client: EngineClient, sync: int) -> None:
+    """After a finished update, what RL trainers do before the next rollouts: drop the engine's prefix
+    cache and its vision-encoder cache (vLLM's /reset_prefix_cache and /reset_encoder_cache; vLLM 0.32's
+    finish resets neither, and a stale encoder cache is a public bug: vllm-project/vllm#44910). A seam
+    (`reference_impl.seams`).
+
+    Raises:
+        EngineRejected: the engine refused a reset.
+    """
+    client.reset_prefix_cache(sync)
+    client.reset_encoder_cache(sync)
+
+
 def update_info(chunk: Chunk) -> UpdateInfo:
     """The `update_info` of one chunk: names, dtype names and shapes in plan order, packed, from the
     sender, no handle (a colocate channel adds its own)."""
@@ -200,6 +213,8 @@ def run_sync(
             answer = client.finish(sync_index, weight_version)
             res.finished = True
             res.engine_update_counts = {k: int(v) for k, v in answer.get("update_counts", {}).items()}
+            progress.at(f"{where}: resetting the engine's caches")
+            reset_engine_caches(client, sync_index)
     except EngineRejected:
         pass  # recorded in client.calls
     loop = time.perf_counter() - t_loop0 - t_sum
