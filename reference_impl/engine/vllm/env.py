@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -74,6 +76,24 @@ def vllm_python() -> Path:
             f"{ENV_VAR} to a python that has vllm and wsh-vllm-plugin installed"
         )
     return path
+
+
+def plugin_import_dir() -> Path:
+    """A folder holding only a link to THIS repository's `wsh_vllm_plugin` package, for the vLLM server's
+    PYTHONPATH: the plugin vLLM imports is then the one beside the trainer's sender, whatever copy of it
+    was installed into vLLM's environment (an editable install of another checkout, say). vLLM still finds
+    the plugin through the installed distribution's `vllm.general_plugins` entry point, which names the
+    module only. The folder is `<tmp>/wsh-vllm-plugin-<hash of this checkout's path>` and is reused."""
+    digest = hashlib.sha256(str(PLUGIN_DIR).encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / f"wsh-vllm-plugin-{digest}"
+    folder.mkdir(exist_ok=True)
+    link = folder / "wsh_vllm_plugin"
+    if not (link.is_symlink() and link.resolve() == (PLUGIN_DIR / "wsh_vllm_plugin").resolve()):
+        tmp = folder / f".link-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(PLUGIN_DIR / "wsh_vllm_plugin", target_is_directory=True)
+        tmp.replace(link)  # atomic: concurrent launchers never see a missing link
+    return folder
 
 
 def find_python311() -> str:

@@ -17,11 +17,19 @@ BACKEND = "gloo"  # vLLM's registry name of this backend; the same string as pro
 
 
 def register() -> None:
-    """Register `GlooWeightTransferEngine` under the name "gloo" (no-op when already registered)."""
+    """Register `GlooWeightTransferEngine` under the name "gloo" (no-op when already registered). Logs, once
+    per process, which copy of this package vLLM imported (its real path), so a log shows whether the
+    server runs the plugin of the checkout that launched it."""
+    import os
+
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.logger import init_logger
 
     if BACKEND in WeightTransferEngineFactory._registry:
         return
+    init_logger("vllm.wsh_plugin").info(
+        "wsh_vllm_plugin: backend %r from %s", BACKEND, os.path.dirname(os.path.realpath(__file__))
+    )
     # Lazy registration: the engine module (and torch.distributed) is imported only by the worker that
     # creates the engine.
     WeightTransferEngineFactory.register_engine(BACKEND, "wsh_vllm_plugin.engine", "GlooWeightTransferEngine")
