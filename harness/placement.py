@@ -66,15 +66,23 @@ class EngineActor:
         self.proc: ServerProcess | None = None
 
     def start(
-        self, engine: str, checkpoint: str, seed: int, log_path: str, dtype: str, fault_hook: str | None = None
+        self,
+        engine: str,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        dtype: str,
+        fault_hook: str | None = None,
+        colocate: bool = False,
     ) -> str:
-        """Start the scenario's engine (an engine kind of `reference_impl.engine`) and return its base URL.
+        """Start the scenario's engine (an engine kind of `reference_impl.engine`) for a colocated or a
+        separate sender (`colocate`) and return its base URL.
 
         Raises:
             EngineStartError: the server exited or did not answer /health within its kind's start timeout.
         """
         kind = engine_kind(engine)
-        self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook)
+        self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook, colocate)
         return self.proc.start(kind.start_timeout_s)
 
     def pid(self) -> int | None:

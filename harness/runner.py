@@ -112,7 +112,9 @@ class Runner:
             setup = TrainerSetup(sc.model, str(ckpt), sc.dtype, sc.tp, sc.pp, sc.ep, sc.etp, trace_dir=str(trace))
             setup_refs = [a.setup.remote(setup) for a in pool.actors]
             hook = fault.hook if fault is not None else None
-            start = engine.start.remote(sc.engine, str(ckpt), sc.engine_seed, str(log_path), sc.dtype, hook)
+            start = engine.start.remote(
+                sc.engine, str(ckpt), sc.engine_seed, str(log_path), sc.dtype, hook, sc.colocate
+            )
             session = ScenarioSession(sc, record, kind, pool, engine, deadline, trace, ckpt, fault)
             url = session.get([start], kind.start_timeout_s, "engine start")[0]
             checker = session.checker = EngineClient(url, parse_rejections=kind.parse_rejections)

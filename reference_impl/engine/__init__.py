@@ -4,14 +4,14 @@ adapter; everything else reads the adapter's capabilities."""
 
 from __future__ import annotations
 
-from reference_impl.engine.base import Capabilities, EngineKind, EngineRequest
+from reference_impl.engine.base import Capabilities, EngineKind, EngineRequest, Transfer
 from reference_impl.engine.embedded.adapter import EmbeddedEngine
 from reference_impl.engine.vllm.adapter import VllmEngine
 
 ENGINES: dict[str, EngineKind] = {kind.name: kind for kind in (EmbeddedEngine(), VllmEngine())}
 DEFAULT_ENGINE = EmbeddedEngine.name
 
-__all__ = ["DEFAULT_ENGINE", "ENGINES", "Capabilities", "EngineKind", "EngineRequest", "engine_kind"]
+__all__ = ["DEFAULT_ENGINE", "ENGINES", "Capabilities", "EngineKind", "EngineRequest", "Transfer", "engine_kind"]
 
 
 def engine_kind(name: str) -> EngineKind:

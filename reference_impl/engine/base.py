@@ -48,6 +48,25 @@ class Capabilities(BaseModel):
     fault_hooks: bool = False
 
 
+WIRE_HARNESS = "harness"  # the harness's own protocol and wire format (wsh_vllm_plugin/protocol.py)
+WIRE_VLLM = "vllm_packed"  # vLLM's protocol and packed format (its nccl / ipc backends; wsh_vllm_plugin/packed.py)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """How the trainer's sender reaches an engine on one placement: both sides derive it from the same
+    call (`EngineKind.transfer`), the engine's server for its start flags, the sender for its channel.
+
+    Attributes:
+        wire: `WIRE_HARNESS` or `WIRE_VLLM`: which protocol and wire format the bodies and bytes follow.
+        backend: the transfer backend by the name that wire's `init_info` / the engine's start flags use
+            (harness: "gloo" | "nccl" | "shm" | "cuda_ipc"; vLLM: "gloo" (ours, CPU) | "nccl" | "ipc").
+    """
+
+    wire: str
+    backend: str
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """What a scenario asks of its engine, as `EngineKind.validate` reads it.
@@ -84,11 +103,28 @@ class EngineKind(ABC):
             return f"engine {self.name} runs non-colocate only: set colocate: false, or use another engine for colocate"
         return None
 
+    def transfer(self, colocate: bool, cuda: bool) -> Transfer:
+        """The transfer for a placement (`colocate`) on a host with (`cuda`) or without CUDA devices.
+
+        Default (the harness's protocol): colocate by handle ("cuda_ipc" on GPU, "shm" on CPU), else a
+        transfer group ("nccl" on GPU, "gloo" on CPU).
+        """
+        if colocate:
+            return Transfer(WIRE_HARNESS, "cuda_ipc" if cuda else "shm")
+        return Transfer(WIRE_HARNESS, "nccl" if cuda else "gloo")
+
     @abstractmethod
     def server(
-        self, checkpoint: str, seed: int, log_path: str, dtype: str, fault_hook: str | None = None
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        dtype: str,
+        fault_hook: str | None = None,
+        colocate: bool = False,
     ) -> ServerProcess:
-        """The (not yet started) server process for `checkpoint` with dummy weights of `seed`."""
+        """The (not yet started) server process for `checkpoint` with dummy weights of `seed`, for a
+        colocated (`colocate`) or separate sender."""
 
     @abstractmethod
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:

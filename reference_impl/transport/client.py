@@ -114,10 +114,12 @@ class EngineClient:
             raise EngineRejected(call, text)
         return json.loads(text) if text else {}
 
-    def init_transfer(self, init_info: InitInfo) -> Any:
-        """POST /init_weight_transfer_engine {"init_info": ...} with every `InitInfo` field (blocks until
-        the engine joined)."""
-        return self._post("/init_weight_transfer_engine", {"init_info": asdict(init_info)})
+    def init_transfer(self, init_info: InitInfo | dict[str, Any]) -> Any:
+        """POST /init_weight_transfer_engine {"init_info": ...}: every `InitInfo` field, or a body already in
+        the engine backend's own format (a dict, e.g. vLLM's `packed.nccl_init_info`). Blocks until the
+        engine joined."""
+        body = init_info if isinstance(init_info, dict) else asdict(init_info)
+        return self._post("/init_weight_transfer_engine", {"init_info": body})
 
     def start(self, sync: int, weight_version: int | None = None) -> Any:
         """POST /start_weight_update (the version travels as a string, as vLLM declares it)."""
@@ -127,11 +129,14 @@ class EngineClient:
         self.session_open, self.session_closed_by = True, ""
         return answer
 
-    def update(self, update_info: UpdateInfo, sync: int, chunk: int) -> Any:
-        """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, src, chunk_index, handle}}."""
+    def update(self, update_info: UpdateInfo | dict[str, Any], sync: int, chunk: int | None) -> Any:
+        """POST /update_weights {"update_info": {names, dtype_names, shapes, packed, src, chunk_index, handle}},
+        or a body already in the engine backend's own format (a dict with "names", e.g. vLLM's
+        `packed.nccl_update_info`)."""
         try:
-            body = {"update_info": asdict(update_info)}
-            return self._post("/update_weights", body, sync=sync, chunk=chunk, sent_names=update_info.names)
+            info = update_info if isinstance(update_info, dict) else asdict(update_info)
+            body = {"update_info": info}
+            return self._post("/update_weights", body, sync=sync, chunk=chunk, sent_names=info["names"])
         except EngineRejected:
             if self.session_ends_on_error:
                 self.session_open = False

@@ -1,5 +1,6 @@
-"""Non-colocate channel: the packed chunk is broadcast from the trainer's sender to the engine over
-the transfer group (gloo, on every host so far) while the chunk's `/update_weights` call is in flight.
+"""Non-colocate channel in the harness's protocol: the packed chunk is broadcast from the trainer's sender
+to the engine over the transfer group (gloo on CPU, NCCL on GPU) while the chunk's `/update_weights` call
+is in flight. (vLLM is spoken to in its own format: `vllm_packed.py`.)
 
 The HTTP call blocks until the engine has received and loaded the chunk, and the engine joins the
 broadcast from inside that call, so the call runs in a thread while this thread broadcasts (vLLM's
@@ -28,13 +29,11 @@ from reference_impl.transport.sync import SENDER
 
 
 class BroadcastChannel:
-    """Chunks over a `TransferGroup` (sender = rank 0, engine = rank 1)."""
+    """Chunks over a `TransferGroup` (sender = rank 0, engine = rank 1) of backend `backend`."""
 
-    backend = GLOO
-
-    def __init__(self, group: TransferGroup) -> None:
-        self.group = group
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, group: TransferGroup, backend: str = GLOO) -> None:
+        self.group, self.backend = group, backend
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=group.device)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-http")
 
     def send(self, client: EngineClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
@@ -45,7 +44,7 @@ class BroadcastChannel:
         """
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         payload = pack(tensors, out=self.buffer)
         fut = self.pool.submit(client.update, info, sync, info.chunk_index)
         self.group.send_chunk(payload)
@@ -56,11 +55,13 @@ class BroadcastChannel:
         self.pool.shutdown(wait=True)
 
 
-def connect_broadcast(client: EngineClient, timeout_s: float = DEFAULT_TIMEOUT_S) -> BroadcastChannel:
+def connect_broadcast(
+    client: EngineClient, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = GLOO
+) -> BroadcastChannel:
     """Set up the non-colocate channel: host a TCPStore on 127.0.0.1, POST /init_weight_transfer_engine
-    `InitInfo(backend="gloo", master_address, master_port, rank_offset=1, world_size=2, timeout_s)` in a
-    thread (the engine answers once it joined) while this process joins the group as rank 0. Both sides
-    use `timeout_s` (seconds) for the join and for every broadcast.
+    `InitInfo(backend, master_address, master_port, rank_offset=1, world_size=2, timeout_s)` in a thread
+    (the engine answers once it joined) while this process joins the group as rank 0. Both sides use
+    `timeout_s` (seconds) for the join and for every broadcast. `backend`: "gloo", or "nccl" on GPU.
 
     Raises:
         EngineRejected: the engine refused the init call.
@@ -68,7 +69,7 @@ def connect_broadcast(client: EngineClient, timeout_s: float = DEFAULT_TIMEOUT_S
     """
     store = host_store(timeout_s=timeout_s)
     init_info = InitInfo(
-        backend=GLOO,
+        backend=backend,  # type: ignore[arg-type]  (a GROUP_BACKENDS name)
         master_address="127.0.0.1",
         master_port=store.port,
         rank_offset=1,
@@ -79,9 +80,9 @@ def connect_broadcast(client: EngineClient, timeout_s: float = DEFAULT_TIMEOUT_S
     try:
         answer = pool.submit(client.init_transfer, init_info)
         group = join_transfer_group(
-            "127.0.0.1", store.port, SENDER, init_info.world_size, timeout_s=timeout_s, store=store
+            "127.0.0.1", store.port, SENDER, init_info.world_size, timeout_s=timeout_s, store=store, backend=backend
         )
         answer.result()  # re-raises the init call's error here
     finally:
         pool.shutdown(wait=False)  # a failed join does not wait for the HTTP call
-    return BroadcastChannel(group)
+    return BroadcastChannel(group, backend)

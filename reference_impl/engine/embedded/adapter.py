@@ -28,9 +28,16 @@ class EmbeddedEngine(EngineKind):
     start_timeout_s = 300.0  # loads a small transformers model
 
     def server(
-        self, checkpoint: str, seed: int, log_path: str, dtype: str, fault_hook: str | None = None
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        dtype: str,
+        fault_hook: str | None = None,
+        colocate: bool = False,
     ) -> EngineProcess:
-        """An `EngineProcess` (the checkpoint's own dtype; `dtype` is not needed)."""
+        """An `EngineProcess` (the checkpoint's own dtype; `dtype` is not needed; its transfer backend is
+        chosen by the sender's /init_weight_transfer_engine, so `colocate` is not needed either)."""
         return EngineProcess(checkpoint, seed, log_path, fault=fault_hook)
 
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:

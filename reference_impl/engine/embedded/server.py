@@ -15,7 +15,8 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
 
 - POST /init_weight_transfer_engine `{"init_info": {"backend": "gloo", "master_address", "master_port",
   "rank_offset", "world_size", "timeout_s"}}` -> joins the transfer group as rank `rank_offset` (blocks until the
-  trainer joins) -> `{"ok": true, "backend": "gloo", "rank": r, "world_size": w}`. Colocate:
+  trainer joins) -> `{"ok": true, "backend": "gloo", "rank": r, "world_size": w}`; backend "nccl" (GPU; a 400
+  where the engine has no CUDA) joins the same group over NCCL. Colocate:
   `{"init_info": {"backend": "shm"}}` (CPU) or `{"init_info": {"backend": "cuda_ipc"}}` (GPU; a 400 where
   the engine has no CUDA) -> nothing to join (vLLM's IPC init info is empty too) -> `{"ok": true,
   "backend": b}`. A later init replaces the backend; a failed gloo join keeps the previous one.
@@ -91,8 +92,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
-    GLOO,
+    GROUP_BACKENDS,
     HANDLE_KINDS,
+    NCCL,
     InitInfo,
     ProtocolError,
     TransferGroup,
@@ -259,6 +261,13 @@ def create_app(
             with st.lock:
                 st.backend = info.backend
             return {"ok": True, "backend": info.backend}
+        if info.backend == NCCL and not torch.cuda.is_available():
+            raise _request_error(
+                route,
+                "body.init_info.backend",
+                "backend 'nccl' needs CUDA in the engine process (torch.cuda.is_available() is False); "
+                "use backend 'gloo' on CPU",
+            )
         try:
             info.check()
         except ProtocolError as e:
@@ -273,9 +282,10 @@ def create_app(
                 rank=info.rank_offset,
                 world_size=info.world_size,
                 timeout_s=info.timeout_s,
+                backend=info.backend,
             )
-            st.backend = GLOO
-        return {"ok": True, "backend": GLOO, "rank": info.rank_offset, "world_size": info.world_size}
+            st.backend = info.backend
+        return {"ok": True, "backend": info.backend, "rank": info.rank_offset, "world_size": info.world_size}
 
     @app.post("/start_weight_update")
     def start_weight_update(req: StartRequest | None = None) -> dict[str, Any]:
@@ -293,7 +303,7 @@ def create_app(
         info = req.update_info
         chunk = f"chunk {info.chunk_index}" if info.chunk_index is not None else "this chunk"
         with st.lock:
-            if st.backend is None or (st.backend == GLOO and st.group is None):
+            if st.backend is None or (st.backend in GROUP_BACKENDS and st.group is None):
                 raise _http_error(
                     400,
                     f"{chunk}: no transfer group or handle backend; POST /init_weight_transfer_engine before "
@@ -309,7 +319,7 @@ def create_app(
                     dict.fromkeys(info.names, "bytes"),
                 )
             try:
-                if st.backend == GLOO:
+                if st.backend in GROUP_BACKENDS:
                     received, load_s = _receive_broadcast(info, chunk)
                 else:
                     received, load_s = _receive_handle(info, chunk)
@@ -341,8 +351,8 @@ def create_app(
         if info.handle is not None:
             raise receive.ChunkRejected(
                 f"{chunk}: update_info carries a {info.handle.get('kind', '?')!r} handle but the transfer backend "
-                "is gloo (nothing was received); init with the colocate backend or send by broadcast",
-                dict.fromkeys(info.names, "handle under backend gloo"),
+                f"is {st.backend} (nothing was received); init with the colocate backend or send by broadcast",
+                dict.fromkeys(info.names, f"handle under backend {st.backend}"),
                 dict.fromkeys(info.names, "bytes"),
             )
         assert st.group is not None

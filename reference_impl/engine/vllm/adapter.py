@@ -1,5 +1,8 @@
-"""Real vLLM as an engine kind: its OpenAI API server from its own environment (`launcher.py`, `env.py`)
-with the harness's gloo transfer backend (`wsh_vllm_plugin`).
+"""Real vLLM as an engine kind: its OpenAI API server from its own environment (`launcher.py`, `env.py`),
+spoken to in vLLM's own weight-transfer protocol and packed format (`wsh_vllm_plugin/packed.py`): vLLM's
+`nccl` backend (non-colocate) and `ipc` backend (colocate) on GPU, unmodified; on CPU, where both need
+CUDA, this package's `gloo` backend, which is vLLM's `nccl` backend over a gloo group
+(`wsh_vllm_plugin/engine.py`).
 
 vLLM is the judge of names and layouts, but it reports little: its update routes answer `{"message"}`
 (no per-tensor counts or HF-name checksums), it ends the update session when a chunk fails, and it
@@ -16,7 +19,7 @@ from collections.abc import Sequence
 
 import psutil
 
-from reference_impl.engine.base import Capabilities, EngineKind, EngineRequest
+from reference_impl.engine.base import WIRE_VLLM, Capabilities, EngineKind, EngineRequest, Transfer
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.transport.observed import Rejection
 
@@ -31,7 +34,7 @@ class VllmEngine(EngineKind):
         per_tensor_reports=False,
         session_ends_on_error=True,
         prompt_logprobs_honour_temperature=False,
-        colocate=False,
+        colocate=True,  # on GPU only (vLLM's ipc backend is CUDA IPC); `validate` refuses it on CPU
     )
     # An engine core that profiles memory and warms up: 18-55 s on 2 shared cores, much more under load.
     start_timeout_s = 900.0
@@ -55,11 +58,12 @@ class VllmEngine(EngineKind):
                 "log-probs before any sampling processor (gpu_model_runner _get_prompt_logprobs_dict), i.e. at "
                 "temperature 1.0; leave logprob_temperature unset or set it to 1.0"
             )
-        if request.colocate:
+        import torch
+
+        if request.colocate and not torch.cuda.is_available():
             return (
-                "engine vllm runs non-colocate only: its weights travel over the harness's gloo backend "
-                "(reference_impl/engine/vllm), and the harness does not drive vLLM's CUDA IPC backend yet: set "
-                "colocate: false, or use engine: embedded for colocate"
+                "engine vllm runs colocate only on a GPU host (vLLM's ipc backend shares CUDA buffers; on CPU "
+                "its weights travel over a gloo group): set colocate: false, or use engine: embedded for colocate"
             )
         problem = super().validate(request)
         if problem:
@@ -70,8 +74,6 @@ class VllmEngine(EngineKind):
                 "tokenizer and chat template; /v1/completions takes no images), and on CPU vLLM's Qwen3-VL path "
                 "imports torchvision, which has no CPU build for torch 2.13 on PyPI: use engine: embedded"
             )
-        import torch
-
         if config.num_experts and not torch.cuda.is_available():
             return (
                 f"engine vllm on CPU is not set up for mixture-of-experts models ({request.model.name}): use "
@@ -85,12 +87,27 @@ class VllmEngine(EngineKind):
             return str(e)
         return None
 
+    def transfer(self, colocate: bool, cuda: bool) -> Transfer:
+        """vLLM's protocol: `ipc` colocated (GPU), else `nccl` on GPU and this package's `gloo` on CPU."""
+        if colocate:
+            return Transfer(WIRE_VLLM, "ipc")
+        return Transfer(WIRE_VLLM, "nccl" if cuda else "gloo")
+
     def server(
-        self, checkpoint: str, seed: int, log_path: str, dtype: str, fault_hook: str | None = None
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        dtype: str,
+        fault_hook: str | None = None,
+        colocate: bool = False,
     ) -> VllmEngineProcess:
-        """A `VllmEngineProcess` with the harness's gloo backend (wsh-vllm-plugin) on every host: the
-        sender speaks the harness's wire format, not vLLM's packed NCCL protocol."""
-        return VllmEngineProcess(checkpoint, seed, log_path, dtype=dtype, backend="gloo")
+        """A `VllmEngineProcess` started with the weight-transfer backend `transfer` names for this host
+        (`--weight-transfer-config '{"backend": ...}'`); the sender derives its channel from the same call."""
+        import torch
+
+        backend = self.transfer(colocate, torch.cuda.is_available()).backend
+        return VllmEngineProcess(checkpoint, seed, log_path, dtype=dtype, backend=backend, colocate=colocate)
 
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:
         """vLLM's 500 "Call to collective_rpc method failed: ..." prose (`answers`)."""

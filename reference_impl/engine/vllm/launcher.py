@@ -11,9 +11,13 @@ from vLLM's own environment (`env.vllm_python()`)::
 `--load-format dummy` starts from random weights, so a sync that moves nothing cannot pass a
 log-prob comparison; `--skip-tokenizer-init` because the checkpoints carry no tokenizer (prompts are
 token ids). The server runs in its own session and is stopped with `killpg` (it starts an engine-core
-process of its own; `ServerProcess.stop` ends the whole group). Transfer backend: "gloo" (this
-directory's plugin), on every host: the trainer speaks the harness's wire format
-(`wsh_vllm_plugin/protocol.py`), not vLLM's packed NCCL protocol.
+process of its own; `ServerProcess.stop` ends the whole group).
+
+Transfer backends (`backend_flags`): vLLM's "nccl" (GPU, non-colocate) and "ipc" (GPU, colocate; the
+server then needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1` to unpickle the handles, and leaves room on the
+shared GPU for the colocated trainer with `--gpu-memory-utilization`), or this directory's "gloo" (CPU:
+vLLM's nccl format over a gloo group). The trainer speaks vLLM's protocol and packed format to all three
+(`wsh_vllm_plugin/packed.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,34 @@ import tempfile
 from collections.abc import Callable
 
 from reference_impl.engine.process import ServerProcess, free_port
-from reference_impl.engine.vllm.env import vllm_python
+from reference_impl.engine.vllm.env import plugin_import_dir, vllm_python
+
+BACKENDS = ("gloo", "nccl", "ipc")  # the --weight-transfer-config backends the harness starts vLLM with
+COLOCATE_GPU_MEMORY_UTILIZATION = 0.4  # vLLM's share of a GPU it shares with the trainer's sender rank
+
+
+def backend_flags(backend: str, colocate: bool) -> tuple[list[str], dict[str, str]]:
+    """The extra server arguments and environment variables of a weight-transfer backend.
+
+    `--weight-transfer-config {"backend": B}` always; backend "ipc" also sets
+    `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (vLLM's `IPCWeightTransferUpdateInfo` refuses to unpickle
+    `ipc_handles_pickled` without it); a colocated server takes `--gpu-memory-utilization
+    COLOCATE_GPU_MEMORY_UTILIZATION` (vLLM's default 0.9 would leave the trainer nothing).
+
+    Raises:
+        ValueError: an unknown backend, or "ipc" without colocate / colocate without "ipc".
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"weight-transfer backend {backend!r} is unknown: use one of {', '.join(BACKENDS)}")
+    if (backend == "ipc") != colocate:
+        raise ValueError(f"backend {backend!r} with colocate={colocate}: vLLM's ipc backend is the colocate one")
+    args = ["--weight-transfer-config", json.dumps({"backend": backend})]
+    env: dict[str, str] = {}
+    if backend == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if colocate:
+        args += ["--gpu-memory-utilization", str(COLOCATE_GPU_MEMORY_UTILIZATION)]
+    return args, env
 
 
 class VllmEngineProcess(ServerProcess):
@@ -42,11 +73,18 @@ class VllmEngineProcess(ServerProcess):
         backend: str = "gloo",
         max_model_len: int = 1024,
         extra_args: list[str] | None = None,
+        colocate: bool = False,
     ) -> None:
-        """`backend`: the weight-transfer backend vLLM is started with ("gloo": wsh-vllm-plugin, what the
-        harness's sender speaks). `max_model_len`: tokens; must hold the longest fixed prompt."""
+        """`backend`: the weight-transfer backend vLLM is started with (`BACKENDS`; "gloo" is wsh-vllm-plugin's,
+        for CPU hosts), `colocate`: the sender shares this server's GPU (`backend_flags`). `max_model_len`:
+        tokens; must hold the longest fixed prompt.
+
+        Raises:
+            ValueError: a backend / colocate pair `backend_flags` refuses.
+        """
         super().__init__(log_path, log_suffix=".vllm.log")
         self.checkpoint, self.seed, self.dtype, self.backend = checkpoint, seed, dtype, backend
+        self.backend_args, self.backend_env = backend_flags(backend, colocate)
         self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
 
     def command(self, port: int) -> list[str]:
@@ -68,8 +106,7 @@ class VllmEngineProcess(ServerProcess):
             "--dtype",
             self.dtype,
             "--skip-tokenizer-init",
-            "--weight-transfer-config",
-            json.dumps({"backend": self.backend}),
+            *self.backend_args,
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",
@@ -84,15 +121,18 @@ class VllmEngineProcess(ServerProcess):
 
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
         """vLLM's argv on a free port, its environment (the dev routes on; nothing of the trainer's
-        environment leaks into vLLM's interpreter), started in the temp folder."""
+        environment leaks into vLLM's interpreter except this checkout's plugin, `env.plugin_import_dir`),
+        started in the temp folder."""
         port = free_port()
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "PYTHONFAULTHANDLER": "1",
+            **self.backend_env,
         }
         for var in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(var, None)
+        env["PYTHONPATH"] = str(plugin_import_dir())  # this checkout's plugin, the sender's counterpart
         url = f"http://127.0.0.1:{port}"
         return self.command(port), env, tempfile.gettempdir(), lambda: url

@@ -1,17 +1,18 @@
-"""The weight-update protocol between the trainer and a rollout engine, and its wire format.
+"""The harness's weight-update protocol between the trainer and a rollout engine, and its wire format.
 
-This module is the one definition both sides use: the trainer's sender, the embedded engine and this
-package's vLLM backend import it. It needs only torch (no vLLM, no pydantic, nothing of the harness)
+This module is the one definition both sides use: the trainer's sender and the embedded engine import
+it (real vLLM is spoken to in vLLM's own protocol, `packed.py`; this package's vLLM backend uses only the
+transfer group below). It needs only torch (no vLLM, no pydantic, nothing of the harness)
 and runs on Python >= 3.11, so it installs into the trainer's environment and into vLLM's alike
 (`pip install -e reference_impl/engine/vllm`, distribution `wsh-vllm-plugin`).
 
 Routes and bodies (vLLM's RLHF routes, `vllm/entrypoints/rl/online/api_router.py`):
 
-- POST /init_weight_transfer_engine `{"init_info": InitInfo}`. Backend "gloo" (non-colocate): the
-  engine joins the sender's transfer group (below). Backends "shm" / "cuda_ipc" (colocate): nothing to
-  join; every chunk carries a handle.
+- POST /init_weight_transfer_engine `{"init_info": InitInfo}`. Backends "gloo" (CPU) / "nccl" (GPU),
+  non-colocate: the engine joins the sender's transfer group (below). Backends "shm" / "cuda_ipc"
+  (colocate): nothing to join; every chunk carries a handle.
 - POST /update_weights `{"update_info": UpdateInfo}`, one call per chunk. The chunk's bytes travel
-  packed (`pack`): over the transfer group while the call is in flight (gloo), or in a buffer the
+  packed (`pack`): over the transfer group while the call is in flight (gloo, nccl), or in a buffer the
   producer owns, named by `UpdateInfo.handle` (`ShmHandle`, `CudaIpcHandle`).
 
 The wire format of one chunk: its tensors' raw bytes concatenated in `names` order into one flat uint8
@@ -19,7 +20,8 @@ buffer, no header, no padding. Dtype names are torch's without the "torch." pref
 vLLM's `update_info` spells them (`str(tensor.dtype).split(".")[-1]` in
 `vllm/distributed/weight_transfer/ipc_engine.py`).
 
-The transfer group: a `ProcessGroupGloo` built directly on a `TCPStore` (no PrefixStore, not through
+The transfer group: a `ProcessGroupGloo` (or, backend "nccl", a `ProcessGroupNCCL` on the sender's and
+the engine's CUDA devices) built directly on a `TCPStore` (no PrefixStore, not through
 `init_process_group`) that the trainer's sender hosts; the sender is rank 0, an engine worker joins as
 rank `rank_offset` + its worker index, in a group of `world_size` ranks (2 for one single-worker
 engine). Built this way it works beside the trainer's own default group and across two Python
@@ -44,12 +46,14 @@ from torch.distributed import TCPStore
 
 # ---------------------------------------------------------------- backends and handle kinds
 
-GLOO = "gloo"  # non-colocate: packed chunks broadcast over the transfer group
+GLOO = "gloo"  # non-colocate: packed chunks broadcast over the transfer group (host memory)
+NCCL = "nccl"  # non-colocate on GPU: the same broadcasts over an NCCL transfer group (device memory)
 SHM = "shm"  # colocate on CPU: packed chunks in a POSIX shared-memory segment
 CUDA_IPC = "cuda_ipc"  # colocate on GPU: packed chunks in a CUDA buffer shared by IPC handle
-BACKENDS: tuple[str, ...] = (GLOO, SHM, CUDA_IPC)
+BACKENDS: tuple[str, ...] = (GLOO, NCCL, SHM, CUDA_IPC)
+GROUP_BACKENDS: tuple[str, ...] = (GLOO, NCCL)  # the backends that join a transfer group
 HANDLE_KINDS: tuple[str, ...] = (SHM, CUDA_IPC)  # a handle backend's name is its handle's kind
-Backend = Literal["gloo", "shm", "cuda_ipc"]  # BACKENDS as a type (what request validation enforces)
+Backend = Literal["gloo", "nccl", "shm", "cuda_ipc"]  # BACKENDS as a type (what request validation enforces)
 
 SENDER_RANK = 0  # the trainer's sender in the transfer group
 DEFAULT_TIMEOUT_S = 120.0  # gloo timeout of the group's join and of every broadcast, both sides
@@ -96,17 +100,17 @@ class InitInfo:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def check(self) -> None:
-        """Check the rules of backend "gloo" (nothing for the colocate backends).
+        """Check the rules of the group backends "gloo" and "nccl" (nothing for the colocate backends).
 
         Raises:
             ProtocolError: master_address or master_port missing (`required`), or a rank_offset outside
                 1..world_size-1 (rank 0 is the sender).
         """
-        if self.backend != GLOO:
+        if self.backend not in GROUP_BACKENDS:
             return
         for name in ("master_address", "master_port"):
             if getattr(self, name) is None:
-                raise ProtocolError(name, "Field required for backend 'gloo'", required=True)
+                raise ProtocolError(name, f"Field required for backend '{self.backend}'", required=True)
         if not 0 < self.rank_offset < self.world_size:
             raise ProtocolError(
                 "rank_offset",
@@ -268,35 +272,46 @@ def unpack(buf: torch.Tensor, dtypes: Sequence[torch.dtype], shapes: Sequence[Se
 
 @dataclass
 class TransferGroup:
-    """This process's membership of the transfer group (see the module doc)."""
+    """This process's membership of the transfer group (see the module doc). `device` is where its
+    broadcasts live: CPU for gloo, this process's CUDA device for NCCL."""
 
-    pg: ProcessGroupGloo
+    pg: Any  # ProcessGroupGloo | ProcessGroupNCCL
     rank: int
     world_size: int
     store: TCPStore
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def send_chunk(self, payload: torch.Tensor) -> None:
         """Broadcast one packed chunk from this rank (the sender): int64 byte-count header, then payload.
 
-        `payload`: flat uint8 CPU tensor. Blocks until every rank took both broadcasts or the group's
-        timeout passes (RuntimeError from gloo).
+        `payload`: flat uint8 tensor (moved to the group's device when elsewhere). Blocks until every rank
+        took both broadcasts or the group's timeout passes (RuntimeError from gloo / NCCL).
         """
-        self._bcast(torch.tensor([payload.numel()], dtype=torch.int64), self.rank)
-        self._bcast(payload, self.rank)
+        self._bcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), self.rank)
+        self._bcast(payload.to(self.device), self.rank)
 
     def receive_chunk(self, src: int = SENDER_RANK) -> torch.Tensor:
         """Receive one packed chunk broadcast by `src`: the header, then a new flat uint8 tensor of that
         many bytes (returned). Raises RuntimeError from gloo when `src` does not send within the timeout."""
-        header = torch.zeros(1, dtype=torch.int64)
+        header = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._bcast(header, src)
-        payload = torch.empty(int(header.item()), dtype=torch.uint8)
+        payload = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
         self._bcast(payload, src)
         return payload
 
-    def _bcast(self, t: torch.Tensor, src: int) -> None:
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        """Broadcast `t` (on the group's device, same size on every rank) from rank `src`, in place on the
+        others; blocks until done (on NCCL: until the device finished it). The shape of vLLM's
+        `PyNcclCommunicator.broadcast`, used by vLLM's packed format (`packed.py`). Raises RuntimeError from
+        gloo / NCCL when a peer does not join within the timeout."""
         opts = BroadcastOptions()
         opts.rootRank = src
         self.pg.broadcast([t], opts).wait()
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+
+    def _bcast(self, t: torch.Tensor, src: int) -> None:
+        self.broadcast(t, src)
 
 
 def host_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> TCPStore:
@@ -313,17 +328,31 @@ def join_transfer_group(
     world_size: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     store: TCPStore | None = None,
+    backend: str = GLOO,
 ) -> TransferGroup:
     """Join the transfer group as `rank`; blocks until all `world_size` ranks arrive.
 
     The sender (rank 0) passes the store it made with `host_store`; an engine rank connects to
-    `master_address:master_port` (the `InitInfo` it was sent).
+    `master_address:master_port` (the `InitInfo` it was sent). `backend` "gloo" (host memory) or "nccl"
+    (GPU only: a `ProcessGroupNCCL` on the same store, broadcasting on this process's current CUDA device;
+    not exercised on CPU hosts).
 
     Raises:
-        RuntimeError / DistStoreError: a peer did not arrive within `timeout_s` seconds.
+        ValueError: another backend.
+        RuntimeError / DistStoreError: a peer did not arrive within `timeout_s` seconds, or no CUDA for "nccl".
     """
     timeout = datetime.timedelta(seconds=timeout_s)
+    if backend not in GROUP_BACKENDS:
+        raise ValueError(f"transfer group backend {backend!r}: use one of {GROUP_BACKENDS}")
     if store is None:
         store = TCPStore(master_address, master_port, None, is_master=False, timeout=timeout)
+    if backend == NCCL:  # pragma: no cover - GPU only
+        if not torch.cuda.is_available():
+            raise RuntimeError("transfer group backend 'nccl' needs a CUDA device; use 'gloo' on CPU")
+        from torch.distributed import ProcessGroupNCCL
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        pg: Any = ProcessGroupNCCL(store, rank, world_size, timeout)
+        return TransferGroup(pg=pg, rank=rank, world_size=world_size, store=store, device=device)
     pg = ProcessGroupGloo(store, rank, world_size, timeout)
     return TransferGroup(pg=pg, rank=rank, world_size=world_size, store=store)
