@@ -70,3 +70,15 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(tmp_path: objec
     plain = VllmEngineProcess("/ckpt", 7, None).launch()[0]
     assert json.loads(plain[plain.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
     assert "--gpu-memory-utilization" not in plain
+
+
+def test_the_gpu_matrix_drives_vllms_two_backends_and_the_embedded_engines_nccl_group() -> None:
+    from harness.scenario import load_matrix
+
+    transfers = {(s.engine, engine_kind(s.engine).transfer(s.colocate, cuda=True)) for s in load_matrix("gpu")}
+    assert transfers == {
+        ("vllm", Transfer("vllm_packed", "nccl")),
+        ("vllm", Transfer("vllm_packed", "ipc")),
+        ("embedded", Transfer("harness", "nccl")),
+        ("embedded", Transfer("harness", "cuda_ipc")),
+    }

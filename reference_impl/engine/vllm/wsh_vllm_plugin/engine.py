@@ -125,17 +125,19 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         """vLLM's layerwise finalize (process every reloaded layer, restore the untouched ones), then the
         CPU embedding repack. A failing finalize aborts the reload (no layer is left on the meta device)."""
         t0 = time.perf_counter()
+        stale = self._tied_embeddings_left_stale()
         try:
             super().finish_weight_update()
         except BaseException:
             self._abort_layerwise_reload()
             raise
         t1 = time.perf_counter()
-        self._repack_cpu_embedding_gemms()
+        self._repack_cpu_embedding_gemms(stale)
         logger.info(
-            "gloo weight transfer: finish: finalize %.3fs, embedding repack %.3fs",
+            "gloo weight transfer: finish: finalize %.3fs, embedding repack %.3fs (%d layers)",
             t1 - t0,
             time.perf_counter() - t1,
+            len(stale),
         )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -233,26 +235,61 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
                     f"weights are {dtype_name(engine_dtype)}; send the engine's dtype"
                 )
 
-    def _repack_cpu_embedding_gemms(self) -> None:
-        """Rebuild the CPU GEMM of every embedding-method layer (the tied `lm_head`) from its weight.
+    def _cpu_embedding_layers(self) -> list[torch.nn.Module]:
+        """The layers whose weight vLLM packs into a CPU GEMM (`UnquantizedEmbeddingMethod` with
+        `cpu_linear`: `embed_tokens` and the `lm_head`); none off CPU."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return []
+        return [
+            layer
+            for layer in self.model.modules()
+            if isinstance(getattr(layer, "quant_method", None), UnquantizedEmbeddingMethod)
+            and hasattr(layer, "cpu_linear")
+        ]
+
+    def _tied_embeddings_left_stale(self) -> list[torch.nn.Module]:
+        """Before finalize: the CPU embedding layers the reload will put back unprocessed (nothing was
+        loaded into them by name) although their weight is another embedding layer's that was loaded: a
+        tied `lm_head`, whose packed GEMM would keep the old vocab matrix (`_repack_cpu_embedding_gemms`).
+
+        A layer that received nothing has `can_load()` and `load_numel <= 0` at this point; a layer the
+        reload already processed has been reset (`can_load()` false) and was repacked by vLLM.
+        """
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        layers = self._cpu_embedding_layers()
+        untouched = [
+            layer
+            for layer in layers
+            if layerwise.get_layerwise_info(layer).can_load() and layerwise.get_layerwise_info(layer).load_numel <= 0
+        ]
+        loaded = [layer for layer in layers if all(layer is not u for u in untouched)]
+
+        def storage(layer: torch.nn.Module) -> int:
+            # the weight each layer will hold after finalize: its kernel tensor when it is put back
+            info = layerwise.get_layerwise_info(layer)
+            kernel = info.kernel_tensors[0].get("weight") if info.kernel_tensors is not None else None
+            weight = kernel if kernel is not None else layer.weight
+            return weight.untyped_storage().data_ptr()
+
+        return [u for u in untouched if any(storage(u) == storage(other) for other in loaded)]
+
+    def _repack_cpu_embedding_gemms(self, layers: list[torch.nn.Module] | None = None) -> None:
+        """Rebuild the CPU GEMM of embedding-method layers (`layers`, default every one) from their weight.
 
         On CPU, `UnquantizedEmbeddingMethod.process_weights_after_loading` packs the weight into a
         closure (`layer.cpu_linear`, oneDNN / sgl) and keeps the weight itself. A tied `lm_head` is never
         loaded by name (its weight is `embed_tokens`'s), so the layerwise reload counts it as "no weights
         loaded", puts its old tensors back and never repacks it: its weight holds the new values while
         the logits still come from the packing of the old ones (seen: log-probs stayed near uniform after
-        syncing over dummy weights). Repacking every such layer after each session fixes that; it costs
-        one repack of the vocab matrix per sync.
+        syncing over dummy weights). Repacking such a layer after the session fixes that; it costs one
+        repack of the vocab matrix per sync (`embed_tokens` itself was repacked by vLLM when it loaded).
         """
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return
-        for layer in self.model.modules():
-            method = getattr(layer, "quant_method", None)
-            if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(layer, "cpu_linear"):
-                method.process_weights_after_loading(layer)
+        for layer in self._cpu_embedding_layers() if layers is None else layers:
+            layer.quant_method.process_weights_after_loading(layer)
 
     def _abort_layerwise_reload(self) -> None:
         """Undo an open layerwise reload: every layer still waiting for weights gets its kernel tensors
