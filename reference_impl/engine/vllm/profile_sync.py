@@ -9,7 +9,9 @@ vLLM on it through the harness's launcher (`--load-format dummy`, this checkout'
 transfer channel the vLLM engine kind uses on this host, and sends the checkpoint through the harness's
 own `run_sync` (one rank, no Megatron export: only the transfer and vLLM's load are timed): one warm-up
 sync, then `--syncs` steady ones. Per steady sync it reports the wall time, the time of each route's
-calls, and the sender's packing and wire time (the channel's `timing`). With `--py-spy`, `py-spy record`
+calls, and the sender's packing and wire time (the channel's `timing`); the engine's own steps from the
+backend's timing lines in vLLM's log; and the fixed cost of one /update_weights round trip (an update
+that carries no tensor). With `--py-spy`, `py-spy record`
 samples every process of the server during the steady syncs (`--subprocesses --nonblocking`, 100 Hz) and
 the samples are split into the categories of `CATEGORIES` (the first whose frame appears in a stack),
 in seconds of CPU time summed over the steady syncs. Prints one JSON report (and writes it to `--json`).
@@ -111,6 +113,20 @@ def _route_ms(calls: Sequence[Any], sync: int) -> dict[str, float]:
         if c.sync == sync:
             out[c.route] += c.ms
     return {k: round(v, 1) for k, v in out.items()}
+
+
+def _empty_update_ms(client: Any, channel: Any, sync: int, calls: int = 9) -> float:
+    """The fixed cost of one /update_weights round trip (HTTP, vLLM's API server, its engine core, the
+    worker's RPC): the median ms of `calls` updates that carry no tensor, in one session of their own."""
+    from wsh_vllm_plugin.protocol import UpdateInfo
+
+    client.start(sync, sync)
+    ms = []
+    for i in range(calls):
+        channel.send(client, [], UpdateInfo(names=[], dtype_names=[], shapes=[], chunk_index=i), sync)
+        ms.append(client.calls[-1].ms)
+    client.finish(sync, sync)
+    return round(sorted(ms)[len(ms) // 2], 1)
 
 
 def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
@@ -238,6 +254,7 @@ def main() -> int:
         report["syncs"] = syncs
         steady = [s["wall_s"] for s in syncs[1:]]
         report["steady_wall_s_median"] = sorted(steady)[len(steady) // 2] if steady else None
+        report["empty_update_ms_median"] = _empty_update_ms(client, channel, args.syncs + 1)
         channel.close()
     finally:
         if spy is not None:
