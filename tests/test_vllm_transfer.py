@@ -82,3 +82,20 @@ def test_the_gpu_matrix_drives_vllms_two_backends_and_the_embedded_engines_nccl_
         ("embedded", Transfer("harness", "nccl")),
         ("embedded", Transfer("harness", "cuda_ipc")),
     }
+
+
+def test_the_harness_protocol_names_an_nccl_group_for_gpu_hosts() -> None:
+    """The embedded engine's non-colocate backend on GPU: the same rules as gloo; joining needs CUDA."""
+    import torch
+    from wsh_vllm_plugin import protocol
+
+    assert protocol.GROUP_BACKENDS == ("gloo", "nccl") and "nccl" in protocol.BACKENDS
+    with pytest.raises(protocol.ProtocolError, match="Field required for backend 'nccl'") as e:
+        protocol.InitInfo(backend="nccl", master_port=1).check()
+    assert (e.value.field, e.value.required) == ("master_address", True)
+    with pytest.raises(ValueError, match="transfer group backend 'shm'"):
+        protocol.join_transfer_group("127.0.0.1", 1, 0, 2, backend="shm")
+    if not torch.cuda.is_available():
+        store = protocol.host_store(timeout_s=5)
+        with pytest.raises(RuntimeError, match="needs a CUDA device; use 'gloo' on CPU"):
+            protocol.join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=5, store=store, backend="nccl")
