@@ -52,6 +52,10 @@ def _change_rows(rows: pd.DataFrame) -> list[list[str]]:
     ]
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _isnan(value: Any) -> bool:
     try:
         return math.isnan(float(value))
@@ -119,9 +123,9 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
         "",
         f"Run `{run.name}` (`{run.path}`) against baseline `{base.name}` (`{base.path}`).",
         "",
-        f"**{counts['regression']} regressions**, {counts['improvement']} improvements, "
-        f"{counts['unchanged']} unchanged, {counts['changed']} other verdict changes, {counts['new']} new, "
-        f"{counts['missing']} missing.",
+        f"**{_count(counts['regression'], 'regression')}**, {_count(counts['improvement'], 'improvement')}, "
+        f"{counts['unchanged']} unchanged, {_count(counts['changed'], 'other verdict change')}, "
+        f"{counts['new']} new, {counts['missing']} missing.",
         "",
     ]
     if plot is not None:
