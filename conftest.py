@@ -33,6 +33,7 @@ RUN_FOLDER = pytest.StashKey[Path]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """The scenario options (harmless to `pytest tests`, which never reads them)."""
     group = parser.getgroup("scenarios", "scenario matrix (pytest scenarios --matrix NAME)")
     group.addoption("--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path")
     group.addoption(
@@ -89,6 +90,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM ends the session like Ctrl-C, so the run's processes are stopped on the way out."""
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -133,6 +135,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Any:
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Where the scenario run's folder is, and the report's outcome when there was one."""
     out = config.stash.get(RUN_FOLDER, None)
     if out is None:
         return

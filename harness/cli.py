@@ -97,7 +97,7 @@ def run_scenarios(
             problems = {sc.id: validate(sc) for sc in scenarios}  # once per scenario, before anything starts
             for sc in order_for_reuse(scenarios):
                 progress.update(task, description=sc.id)
-                rec = run.run(sc, problems[sc.id])
+                rec = run.run(sc, problems[sc.id], validated=True)
                 style = "green" if expectation_met(rec, rec.verdict) else "red"
                 progress.console.print(f"[{style}]{rec.verdict:14s}[/] {rec.scenario_id}")
                 progress.advance(task)

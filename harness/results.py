@@ -1,4 +1,4 @@
-"""Run records -> one pandas table -> summary.csv / summary.parquet / summary.md (+ env.json).
+"""Run records -> one pandas table -> summary.csv / summary.parquet / summary.md (env.json: `harness.env`).
 
 One row per record (scenario). Times come from the record's syncs: ``first_s`` is sync 0's wall time
 (engine starts from dummy weights), ``steady_s`` the median over the finished syncs >= 1, and each

@@ -19,8 +19,6 @@ from harness.record import RunRecord
 from harness.scenario import Scenario
 from harness.validate import validate
 
-_UNVALIDATED = object()
-
 
 class MatrixRun:
     """Scenarios run one by one into `results_dir/run_id` (default run id: a timestamp).
@@ -53,14 +51,15 @@ class MatrixRun:
         self.runner = None
         self.closed = False
 
-    def run(self, sc: Scenario, problem: object = _UNVALIDATED) -> RunRecord:
-        """Run one scenario and return its record (as judged after its group, when it closed one).
-        `problem` is `harness.validate.validate(sc)` when the caller already has it."""
+    def run(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
+        """Run one scenario and return its record (as judged after its group, when it closed one). Unless
+        `validated` (the caller ran `harness.validate.validate` and passes its answer as `config_error`),
+        the scenario is validated here first."""
         from harness.placement import ensure_ray
         from harness.runner import Runner
 
-        config_error = validate(sc) if problem is _UNVALIDATED else problem
-        assert config_error is None or isinstance(config_error, str)
+        if not validated:
+            config_error = validate(sc)
         if config_error is None:
             ensure_ray(self.ray_address)
         if self.runner is None:

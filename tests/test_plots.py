@@ -27,6 +27,7 @@ from harness.record import ChunkRecord, RunRecord, SyncRecord
 from harness.report import RunTables, compare, normalise_table
 from harness.results import summarize
 from harness.scenario import Scenario, load_matrix
+from reference_impl.engine import DEFAULT_ENGINE
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -62,7 +63,7 @@ def recorded(sc: Scenario, steady: float) -> RunRecord:
 def table() -> pd.DataFrame:
     """The CPU matrix and the vLLM rows of the CPU-vLLM matrix, one record each (steady times spread
     over two decades), and one scenario whose syncs never finished (no steady time)."""
-    scenarios = load_matrix("cpu") + [sc for sc in load_matrix("cpu_vllm") if sc.engine != "embedded"]
+    scenarios = load_matrix("cpu") + [sc for sc in load_matrix("cpu_vllm") if sc.engine != DEFAULT_ENGINE]
     records = [recorded(sc, 0.01 * (1 + (i % 13) * 8)) for i, sc in enumerate(scenarios)]
     for s in records[5].syncs:
         s.finished = False
