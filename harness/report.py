@@ -55,8 +55,9 @@ CALIBRATION_KEYS: dict[bool, tuple[str, str]] = {
 MEASURE_EFFICIENCY = "efficiency (steady time / same-run bound)"
 MEASURE_RAW = "raw seconds / median ratio"
 
-# env.json keys never listed as differences (they differ on every run) or shown elsewhere.
-ENV_SKIPPED = ("started_at", "ended_at", "python_executable", "calibration")
+# env.json keys never listed as differences: they differ on every run (report.md shows them per run) or
+# are shown elsewhere (calibration).
+ENV_SKIPPED = ("started_at", "ended_at", "wall_s", "command", "python_executable", "calibration")
 
 COLUMNS: tuple[str, ...] = (
     "scenario",

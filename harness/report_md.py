@@ -83,6 +83,16 @@ def _calibration_rows(report: Report) -> list[list[str]]:
     return rows
 
 
+def _run_rows(report: Report) -> list[list[str]]:
+    rows = []
+    for key, label in (("started_at", "started (UTC)"), ("wall_s", "wall time (s)"), ("command", "command")):
+        values = [env.get(key) for env in (report.baseline.env, report.run.env)]
+        rows.append(
+            [label, *("—" if v is None or v == "" else f"`{v}`" if key == "command" else str(v) for v in values)]
+        )
+    return rows
+
+
 def _method(report: Report) -> list[str]:
     rows = report.rows
     measures = rows.loc[rows["measure"].astype(bool), "measure"].value_counts()
@@ -161,6 +171,8 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
         lines += [markdown_table(("key", "baseline", "run"), [list(d) for d in report.env_diffs]), ""]
     else:
         lines += ["None.", ""]
+    lines += ["## Runs", ""]
+    lines += [markdown_table(("", "baseline", "run"), _run_rows(report)), ""]
     lines += ["## Host calibration (env.json, measured at the start of each run)", ""]
     lines += [markdown_table(("", "baseline", "run", "run / baseline"), _calibration_rows(report)), ""]
     lines += ["## How rows are judged", "", *_method(report), ""]
