@@ -29,7 +29,7 @@ from harness.checks import expectation_met, expected_verdict, first_failure, jud
 from harness.env import collect_env as collect_env
 from harness.env import finish_env as finish_env
 from harness.env import write_env as write_env
-from harness.record import PHASES, RunRecord, SyncRecord
+from harness.record import PHASES, WALL_PARTS, RunRecord, SyncRecord
 from reference_impl.engine import DEFAULT_ENGINE
 
 PHASE_COLUMNS: tuple[str, ...] = tuple(f"{phase}_s" for phase in PHASES)
@@ -53,6 +53,7 @@ COLUMNS: tuple[str, ...] = (
     "steady_max_s",
     "steady_gbps",
     *PHASE_COLUMNS,
+    *WALL_PARTS,
     "logprob_max_abs",
     "logprob_mean_exp_abs",
     "logprob_expected_max_abs",
@@ -159,6 +160,8 @@ def record_row(record: RunRecord) -> dict[str, Any]:
     }
     for phase, column in zip(PHASES, PHASE_COLUMNS, strict=True):
         row[column] = _median([s.phases[phase] for s in steady if phase in s.phases])
+    for part in WALL_PARTS:
+        row[part] = record.wall.get(part, _NAN)
     measured = [s.logprobs for s in record.syncs if s.logprobs]
     row["logprob_max_abs"] = max((m["max_abs"] for m in measured), default=_NAN)
     row["logprob_mean_exp_abs"] = max((m["mean_exp_abs"] for m in measured), default=_NAN)
@@ -315,6 +318,29 @@ def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+WALL_NOTE = (
+    "Each scenario's wall time in parts (seconds): setup (checkpoint, processes, engine start, trainer build, "
+    "connect), syncs (syncs and trainer steps), checks (the harness's reads of the engine, probes, log-prob "
+    "views, oracles, judging), teardown. The run's totals, then its slowest scenarios."
+)
+
+
+def wall_lines(df: pd.DataFrame, slowest: int = 5) -> list[str]:
+    """summary.md's "Where the time went" section (`WALL_PARTS` per scenario); none without the columns."""
+    if not len(df) or any(p not in df.columns for p in WALL_PARTS):
+        return []
+    timed = df.dropna(subset=list(WALL_PARTS))
+    if not len(timed):
+        return []
+    header = ["scenario", *(p.removesuffix("_s") + " (s)" for p in WALL_PARTS), "total (s)"]
+    total = timed[list(WALL_PARTS)].sum(axis=1)
+    rows = [["all scenarios", *(_fmt_float(timed[p].sum(), 1) for p in WALL_PARTS), _fmt_float(total.sum(), 1)]]
+    for i in total.sort_values(ascending=False).index[:slowest]:
+        row = timed.loc[i]
+        rows.append([row["scenario"], *(_fmt_float(row[p], 1) for p in WALL_PARTS), _fmt_float(total[i], 1)])
+    return ["## Where the time went", "", WALL_NOTE, "", markdown_table(header, rows), ""]
+
+
 def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[str, Any] | str | None = None) -> str:
     """summary.md's text: title, run id and env line, the pasteable table, then non-PASS rows."""
     lines = ["# Weight-sync harness results", ""]
@@ -330,6 +356,7 @@ def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[s
     if len(pairs):
         lines += ["## Engines side by side", "", ENGINE_COMPARISON_NOTE, ""]
         lines += [markdown_table(list(pairs.columns), pairs.astype(str).values.tolist()), ""]
+    lines += wall_lines(df)
     lines += ["## Not passing", ""]
     failing = df[df["verdict"] != "PASS"] if len(df) else df
     if not len(failing):
