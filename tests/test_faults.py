@@ -82,7 +82,7 @@ MESSAGE_SAYS = {
     "engine_dies_after_rejected_chunk": "the engine died after the failed sync",
     "no_prefix_cache_reset": "a cache (the prefix cache?) answered with the old weights",
     "encoder_cache_survives_update": "log-prob max |diff|",
-    "weight_version_not_committed": "the engine reports weight version '0' after finishing version 1",
+    "weight_version_not_committed": "the engine reports weight version '0' after finishing version '1'",
 }
 
 
