@@ -1,5 +1,7 @@
-"""Sessions: `tests` (pytest, CI), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3
-dense on real vLLM beside the embedded engine) and `gpu_matrix` (full-size models on GPU runners).
+"""Sessions: `tests` (pytest, CI; `nox -s tests -- scenarios --matrix cpu -k ...` runs scenarios as
+tests), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3 dense on real vLLM beside the
+embedded engine), `gpu_matrix` (full-size models on GPU runners, as pytest tests) and `report` (a run
+against a baseline).
 
 The harness runs on Python 3.12 (megatron-core 0.19.2 and Megatron-Bridge 0.6.2 require it). Where
 Python 3.12 is installed through pyenv but not active, it is found under `$(pyenv root)/versions/3.12.*`.
@@ -135,11 +137,20 @@ def _gpu_refusal() -> str | None:
 
 @nox.session(python=PYTHON)
 def gpu_matrix(session: nox.Session) -> None:
-    """Full-size released models on GPU (`scenarios/gpu.yaml`); refuses with one sentence when no CUDA
-    device or no weights are found. Extra args go to `python -m harness run` (e.g. --run-id)."""
+    """Full-size released models on GPU (`scenarios/gpu.yaml`), each scenario one pytest test (the
+    repository's conftest.py); refuses with one sentence when no CUDA device or no weights are found.
+    Extra args go to pytest (e.g. --run-id ID, --junitxml FILE, -k EXPR, --baseline DIR)."""
     refusal = _gpu_refusal()
     if refusal:
         session.error(refusal)
     _install(session)
     env = _vllm_env(session, "gpu")
-    session.run("python", "-m", "harness", "run", "--matrix", "gpu", *session.posargs, env=env)
+    session.run("pytest", "-q", "scenarios", "--matrix", "gpu", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def report(session: nox.Session) -> None:
+    """A run against a baseline: `nox -s report -- --run results/<id> --baseline results/baselines/cpu`
+    writes report.md / report.csv / plots/regression.png into the run's folder; exits 1 on a regression."""
+    _install(session)
+    session.run("python", "-m", "harness", "report", *session.posargs)

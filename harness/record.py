@@ -37,6 +37,9 @@ __all__ = [
 
 PHASES: tuple[str, ...] = ("gather", "convert", "transfer", "load")
 
+# The parts of one scenario's wall time (`RunRecord.wall` keys, summary columns of the same names).
+WALL_PARTS: tuple[str, ...] = ("setup_s", "syncs_s", "checks_s", "teardown_s")
+
 VERDICTS: tuple[str, ...] = (
     "PASS",
     "CONFIG_ERROR",
@@ -142,6 +145,10 @@ class RunRecord(BaseModel):
     # The same for the trainer's Megatron forward vs the engine: `logprob_budget` plus the model family's
     # known, sourced gap (`ModelFamily.trainer_logprob_gap`), when it has one.
     trainer_logprob_budget: dict[str, float] = Field(default_factory=dict)
+    # Where the scenario's wall time went, seconds (`WALL_PARTS`): setup (checkpoint, processes, engine start,
+    # trainer build, connect), syncs (syncs and trainer steps, the recovery's included), checks (the
+    # harness's own reads of the engine, probes, log-prob views, oracles, judging), teardown (stops).
+    wall: dict[str, float] = Field(default_factory=dict)
     verdict: str = ""
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)

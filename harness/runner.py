@@ -39,6 +39,19 @@ from reference_impl.transport.observed import HttpCall, TensorLayout
 from reference_impl.worker import TrainerSetup
 
 
+def wall_split(marks: dict[str, float], checks_s: float) -> dict[str, float]:
+    """A scenario's wall time in parts (`harness.record.WALL_PARTS`), seconds, from `time.perf_counter`
+    marks "start", "syncs" (absent when setup failed), "teardown" and "end", and the time the session spent
+    in checks while it synced (`ScenarioSession.checks_s`), which is taken out of the syncs' part."""
+    syncs_at = marks.get("syncs", marks["teardown"])
+    return {
+        "setup_s": syncs_at - marks["start"],
+        "syncs_s": max(0.0, marks["teardown"] - syncs_at - checks_s),
+        "checks_s": checks_s,
+        "teardown_s": marks["end"] - marks["teardown"],
+    }
+
+
 @dataclass
 class Runner:
     """Runs scenarios one after another into `out_dir` (records/, logs/)."""
@@ -90,7 +103,9 @@ class Runner:
             record.notes.append(kind.note)
         engine = None
         checker: EngineClient | None = None
+        session: ScenarioSession | None = None
         healthy = False
+        marks = {"start": time.perf_counter()}
         pids: dict[str, int | None] = {}
         try:
             spec = load_model(sc.model)
@@ -129,6 +144,7 @@ class Runner:
                 config = json.loads((ckpt / "config.json").read_text())
                 session.prompts = fixed_prompts(config)
                 session.probe = probe_prompt(config)
+            marks["syncs"] = time.perf_counter()
             session.run_syncs()
             session.cross_export()
             healthy = True
@@ -138,6 +154,7 @@ class Runner:
         except Exception as e:
             record.errors.append(error_from(e, None, "runner"))
         finally:
+            marks["teardown"] = time.perf_counter()
             if checker is not None:  # the harness's own calls (checksums, log-probs), also on failure
                 record.http.extend(checker.calls)
                 checker.close()
@@ -150,6 +167,8 @@ class Runner:
                 kind.reap(pids.get("engine"))
             if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
                 self.drop_pool(sc.world_size)
+            marks["end"] = time.perf_counter()
+            record.wall = wall_split(marks, session.checks_s if session is not None else 0.0)
         return self._finish(record)
 
     def trace_dir(self, scenario_id: str) -> Path:
@@ -188,7 +207,10 @@ class Runner:
 
     def _finish(self, record: RunRecord) -> RunRecord:
         record.ended_at = time.time()
+        t0 = time.perf_counter()
         record = judged(record)
+        if record.wall:
+            record.wall["checks_s"] += time.perf_counter() - t0
         record.save(self.record_path(record.scenario_id))
         if self.on_record:
             self.on_record(record)

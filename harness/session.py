@@ -9,9 +9,11 @@ last phase (`transport.progress`) and raises `ScenarioFailed`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,16 @@ class ScenarioSession:
     hf_view: HfForward | None = None  # the transformers forward over the expected state, built on first use
     hf_view_state: int = -1  # the expected state's step the view holds
     probe: list[int] = field(default_factory=list)  # a prompt served before and after every sync
+    checks_s: float = 0.0  # seconds spent in the harness's own reads, probes, log-prob views and oracles
+
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Count the time of the block as checks (`RunRecord.wall["checks_s"]`), not as syncs."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.checks_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ remote calls and oracles
 
@@ -182,7 +194,8 @@ class ScenarioSession:
             gap = model_family(load_model(sc.model).model_type).trainer_logprob_gap
             self.record.logprob_budget = dict(budget)
             self.record.trainer_logprob_budget = {k: v + gap for k, v in budget.items()}
-        self.expected = self.oracle("parity_expected", None, lambda: ExpectedState(self.checkpoint, sc.seed))
+        with self.checking():
+            self.expected = self.oracle("parity_expected", None, lambda: ExpectedState(self.checkpoint, sc.seed))
         try:
             for i in range(sc.syncs + 1):
                 if 0 < i < sc.syncs:
@@ -219,7 +232,8 @@ class ScenarioSession:
         engine with a prefix cache holds it under the old weights)."""
         sc = self.sc
         if self.probe:
-            self.checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
+            with self.checking():
+                self.checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
         refs = [a.sync.remote(index, index, sc.export_mode, sc.chunk_bytes) for a in self.pool.actors]
         expected = self.expected
         sums = self.oracle("parity_expected", index, expected.checksums) if expected is not None else None
@@ -227,14 +241,15 @@ class ScenarioSession:
         sync.perturbed = perturbed
         sync.expected_checksums = sums or {}
         self.record.syncs.append(sync)  # before the engine is asked anything more: nothing of it is lost
-        if self.kind.capabilities.per_tensor_reports:
-            sync.engine_checksums = self.checker.checksums()
-        if sync.finished:
-            sync.engine_weight_version = self.checker.weight_version(sync=index)
-        if self.probe:
-            self.measure_probe(sync)
-        if self.prompts:
-            self.measure_logprobs(sync)
+        with self.checking():
+            if self.kind.capabilities.per_tensor_reports:
+                sync.engine_checksums = self.checker.checksums()
+            if sync.finished:
+                sync.engine_weight_version = self.checker.weight_version(sync=index)
+            if self.probe:
+                self.measure_probe(sync)
+            if self.prompts:
+                self.measure_logprobs(sync)
         return sync
 
     def measure_logprobs(self, sync: SyncRecord) -> None:
@@ -285,6 +300,10 @@ class ScenarioSession:
 
     def cross_export(self) -> None:
         """Both export modes of the last state (a second export path: an oracle of the parity check)."""
+        with self.checking():
+            self._cross_export()
+
+    def _cross_export(self) -> None:
         for mode in ("raw", "bridge"):
             refs = lambda m=mode: [a.export_checksums.remote(m) for a in self.pool.actors]  # noqa: E731
             sums = self.oracle(
