@@ -178,11 +178,11 @@ class Runner:
     def _recover_calls(self, record: RunRecord) -> None:
         """Add the calls the ranks logged (`rank<r>.calls.jsonl`) that never came back to the runner (a sync
         that hung or raised): nothing recorded is lost when a scenario fails."""
-        seen = {(c.rank, c.t, c.route, c.sync, c.chunk) for c in record.http}
+        seen = {(c.rank, c.engine, c.t, c.route, c.sync, c.chunk) for c in record.http}
         for log in sorted(self.trace_dir(record.scenario_id).glob("*.calls.jsonl")):
             for line in log.read_text().splitlines():
                 call = HttpCall.model_validate_json(line)
-                if (call.rank, call.t, call.route, call.sync, call.chunk) not in seen:
+                if (call.rank, call.engine, call.t, call.route, call.sync, call.chunk) not in seen:
                     record.http.append(call)
         record.http.sort(key=lambda c: c.t)
 

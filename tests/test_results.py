@@ -18,6 +18,7 @@ from harness.results import (
     http_200_summary,
     markdown_table,
     summarize,
+    summary_table_rows,
     write_env,
     write_summary,
 )
@@ -254,3 +255,18 @@ def test_steady_plot_keeps_engines_apart(records: list[RunRecord]) -> None:
     assert len(table) == 2
     by_engine = {key[-1]: row["raw"] for key, row in table.iterrows()}
     assert by_engine == {"embedded": pytest.approx(0.6), "vllm": pytest.approx(1.8)}
+
+
+def test_engine_replicas_and_engine_tp_keep_their_own_rows(records: list[RunRecord]) -> None:
+    """A two-engine row and an engine-TP-2 row beside the one-engine row of the same layout: the side-by-side
+    table pairs each with its own kind on the other engine, and summary.md tells them apart."""
+    raw = records[0]
+    variants = [raw]
+    for update in ({"engines": 2}, {"engine_tp": 2}):
+        sc = raw.scenario.model_copy(update=update)
+        variants.append(raw.model_copy(update={"scenario": sc, "scenario_id": sc.id}))
+    df = summarize(variants + [as_vllm(r) for r in variants])
+    pairs = engine_comparison(df)
+    assert sorted(zip(pairs["engines"], pairs["engine_tp"], strict=True)) == [(1, 1), (1, 2), (2, 1)]
+    cells = {row[5] for row in summary_table_rows(df)}
+    assert cells == {"no", "no · 2 engines", "no · engine TP 2"}
