@@ -203,7 +203,7 @@ class ScenarioSession:
                 engine_urls=urls,
                 token_required=token is not None,
             )
-        if not check_transfer_init(self.record).ok:
+        if not all(check_transfer_init(self.record.engine_view(i)).ok for i in range(len(self.checkers))):
             self.record.notes.append("stopped after connect: the engine joined more than one transfer group")
             raise ScenarioFailed("connect engine")
 
