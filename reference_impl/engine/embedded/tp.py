@@ -74,9 +74,15 @@ class TpRanks:
         the whole group arrived). Returns self, which then receives chunks as one group member would.
 
         Raises:
+            ValueError: the ranks do not fit the group (`rank_offset + tp > world_size`), as vLLM's backend
+                refuses a worker rank >= world_size.
             RuntimeError / DistStoreError: the group did not form within `info.timeout_s` seconds.
         """
         assert info.master_address is not None and info.master_port is not None  # checked by the caller
+        if info.rank_offset + self.tp > info.world_size:
+            raise ValueError(
+                f"TP ranks {info.rank_offset}..{info.rank_offset + self.tp - 1} do not fit world_size {info.world_size}"
+            )
 
         def one(rank: int) -> TransferGroup:
             return join_transfer_group(
