@@ -130,3 +130,48 @@ def test_row_parallel_split_as_column_is_seen_only_by_the_shards(checkpoint) -> 
     wrong = sorted(n for n in want["0"] if got["0"][n] != want["0"][n])
     assert wrong and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in wrong), wrong
     assert vllm_tp.pieces is seams.current("engine_tp_pieces")  # restored
+
+
+def test_the_server_joins_every_tp_rank_and_reports_each_ranks_shards(checkpoint) -> None:
+    """The embedded server's routes with `tp=2`, in-process: the init joins two ranks of a group of three
+    (this thread is the sender), one broadcast chunk reaches both, and /weight_checker reports the full
+    tensors and each rank's shards as vLLM's partition gives them."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from fastapi.testclient import TestClient
+    from wsh_vllm_plugin.protocol import InitInfo, UpdateInfo, host_store, join_transfer_group
+
+    from reference_impl.engine.embedded.server import create_app
+
+    tensors, config = checkpoint
+    app = create_app(EngineLoader.from_checkpoint(Path(config["path"]), 4321), config, tp=2)
+    client = TestClient(app)
+    assert client.get("/get_world_size").json() == {"world_size": 2}
+    store = host_store(timeout_s=60)
+    info = InitInfo(master_address="127.0.0.1", master_port=store.port, rank_offset=1, world_size=3, timeout_s=60)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        init = pool.submit(client.post, "/init_weight_transfer_engine", json={"init_info": asdict(info)})
+        sender = join_transfer_group("127.0.0.1", store.port, 0, 3, 60.0, store=store)
+        assert init.result(timeout=120).json()["ok"]
+        assert client.post("/start_weight_update", json={}).status_code == 200
+        names = list(tensors)
+        body = UpdateInfo(
+            names=names,
+            dtype_names=[dtype_name(tensors[n].dtype) for n in names],
+            shapes=[list(tensors[n].shape) for n in names],
+            chunk_index=0,
+        )
+        update = pool.submit(client.post, "/update_weights", json={"update_info": asdict(body)})
+        sender.send_chunk(pack([tensors[n] for n in names]))
+        assert update.result(timeout=120).status_code == 200
+    assert client.post("/finish_weight_update", json={"weight_version": 1}).status_code == 200
+    report = client.post("/weight_checker", json={"action": "checksum"}).json()
+    assert report["checksums"] == {n: tensor_checksum(t) for n, t in tensors.items()}
+    assert report["tp_checksums"] == expected_tp_checksums(tensors, config, 2)
+    bad = InitInfo(master_address="127.0.0.1", master_port=store.port, rank_offset=2, world_size=3, timeout_s=5)
+    answer = TestClient(app, raise_server_exceptions=False).post(
+        "/init_weight_transfer_engine", json={"init_info": asdict(bad)}
+    )
+    assert answer.status_code == 500 and "do not fit world_size 3" in answer.text
