@@ -27,6 +27,24 @@ from reference_impl.engine.process import ServerProcess, free_port
 from reference_impl.engine.vllm.env import PLUGIN_DIR, vllm_python
 
 AUTH_MIDDLEWARE = "wsh_vllm_plugin.auth.BearerTokenMiddleware"  # every route asks for the run's token
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` CPU workers: the CPUs this process may run on (`cpus`, default its
+    affinity), split into `tp` contiguous groups ("0|1" for two workers on two CPUs; CPUs left over by the
+    split go unused), or "nobind" when there are fewer CPUs than workers.
+
+    vLLM's default, "auto", binds each worker to a NUMA node of its own and refuses more workers than NUMA
+    nodes (`vllm/utils/ompmultiprocessing.py`: "Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers. Allowed NUMA nodes are [0]. Please try to bind threads manually or decrease DP/TP/PP."), so
+    on a one-node host TP 2 needs the groups given by hand. vLLM ignores the variable on GPU hosts.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(cpus) < tp:
+        return "nobind"
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp))
 
 
 class VllmEngineProcess(ServerProcess):
@@ -110,5 +128,7 @@ class VllmEngineProcess(ServerProcess):
         for var in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(var, None)
         env |= {"PYTHONPATH": str(PLUGIN_DIR)} | self.token_env()
+        if self.tp > 1 and THREADS_BIND not in env:
+            env[THREADS_BIND] = cpu_threads_bind(self.tp)
         url = f"http://{self.host}:{port}"
         return self.command(port), env, tempfile.gettempdir(), lambda: url
