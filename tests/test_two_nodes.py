@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,12 +63,12 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         )
-        head_ip = None
+        head_ip = None  # the head's node address, as its `ray start` reports it ("Local node IP: ...")
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and head_ip is None:
+        while time.monotonic() < deadline and head_ip is None and procs[0].poll() is None:
             time.sleep(2)
-            nodes = _node_ips(f"127.0.0.1:{port}") if procs[0].poll() is None else []
-            head_ip = nodes[0]["ip"] if nodes else None
+            found = re.search(r"Local node IP: (\S+)", (Path(temp) / "start.log").read_text())
+            head_ip = found.group(1) if found and _node_ips(f"{found.group(1)}:{port}") else None
         assert head_ip is not None, (Path(temp) / "start.log").read_text()[-3000:]
         address = f"{head_ip}:{port}"
         procs.append(
