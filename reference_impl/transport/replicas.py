@@ -10,7 +10,10 @@ for many.
 
 Sessions: a broadcast must be taken by every rank of the group, so the sender may broadcast only while
 every engine holds an open session (`session_open` is the conjunction): when one engine refused its
-start, or ended its session on a failed chunk (vLLM), no later chunk of that sync is broadcast.
+start, or ended its session on a failed chunk (vLLM), no later chunk of that sync is broadcast, and the
+engines whose sessions are still open are finished there and then (with the sync's weight version), so
+that no engine is left in an update session nobody will close (an embedded engine refuses completions
+while one is open; a vLLM engine keeps its layers pending).
 
 The sender's account of each engine (chunks it answered 200, names it accepted or refused, its update
 counts, whether it finished) is kept per sync (`accounts`) and returned with the sync's report
@@ -72,6 +75,7 @@ class ReplicaClient:
         self.clients = list(clients)
         self.pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="replica-http")
         self._accounts: dict[int, list[EngineAccount]] = {}
+        self._versions: dict[int, int | None] = {}  # sync -> the weight version its start announced
 
     # ------------------------------------------------------------------ what EngineClient offers
 
@@ -111,7 +115,10 @@ class ReplicaClient:
             ReplicasRejected: some engine refused (the others' sessions stay open; `session_open` is False).
         """
         self._accounts[sync] = [EngineAccount(engine=c.engine) for c in self.clients]
-        return self._all(lambda c: c.start(sync, weight_version))[0]
+        self._versions[sync] = weight_version
+        outcomes = self._each(lambda c: c.start(sync, weight_version))
+        self._end_dangling_sessions(sync)
+        return self._raise_or_first(outcomes)
 
     def update(self, update_info: UpdateInfo, sync: int, chunk: int) -> Any:
         """POST /update_weights to every engine at once (each joins the chunk's broadcast); engine 0's answer.
@@ -129,6 +136,7 @@ class ReplicaClient:
             else:
                 account.chunks_received.append(chunk)
                 account.names_accepted.extend(update_info.names)
+        self._end_dangling_sessions(sync)
         return self._raise_or_first(outcomes)
 
     def finish(self, sync: int, weight_version: int) -> Any:
@@ -139,11 +147,25 @@ class ReplicaClient:
             ReplicasRejected: some engine refused.
         """
         outcomes = self._each(lambda c: c.finish(sync, weight_version))
-        for account, outcome in zip(self._sync_accounts(sync), outcomes, strict=True):
-            if not isinstance(outcome, EngineRejected):
-                account.finished = True
-                account.engine_update_counts = {k: int(v) for k, v in outcome.get("update_counts", {}).items()}
+        self._account_finishes(sync, outcomes)
         return self._raise_or_first(outcomes)
+
+    def _account_finishes(self, sync: int, outcomes: Sequence[Any], engines: Sequence[int] | None = None) -> None:
+        accounts = self._sync_accounts(sync)
+        for i, outcome in zip(engines if engines is not None else range(len(outcomes)), outcomes, strict=True):
+            if not isinstance(outcome, EngineRejected):
+                accounts[i].finished = True
+                accounts[i].engine_update_counts = {k: int(v) for k, v in outcome.get("update_counts", {}).items()}
+
+    def _end_dangling_sessions(self, sync: int) -> None:
+        """When some engine holds no session (its start was refused, or it ended the session on a failed
+        chunk), finish the sessions still open on the others: the sync cannot go on for any of them."""
+        open_ = [c for c in self.clients if c.session_open]
+        if not open_ or len(open_) == len(self.clients):
+            return
+        version = self._versions.get(sync)
+        outcomes = self._each_of(open_, lambda c: c.finish(sync, version if version is not None else sync))
+        self._account_finishes(sync, outcomes, [c.engine for c in open_])
 
     def reset_prefix_cache(self, sync: int | None = None) -> Any:
         """POST /reset_prefix_cache to every engine.
@@ -180,6 +202,10 @@ class ReplicaClient:
 
     def _each(self, fn: Callable[[EngineClient], T]) -> list[T | EngineRejected]:
         """`fn(client)` for every engine at once; each result, or the `EngineRejected` it raised."""
+        return self._each_of(self.clients, fn)
+
+    def _each_of(self, clients: Sequence[EngineClient], fn: Callable[[EngineClient], T]) -> list[T | EngineRejected]:
+        """`fn(client)` for each of `clients` at once; each result, or the `EngineRejected` it raised."""
 
         def one(c: EngineClient) -> T | EngineRejected:
             try:
@@ -187,7 +213,7 @@ class ReplicaClient:
             except EngineRejected as e:
                 return e
 
-        futures = [self.pool.submit(one, c) for c in self.clients]
+        futures = [self.pool.submit(one, c) for c in clients]
         return [f.result() for f in futures]
 
     def _all(self, fn: Callable[[EngineClient], T]) -> list[T]:
