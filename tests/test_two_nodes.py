@@ -33,6 +33,9 @@ pytestmark = pytest.mark.e2e
 
 ENGINE_NODE_IP = "127.0.0.2"  # loopback, but not 127.0.0.1: an address of the second node's own
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+# Every process of this cluster (its nodes, the drivers that join it) in Ray's token mode: with a token in
+# ~/.ray/auth_token a head turns token authentication on by itself, but a driver does so only when asked.
+RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "token"}
 
 
 def _node_ips(address: str) -> list[dict]:
@@ -42,7 +45,7 @@ def _node_ips(address: str) -> list[dict]:
         "print(json.dumps([{'ip': n['NodeManagerAddress'], 'resources': n['Resources']} "
         "for n in ray.nodes() if n['Alive']])); ray.shutdown()"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=RAY_ENV)
     return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else []
 
 
@@ -60,7 +63,7 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
             subprocess.Popen(
                 [*RAY, "start", "--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false",
                  '--resources={"wsh_trainer_node": 1}', *common],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=RAY_ENV,
             )
         )
         head_ip = None  # the head's node address, as its `ray start` reports it ("Local node IP: ...")
@@ -75,7 +78,7 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
             subprocess.Popen(
                 [*RAY, "start", f"--address={address}", f"--node-ip-address={ENGINE_NODE_IP}",
                  '--resources={"wsh_engine_node": 1}', *common],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=RAY_ENV,
             )
         )
         nodes: list[dict] = []
@@ -110,7 +113,7 @@ def test_trainer_on_one_node_engines_on_the_other(tmp_path: Path) -> None:
         run = subprocess.run(
             [sys.executable, "-m", "harness", "run", "--matrix", str(matrix), "--ray-address", address,
              "--results-dir", str(tmp_path), "--run-id", "two-nodes"],
-            capture_output=True, text=True, timeout=1800,
+            capture_output=True, text=True, timeout=1800, env=RAY_ENV,
         )
     records = list((tmp_path / "two-nodes" / "records").glob("*.json"))
     assert run.returncode == 0 and len(records) == 1, (run.stdout[-3000:], run.stderr[-3000:])
