@@ -1,8 +1,8 @@
 """Start and stop the embedded engine server as a child process (what the engine's Ray actor owns).
 
-`EngineProcess.start()` runs `python -m reference_impl.engine.embedded.server` on 127.0.0.1 (or, with a
-bearer token, the address another node reaches it at) with port 0 (the server writes the port it bound
-to a port file), waits until it answers GET /health, and returns
+`EngineProcess.start()` runs `python -m reference_impl.engine.embedded` on 127.0.0.1 (or, with a bearer
+token, the address another node reaches it at) with port 0 (the server writes the port it bound to a
+port file), waits until it answers GET /health, and returns
 its base URL. `stop()` ends it by its pid (`engine.process.ServerProcess`). The server also watches
 its launcher (`--exit-with-parent`): a killed launcher never leaves a server behind.
 """
@@ -50,7 +50,7 @@ class EngineProcess(ServerProcess):
         argv = [
             sys.executable,
             "-m",
-            "reference_impl.engine.embedded.server",
+            "reference_impl.engine.embedded",
             "--checkpoint",
             self.checkpoint,
             "--seed",
