@@ -20,12 +20,13 @@ from pydantic import BaseModel, Field
 
 from harness.scenario import Scenario
 from reference_impl.engine.base import Capabilities
-from reference_impl.transport.observed import ChunkRecord, HttpCall, SyncReport, TensorLayout
+from reference_impl.transport.observed import ChunkRecord, EngineAccount, HttpCall, SyncReport, TensorLayout
 
 __all__ = [
     "PHASES",
     "VERDICTS",
     "ChunkRecord",
+    "EngineSync",
     "ErrorRecord",
     "HttpCall",
     "OracleFailure",
@@ -33,6 +34,7 @@ __all__ = [
     "RunRecord",
     "SyncRecord",
     "TensorLayout",
+    "TransferGroupRecord",
 ]
 
 PHASES: tuple[str, ...] = ("gather", "convert", "transfer", "load")
@@ -83,6 +85,33 @@ class RecoveryRecord(BaseModel):
     engine_log_tail: str = ""  # when the engine no longer answers
     clean_sync: int | None = None  # the recovery sync's index in `syncs`
     clean_sync_finished: bool = False  # it ran start -> updates -> finish with every call answered 200
+    engine: int = 0  # the engine replica whose liveness answers are these (the first one that failed, if any)
+
+
+class TransferGroupRecord(BaseModel):
+    """The transfer group as the sender set it up: where the engines met it and the rank each engine was
+    given (`reference_impl.transport.group`; several engine replicas and engine TP in one group)."""
+
+    master_address: str  # the sender's node address the engines were sent (127.0.0.1 on one node)
+    world_size: int  # ranks in the group: the sender plus every engine worker
+    rank_offsets: list[int] = Field(default_factory=list)  # per engine, as sent in its init_info
+    engine_ranks: list[int] = Field(default_factory=list)  # per engine: its workers in the group (its TP)
+    engine_urls: list[str] = Field(default_factory=list)  # per engine: its base URL
+    token_required: bool = False  # every engine route asked for the run's bearer token
+
+
+class EngineSync(EngineAccount):
+    """One engine replica in one sync (records with several engines): the sender's account of it
+    (`observed.EngineAccount`) and what the harness measured on it after the sync, field for field as
+    `SyncRecord` holds them for a single engine."""
+
+    engine_checksums: dict[str, str] = Field(default_factory=dict)
+    engine_tp_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
+    engine_weight_version: str | None = None
+    probe: dict[str, Any] = Field(default_factory=dict)
+    logprobs: dict[str, Any] = Field(default_factory=dict)
+    logprobs_expected: dict[str, Any] = Field(default_factory=dict)
+    engine_logprobs: list[list[float]] = Field(default_factory=list)
 
 
 class SyncRecord(SyncReport):
@@ -110,6 +139,40 @@ class SyncRecord(SyncReport):
     logprobs: dict[str, Any] = Field(default_factory=dict)
     logprobs_expected: dict[str, Any] = Field(default_factory=dict)
     engine_logprobs: list[list[float]] = Field(default_factory=list)  # per fixed prompt, after this sync
+    # An engine with TP ranks and per-tensor reports: each rank's shards after this sync (TP rank -> vLLM name
+    # -> checksum), and what vLLM's partition of the expected state gives each rank (`oracles.tp_shards`).
+    engine_tp_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
+    expected_tp_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
+    # Several engine replicas: each one's part of this sync (the fields above are then all engines together
+    # for the sender's account, and engine 0's for what the harness measured). Empty with one engine.
+    engines: list[EngineSync] = Field(default_factory=list)  # type: ignore[assignment]
+
+    def engine_view(self, engine: int) -> SyncRecord:
+        """This sync as engine replica `engine` saw it: the sender's account of that engine and what the
+        harness measured on it in the fields a single-engine record uses (itself when the sync has no
+        per-engine part)."""
+        if not self.engines:
+            return self
+        e = self.engines[engine]
+        got = set(e.chunks_received)
+        return self.model_copy(
+            update={
+                "chunks": [c.model_copy(update={"received": c.index in got}) for c in self.chunks],
+                "chunks_received": len(e.chunks_received),
+                "names_accepted": list(e.names_accepted),
+                "names_rejected": dict(e.names_rejected),
+                "engine_update_counts": dict(e.engine_update_counts),
+                "finished": e.finished,
+                "engine_checksums": dict(e.engine_checksums),
+                "engine_tp_checksums": {r: dict(v) for r, v in e.engine_tp_checksums.items()},
+                "engine_weight_version": e.engine_weight_version,
+                "probe": dict(e.probe),
+                "logprobs": dict(e.logprobs),
+                "logprobs_expected": dict(e.logprobs_expected),
+                "engine_logprobs": [list(p) for p in e.engine_logprobs],
+                "engines": [],
+            }
+        )
 
 
 class RunRecord(BaseModel):
@@ -152,6 +215,24 @@ class RunRecord(BaseModel):
     verdict: str = ""
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
+    transfer_group: TransferGroupRecord | None = None  # non-colocate: the group the sender set up
+
+    @property
+    def engine_count(self) -> int:
+        """Engine replicas this record speaks of (the scenario's `engines`)."""
+        return self.scenario.engines
+
+    def engine_view(self, engine: int) -> RunRecord:
+        """The record as engine replica `engine` saw it: its calls only (`HttpCall.engine`) and every sync's
+        `SyncRecord.engine_view`, with one engine (what every check reads). Itself with one engine."""
+        if self.engine_count <= 1:
+            return self
+        return self.model_copy(
+            update={
+                "http": [c for c in self.http if c.engine == engine],
+                "syncs": [s.engine_view(engine) for s in self.syncs],
+            }
+        )
 
     def save(self, path: Path) -> None:
         """Write the record as JSON (atomically: temp file then rename)."""

@@ -43,6 +43,8 @@ COLUMNS: tuple[str, ...] = (
     "colocate",
     "export_mode",
     "engine",
+    "engines",
+    "engine_tp",
     "tags",
     "syncs",
     "bytes_per_sync",
@@ -148,6 +150,8 @@ def record_row(record: RunRecord) -> dict[str, Any]:
         "colocate": sc.colocate,
         "export_mode": sc.export_mode,
         "engine": sc.engine,
+        "engines": sc.engines,
+        "engine_tp": sc.engine_tp,
         "tags": ",".join(sc.tags),
         "syncs": len(record.syncs),
         "bytes_per_sync": bytes_per_sync,
@@ -240,6 +244,15 @@ def _mode_cell(row: Mapping[str, Any]) -> str:
     return f"{row['export_mode']} · {'/'.join(parts[4:])}" if len(parts) > 4 else str(row["export_mode"])
 
 
+def _placement_cell(row: Mapping[str, Any]) -> str:
+    """Colocate yes / no, plus the engine replicas and the engine's TP when either is not 1 ("no · 2 engines ·
+    engine TP 2")."""
+    cell = "yes" if row["colocate"] else "no"
+    engines, engine_tp = int(row.get("engines") or 1), int(row.get("engine_tp") or 1)
+    cell += f" · {engines} engines" if engines != 1 else ""
+    return cell + (f" · engine TP {engine_tp}" if engine_tp != 1 else "")
+
+
 def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
     """The pasteable table's rows, in `MARKDOWN_HEADER` order."""
     rows = []
@@ -251,7 +264,7 @@ def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
                 row["tp"],
                 row["ep"],
                 row["pp"],
-                "yes" if row["colocate"] else "no",
+                _placement_cell(row),
                 _mode_cell(row),
                 _fmt_float(row["first_s"], 3),
                 _fmt_float(row["steady_s"], 3),
@@ -297,6 +310,7 @@ def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
     if not len(df) or df["engine"].nunique() < 2:
         return pd.DataFrame()
     key = ["model", "tp", "ep", "pp", "colocate", "export_mode"]
+    key += ["engines", "engine_tp"]
     engines = sorted(df["engine"].unique(), key=lambda e: (e != DEFAULT_ENGINE, e))
     rows = []
     for values, group in df.groupby(key, sort=False):

@@ -47,3 +47,11 @@ def test_no_engine_name_is_compared_outside_the_engine_package() -> None:
                 if names & set(consts):
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders
+
+
+def test_vllm_tp_workers_get_cpu_groups_of_their_own() -> None:
+    from reference_impl.engine.vllm.launcher import cpu_threads_bind
+
+    assert cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert cpu_threads_bind(2, [4, 5, 6, 7, 8]) == "4,5|6,7"
+    assert cpu_threads_bind(4, [0, 1]) == "nobind"

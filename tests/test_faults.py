@@ -49,7 +49,8 @@ def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
         # Ended within its deadline (+ setup) + 30 s, with one stack file per rank and the engine.
         assert elapsed < sc.deadline_s + 30 + 60
         labels = sorted(Path(p).stem for p in rec.stacks)
-        assert labels == ["engine"] + [f"rank{r}" for r in range(sc.world_size)]
+        engines = ["engine"] + [f"engine{i}" for i in range(1, sc.engines)]
+        assert labels == engines + [f"rank{r}" for r in range(sc.world_size)]
         pids = []
         for p in rec.stacks:
             text = Path(p).read_text()
@@ -83,6 +84,8 @@ MESSAGE_SAYS = {
     "no_prefix_cache_reset": "a cache (the prefix cache?) answered with the old weights",
     "encoder_cache_survives_update": "log-prob max |diff|",
     "weight_version_not_committed": "the engine reports weight version '0' after finishing version '1'",
+    "duplicate_rank_offsets": "connect: /init_weight_transfer_engine in flight",
+    "tp_row_split_as_column": "TP rank 0: 'model.layers.0.",
 }
 
 

@@ -18,6 +18,7 @@ from harness.results import (
     http_200_summary,
     markdown_table,
     summarize,
+    summary_table_rows,
     write_env,
     write_summary,
 )
@@ -281,3 +282,18 @@ def test_where_the_time_went(tmp_path: Path, records: list[RunRecord]) -> None:
     totals = [c.strip() for c in lines[2].strip("| ").split("|")][1:]
     assert totals == ["50.0", "7.0", "9.0", "3.0", "69.0"]  # 10+40, 2+5, 3+6, 1+2 and their sum
     assert records[1].scenario_id in lines[3] and "53.0" in lines[3]  # the slowest scenario first
+
+
+def test_engine_replicas_and_engine_tp_keep_their_own_rows(records: list[RunRecord]) -> None:
+    """A two-engine row and an engine-TP-2 row beside the one-engine row of the same layout: the side-by-side
+    table pairs each with its own kind on the other engine, and summary.md tells them apart."""
+    raw = records[0]
+    variants = [raw]
+    for update in ({"engines": 2}, {"engine_tp": 2}):
+        sc = raw.scenario.model_copy(update=update)
+        variants.append(raw.model_copy(update={"scenario": sc, "scenario_id": sc.id}))
+    df = summarize(variants + [as_vllm(r) for r in variants])
+    pairs = engine_comparison(df)
+    assert sorted(zip(pairs["engines"], pairs["engine_tp"], strict=True)) == [(1, 1), (1, 2), (2, 1)]
+    cells = {row[5] for row in summary_table_rows(df)}
+    assert cells == {"no", "no · 2 engines", "no · engine TP 2"}

@@ -366,3 +366,33 @@ def test_vllm_that_cannot_start_is_a_start_error_naming_why(tmp_path: Path) -> N
         proc.stop()
     assert "vLLM exited with" in str(err.value) and "--no-such-flag" in str(err.value)
     assert proc.proc is not None and proc.proc.returncode not in (0, None)
+
+
+def test_vllm_with_two_tp_workers_takes_every_chunk_and_asks_for_the_token(tmp_path: Path) -> None:
+    """vLLM with `--tensor-parallel-size 2` on CPU (each worker its own CPU group) and the run's bearer token:
+    every route without the token is a 401; both workers join the transfer group (ranks 1 and 2 of 3) and take
+    every chunk of a sync in many chunks; its log-probs then equal a transformers forward over the checkpoint."""
+    _require_vllm()
+    token = "token-of-this-test"
+    ckpt = make_checkpoint(load_model("qwen3"), SEED)
+    log = tmp_path / "vllm-tp2.log"
+    proc = VllmEngineProcess(str(ckpt), ENGINE_SEED, str(log), tp=2, token=token)
+    url = proc.start(engine_kind("vllm").start_timeout_s)
+    try:
+        for method, route in (("GET", "/health"), ("POST", "/update_weights"), ("POST", "/v1/completions"),
+                              ("POST", "/init_weight_transfer_engine"), ("GET", "/weight_info")):
+            assert httpx.request(method, url + route, json={}, timeout=30).status_code == 401, route
+        client = EngineClient(url, timeout_s=300, session_ends_on_error=True,
+                              parse_rejections=engine_kind("vllm").parse_rejections, token=token)
+        conn = Connected("vllm", proc, client, connect_broadcast(client, engine_ranks=[2]), ckpt)
+        rec = conn.sync(_full(ckpt), 0, chunk_bytes=20_000)
+        _measure_logprobs(conn, rec)
+        verdict, message = _verdict(rec)
+        assert verdict == "PASS", message
+        assert rec.syncs[0].chunks_planned > 10 and rec.syncs[0].logprobs["max_abs"] < 1e-4
+        joined = re.findall(r"gloo weight transfer: joined \S+ as rank (\d+) of (\d+)", log.read_text())
+        assert sorted(joined) == [("1", "3"), ("2", "3")], joined
+        conn.channel.close()
+        client.close()
+    finally:
+        proc.stop()

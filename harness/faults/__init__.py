@@ -214,6 +214,20 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.encoder_cache_survives_update,
         ),
         Fault(
+            "duplicate_rank_offsets",
+            "two engine replicas sent the same rank offset in one transfer group",
+            "DEADLOCK",
+            {"model": "qwen3", "engines": 2, "deadline_s": 30, **_SMALL},
+            trainer=trainer.duplicate_rank_offsets,
+        ),
+        Fault(
+            "tp_row_split_as_column",
+            "the engine's TP ranks split o_proj / down_proj by output rows instead of input columns",
+            "PARITY_FAIL",
+            {"model": "qwen3", "engine_tp": 2, **_SMALL},
+            engine=engine.tp_row_split_as_column,
+        ),
+        Fault(
             "weight_version_not_committed",
             "the engine loads the weights but /finish_weight_update never commits the new version",
             "PARITY_FAIL",

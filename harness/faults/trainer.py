@@ -309,3 +309,10 @@ def encoder_cache_survives_update() -> None:
         return reset_engine_caches
 
     seams.replace("reset_engine_caches", make)
+
+
+def duplicate_rank_offsets() -> None:
+    """Every engine replica is given the first engine's rank offset in the transfer group (offsets counted
+    per engine instead of across engines): two engines claim the same ranks, the last ranks stay empty, and
+    the group never forms."""
+    seams.replace("rank_offsets", lambda orig: lambda engine_ranks: [orig(engine_ranks)[0]] * len(engine_ranks))

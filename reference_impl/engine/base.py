@@ -58,6 +58,8 @@ class EngineRequest:
         colocate: the engine shares the sender's devices (chunks by handle).
         logprobs: log-prob parity after every sync is asked for.
         logprob_temperature: the temperature the scenario fixes for the comparison, None for the engine's.
+        engines: replicas of this kind fed by one transfer group.
+        engine_tp: each replica's tensor parallelism (its ranks in the transfer group).
     """
 
     model: ModelSpec
@@ -65,6 +67,8 @@ class EngineRequest:
     colocate: bool
     logprobs: bool
     logprob_temperature: float | None
+    engines: int = 1
+    engine_tp: int = 1
 
 
 class EngineKind(ABC):
@@ -78,17 +82,32 @@ class EngineKind(ABC):
     def validate(self, request: EngineRequest) -> str | None:
         """None when this engine can run `request` on this host, else one sentence saying what to change.
 
-        The default checks the capabilities (colocate); adapters add their own limits.
+        The default checks the capabilities (colocate, tensor_parallel, replicas); adapters add their own limits.
         """
         if request.colocate and not self.capabilities.colocate:
             return f"engine {self.name} runs non-colocate only: set colocate: false, or use another engine for colocate"
+        if request.engine_tp > 1 and not self.capabilities.tensor_parallel:
+            return f"engine {self.name} runs with TP 1 only: set engine_tp: 1"
+        if request.engines > 1 and not self.capabilities.replicas:
+            return f"engine {self.name} cannot be fed as several replicas by one transfer group: set engines: 1"
         return None
 
     @abstractmethod
     def server(
-        self, checkpoint: str, seed: int, log_path: str, dtype: str, fault_hook: str | None = None
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        dtype: str,
+        fault_hook: str | None = None,
+        *,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> ServerProcess:
-        """The (not yet started) server process for `checkpoint` with dummy weights of `seed`."""
+        """The (not yet started) server process for `checkpoint` with dummy weights of `seed`, with `tp` TP
+        ranks in the transfer group, bound to `host` (127.0.0.1 unless another node must reach it), every
+        route asking for `token` when one is given (`wsh_vllm_plugin.auth`)."""
 
     @abstractmethod
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from wsh_vllm_plugin.auth import bearer_header
 from wsh_vllm_plugin.protocol import InitInfo, UpdateInfo
 
 from reference_impl.transport.observed import HttpCall, Rejection
@@ -61,11 +62,17 @@ class EngineClient:
         parse_rejections: RejectionParser,
         rank: int | None = None,
         call_log: str | Path | None = None,
+        engine: int = 0,
+        token: str | None = None,
     ) -> None:
         """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM).
-        `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`)."""
+        `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`). `engine`: which
+        engine replica this client calls (recorded on every call). `token`: the run's bearer token, sent as
+        `Authorization: Bearer <token>` on every call (`wsh_vllm_plugin.auth`); None sends none."""
         self.base_url, self.timeout_s = base_url, timeout_s
         self.rank = rank  # the trainer rank making the calls (None: the harness itself)
+        self.engine = engine
+        self.headers = bearer_header(token) if token else {}
         # Every call is also appended to `call_log` as it completes (one JSON line), so the calls of a
         # sync that never returns (a hang, a crash) are not lost with it.
         self.call_log = Path(call_log) if call_log else None
@@ -73,7 +80,7 @@ class EngineClient:
             self.call_log.parent.mkdir(parents=True, exist_ok=True)
         self.session_ends_on_error = session_ends_on_error
         self.parse_rejections = parse_rejections
-        self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
+        self.http = self._new_http()
         self.calls: list[HttpCall] = []
         self.session_open = False
         self.session_closed_by = ""  # why the last session ended early (for the record)
@@ -98,7 +105,9 @@ class EngineClient:
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"
         ms = (time.perf_counter() - t0) * 1e3
-        call = HttpCall(route=route, status=status, t=t_sent, ms=ms, sync=sync, chunk=chunk, rank=self.rank)
+        call = HttpCall(
+            route=route, status=status, t=t_sent, ms=ms, sync=sync, chunk=chunk, rank=self.rank, engine=self.engine
+        )
         if status != 200:  # parsed whole, stored cut short
             call.rejections = self.parse_rejections(route, status, text, sent_names)
             call.error = text[:MAX_STORED_BODY]
@@ -110,9 +119,12 @@ class EngineClient:
             # vLLM's server closes the connection after an error answer; start a fresh pool so the next
             # call does not land on the closed keep-alive connection.
             self.http.close()
-            self.http = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
+            self.http = self._new_http()
             raise EngineRejected(call, text)
         return json.loads(text) if text else {}
+
+    def _new_http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=self.timeout_s, headers=self.headers)
 
     def init_transfer(self, init_info: InitInfo) -> Any:
         """POST /init_weight_transfer_engine {"init_info": ...} with every `InitInfo` field (blocks until
@@ -187,7 +199,12 @@ class EngineClient:
 
     def checksums(self) -> dict[str, str]:
         """POST /weight_checker {"action": "checksum"} -> HF name -> checksum."""
-        return self._post("/weight_checker", {"action": "checksum"})["checksums"]
+        return self.checksum_report()["checksums"]
+
+    def checksum_report(self) -> dict[str, Any]:
+        """POST /weight_checker {"action": "checksum"}: the whole answer ({"checksums": HF name -> checksum,
+        "weight_version", and from an engine with TP ranks "tp_checksums": TP rank -> vLLM name -> checksum})."""
+        return dict(self._post("/weight_checker", {"action": "checksum"}))
 
     def shards(self) -> list[str]:
         """POST /weight_checker {"action": "shards"} -> every engine parameter shard."""

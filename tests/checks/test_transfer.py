@@ -250,14 +250,17 @@ def test_rank_that_raised_because_the_engine_died_is_blamed_on_the_engine(record
 
     record.syncs = record.syncs[:1]
     record.errors.append(ErrorRecord(rank=0, where="trainer", type="RuntimeError", message="gloo pair.cc: Read error"))
-    session = SimpleNamespace(
-        record=record, checker=SimpleNamespace(health=lambda: 0), _engine_log_tail=lambda: "INFO: serving\nKilled\n"
-    )
+    alive, dead = SimpleNamespace(health=lambda: 200), SimpleNamespace(health=lambda: 0)
+    tails = {1: "INFO: serving\nKilled\n"}
+    session = SimpleNamespace(record=record, checkers=[alive, dead], _engine_log_tail=tails.get)
     assert ScenarioSession.engine_died(session, after=1)  # type: ignore[arg-type]
-    assert verdict_of(record) == ("CRASH", "the engine died after the failed sync 1: GET /health got no response "
-                                           "(status 0); its log ends: Killed")
-    alive = SimpleNamespace(record=record, checker=SimpleNamespace(health=lambda: 200), _engine_log_tail=lambda: "")
+    assert record.recovery is not None and record.recovery.engine == 1  # the replica that died, not engine 0
+    assert verdict_of(record)[0] == "CRASH"
+    assert "died after the failed sync 1: GET /health got no response (status 0); its log ends: Killed" in verdict_of(
+        record
+    )[1]
     record.recovery = None
-    assert not ScenarioSession.engine_died(alive, after=1)  # type: ignore[arg-type]
+    everyone_alive = SimpleNamespace(record=record, checkers=[alive, alive], _engine_log_tail=tails.get)
+    assert not ScenarioSession.engine_died(everyone_alive, after=1)  # type: ignore[arg-type]
     assert record.recovery is None
     assert verdict_of(record)[1].startswith("rank 0 (trainer) raised RuntimeError: gloo pair.cc: Read error")

@@ -23,9 +23,10 @@ from .records import reject_chunk, rejection
 def test_passing_record_passes(record: RunRecord) -> None:
     verdict, results = judge(record)
     assert verdict == "PASS"
-    assert len(results) == len(CHECKS) == 22
+    assert len(results) == len(CHECKS) == 23
     assert all(r.ok for r in results), [r for r in results if not r.ok]
-    assert [r.name for r in results if r.skipped] == ["recovery", "group_invariance"]  # no failed sync, no group
+    # no failed sync, no group, engine TP 1
+    assert [r.name for r in results if r.skipped] == ["recovery", "group_invariance", "engine_tp_shards"]
     assert expectation_met(record, verdict)
 
 

@@ -89,6 +89,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware
 from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
     GLOO,
@@ -103,6 +104,7 @@ from wsh_vllm_plugin.protocol import (
 from reference_impl.engine.embedded import receive
 from reference_impl.engine.embedded.completions import CompletionEngine, CompletionError, CompletionRequest
 from reference_impl.engine.embedded.loader import EngineLoader
+from reference_impl.engine.embedded.tp import TpChunkApplier, TpRanks
 
 
 class InitRequest(BaseModel):
@@ -133,13 +135,16 @@ def _http_error(
 
 
 class EngineState:
-    """Mutable state of one engine: transfer backend and group, update session, version, paused flag."""
+    """Mutable state of one engine: transfer backend and group, update session, version, paused flag. With
+    `tp` > 1 the engine has TP ranks that each receive every chunk and keep their shard (`tp.TpRanks`)."""
 
-    def __init__(self, loader: EngineLoader) -> None:
+    def __init__(self, loader: EngineLoader, tp: int = 1, config: dict[str, Any] | None = None) -> None:
         self.loader = loader
-        self.applier = receive.ChunkApplier(loader)
+        self.tp = tp
+        self.ranks = TpRanks(loader, tp, config or loader.model.config.to_dict()) if tp > 1 else None
+        self.applier = receive.ChunkApplier(loader) if self.ranks is None else TpChunkApplier(loader, self.ranks)
         self.backend: str | None = None  # set by a successful /init_weight_transfer_engine
-        self.group: TransferGroup | None = None
+        self.group: TransferGroup | TpRanks | None = None
         self.session_open = False
         self.weight_version = 0
         self.session_load_s = 0.0
@@ -161,14 +166,16 @@ def create_app(
     loader: EngineLoader,
     config: dict[str, Any] | None = None,
     served_name: str = "wsh-embedded",
+    tp: int = 1,
 ) -> FastAPI:
     """The FastAPI app over `loader`. Handlers are sync so FastAPI runs them in its threadpool.
 
     `config`: the checkpoint's config.json dict (image processing of VL models; default: the model's
-    config as a dict). `served_name`: the model name /v1/completions answers.
+    config as a dict). `served_name`: the model name /v1/completions answers. `tp`: the engine's TP ranks
+    in the transfer group (`tp.TpRanks`; vLLM's `--tensor-parallel-size`).
     """
     app = FastAPI(title="wsh embedded engine")
-    st = EngineState(loader)
+    st = EngineState(loader, tp, config)
     app.state.engine = st
     completer = CompletionEngine(
         loader.model, config if config is not None else loader.model.config.to_dict(), served_name
@@ -228,7 +235,7 @@ def create_app(
 
     @app.get("/get_world_size")
     def get_world_size() -> dict[str, int]:
-        return {"world_size": 1}
+        return {"world_size": st.tp}
 
     @app.post("/pause")
     def pause() -> dict[str, str]:
@@ -267,13 +274,16 @@ def create_app(
             raise _http_error(400, str(e)) from None
         assert info.master_address is not None and info.master_port is not None
         with st.lock:
-            st.group = join_transfer_group(
-                info.master_address,
-                info.master_port,
-                rank=info.rank_offset,
-                world_size=info.world_size,
-                timeout_s=info.timeout_s,
-            )
+            if st.ranks is not None:  # every TP rank joins, as rank_offset + its rank
+                st.group = st.ranks.join(info)
+            else:
+                st.group = join_transfer_group(
+                    info.master_address,
+                    info.master_port,
+                    rank=info.rank_offset,
+                    world_size=info.world_size,
+                    timeout_s=info.timeout_s,
+                )
             st.backend = GLOO
         return {"ok": True, "backend": GLOO, "rank": info.rank_offset, "world_size": info.world_size}
 
@@ -405,8 +415,10 @@ def create_app(
                 st.loader.reset_weights()
                 return {"status": "reset"}
             sums = st.loader.checksums()
-        if req.action == "checksum":
-            return {"checksums": sums, "weight_version": st.weight_version}
+            tp_sums = st.ranks.checksums() if st.ranks is not None else None
+        if req.action == "checksum":  # with TP ranks also each rank's shards, in vLLM names
+            extra = {"tp_checksums": tp_sums} if tp_sums else {}
+            return {"checksums": sums, "weight_version": st.weight_version, **extra}
         if req.baseline is None:
             raise _http_error(400, "action 'compare' requires a 'baseline' object {hf_name: checksum}")
         keys = set(sums) | set(req.baseline)
@@ -479,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0, help="0 binds a free port")
     ap.add_argument("--port-file", type=Path, default=None, help="written with the port once serving")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="TP ranks in the transfer group (as vLLM's)")
     ap.add_argument(
         "--fault",
         default=None,
@@ -506,7 +519,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     loader = EngineLoader.from_checkpoint(args.checkpoint, args.seed)
     config = json.loads((args.checkpoint / "config.json").read_text())
-    app = create_app(loader, config=config, served_name=str(args.checkpoint))
+    app = create_app(loader, config=config, served_name=str(args.checkpoint), tp=args.tensor_parallel_size)
+    if os.environ.get(TOKEN_ENV):  # every route asks for the run's bearer token (`wsh_vllm_plugin.auth`)
+        app.add_middleware(BearerTokenMiddleware)
     asyncio.run(_serve(app, args.host, args.port, args.port_file))
 
 

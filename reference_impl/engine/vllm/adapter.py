@@ -32,6 +32,8 @@ class VllmEngine(EngineKind):
         session_ends_on_error=True,
         prompt_logprobs_honour_temperature=False,
         colocate=False,
+        tensor_parallel=True,
+        replicas=True,
     )
     # An engine core that profiles memory and warms up: 18-55 s on 2 shared cores, much more under load.
     start_timeout_s = 900.0
@@ -86,11 +88,20 @@ class VllmEngine(EngineKind):
         return None
 
     def server(
-        self, checkpoint: str, seed: int, log_path: str, dtype: str, fault_hook: str | None = None
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        dtype: str,
+        fault_hook: str | None = None,
+        *,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> VllmEngineProcess:
         """A `VllmEngineProcess` with the harness's gloo backend (wsh-vllm-plugin) on every host: the
         sender speaks the harness's wire format, not vLLM's packed NCCL protocol."""
-        return VllmEngineProcess(checkpoint, seed, log_path, dtype=dtype, backend="gloo")
+        return VllmEngineProcess(checkpoint, seed, log_path, dtype=dtype, backend="gloo", tp=tp, host=host, token=token)
 
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:
         """vLLM's 500 "Call to collective_rpc method failed: ..." prose (`answers`)."""

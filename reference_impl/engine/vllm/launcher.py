@@ -24,7 +24,27 @@ import tempfile
 from collections.abc import Callable
 
 from reference_impl.engine.process import ServerProcess, free_port
-from reference_impl.engine.vllm.env import vllm_python
+from reference_impl.engine.vllm.env import PLUGIN_DIR, vllm_python
+
+AUTH_MIDDLEWARE = "wsh_vllm_plugin.auth.BearerTokenMiddleware"  # every route asks for the run's token
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` CPU workers: the CPUs this process may run on (`cpus`, default its
+    affinity), split into `tp` contiguous groups ("0|1" for two workers on two CPUs; CPUs left over by the
+    split go unused), or "nobind" when there are fewer CPUs than workers.
+
+    vLLM's default, "auto", binds each worker to a NUMA node of its own and refuses more workers than NUMA
+    nodes (`vllm/utils/ompmultiprocessing.py`: "Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers. Allowed NUMA nodes are [0]. Please try to bind threads manually or decrease DP/TP/PP."), so
+    on a one-node host TP 2 needs the groups given by hand. vLLM ignores the variable on GPU hosts.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(cpus) < tp:
+        return "nobind"
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp))
 
 
 class VllmEngineProcess(ServerProcess):
@@ -42,12 +62,21 @@ class VllmEngineProcess(ServerProcess):
         backend: str = "gloo",
         max_model_len: int = 1024,
         extra_args: list[str] | None = None,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> None:
         """`backend`: the weight-transfer backend vLLM is started with ("gloo": wsh-vllm-plugin, what the
-        harness's sender speaks). `max_model_len`: tokens; must hold the longest fixed prompt."""
-        super().__init__(log_path, log_suffix=".vllm.log")
+        harness's sender speaks). `max_model_len`: tokens; must hold the longest fixed prompt. `tp`:
+        `--tensor-parallel-size` (each TP worker joins the transfer group). `host`, `token`: where it binds
+        and the bearer token every route asks for (`wsh_vllm_plugin.auth`, loaded with `--middleware`).
+
+        Raises:
+            ValueError: a `host` other than 127.0.0.1 without a token.
+        """
+        super().__init__(log_path, log_suffix=".vllm.log", host=host, token=token)
         self.checkpoint, self.seed, self.dtype, self.backend = checkpoint, seed, dtype, backend
-        self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
+        self.max_model_len, self.extra_args, self.tp = max_model_len, list(extra_args or []), tp
 
     def command(self, port: int) -> list[str]:
         """The server's argv (vLLM's python first).
@@ -76,16 +105,20 @@ class VllmEngineProcess(ServerProcess):
             "4",
             "--enforce-eager",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(port),
+            *(["--tensor-parallel-size", str(self.tp)] if self.tp != 1 else []),
+            *(["--middleware", AUTH_MIDDLEWARE] if self.token else []),
             *self.extra_args,
         ]
 
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
         """vLLM's argv on a free port, its environment (the dev routes on; nothing of the trainer's
-        environment leaks into vLLM's interpreter), started in the temp folder."""
-        port = free_port()
+        environment leaks into vLLM's interpreter, but this checkout's `wsh_vllm_plugin` comes first on its
+        path, so that both sides speak the same protocol file whatever checkout the plugin was installed
+        from), started in the temp folder."""
+        port = free_port(self.host)
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",
@@ -94,5 +127,8 @@ class VllmEngineProcess(ServerProcess):
         }
         for var in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(var, None)
-        url = f"http://127.0.0.1:{port}"
+        env |= {"PYTHONPATH": str(PLUGIN_DIR)} | self.token_env()
+        if self.tp > 1 and THREADS_BIND not in env:
+            env[THREADS_BIND] = cpu_threads_bind(self.tp)
+        url = f"http://{self.host}:{port}"
         return self.command(port), env, tempfile.gettempdir(), lambda: url
