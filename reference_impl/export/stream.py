@@ -96,14 +96,14 @@ def export_raw(
             full = tp_gather(p, etp_group, layout.etp)
             per_rank = ep_gather(full, ep_group, layout.ep)
             k = expert_id(name) - layout.ep_rank * local_experts
-            named = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
+            pieces = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
             mine = layout.is_expert_leader
         else:
-            named = [(name, tp_gather(p, tp_group, layout.tp))]
+            pieces = [(name, tp_gather(p, tp_group, layout.tp))]
             mine = layout.is_stage_leader
         t1 = time.perf_counter()
         if mine:
-            for n, t in named:
+            for n, t in pieces:
                 named.extend(convert(n, t, table.rules, config))
         t_gather += t1 - t0
         t_convert += time.perf_counter() - t1
