@@ -29,6 +29,8 @@ __all__ = [
     "ErrorRecord",
     "HttpCall",
     "OracleFailure",
+    "ProcessSample",
+    "ResourceSample",
     "RunRecord",
     "SyncRecord",
     "TensorLayout",
@@ -46,6 +48,7 @@ VERDICTS: tuple[str, ...] = (
     "PARITY_FAIL",
     "DEADLOCK",
     "CRASH",
+    "RESOURCE_LEAK",
 )
 
 
@@ -67,6 +70,29 @@ class OracleFailure(BaseModel):
     check: str  # the check the oracle serves, e.g. "logprob_parity"
     sync: int | None = None  # the sync it was run for, None when not per sync
     reason: str  # exception class and message
+
+
+class ProcessSample(BaseModel):
+    """One process of a scenario (a trainer rank, the engine server) measured once, with its descendants
+    (e.g. a Python resource tracker, vLLM's engine core): the sums over that process tree."""
+
+    pid: int
+    alive: bool = True  # False: the process was gone when sampled (the other fields are 0)
+    procs: int = 0  # processes in the tree (the process itself and its descendants)
+    rss_bytes: int = 0  # resident set size (psutil `memory_info().rss`), bytes
+    threads: int = 0  # OS threads (psutil `num_threads()`)
+    fds: int = 0  # open file descriptors (psutil `num_fds()`)
+
+
+class ResourceSample(BaseModel):
+    """What the scenario's processes and the host's `/dev/shm` held right after one sync (and its
+    log-prob comparison) ended; taken by the runner's per-sync hook (`harness.soak.sample_resources`)."""
+
+    sync: int  # the sync just finished (0-based; the re-sync is index `syncs`)
+    t: float  # unix seconds
+    processes: dict[str, ProcessSample] = Field(default_factory=dict)  # "rank0", ..., "engine"
+    shm_segments: int = 0  # files in /dev/shm (POSIX shared-memory segments) on the host
+    shm_bytes: int = 0  # their sizes summed, bytes
 
 
 class SyncRecord(SyncReport):
@@ -117,6 +143,7 @@ class RunRecord(BaseModel):
     group_members: list[str] = Field(default_factory=list)
     group_differences: list[str] = Field(default_factory=list)
     logprob_budget: dict[str, float] = Field(default_factory=dict)  # max_abs / mean_exp_abs allowed
+    resources: list[ResourceSample] = Field(default_factory=list)  # one per sync when sampled (soak)
     verdict: str = ""
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)

@@ -40,6 +40,10 @@ from reference_impl.transport.observed import HttpCall, SyncReport, TensorLayout
 from reference_impl.transport.progress import read_progress
 from reference_impl.worker import TrainerSetup
 
+# Called after every sync (and its log-prob comparison) with the record, the sync's index and the scenario's
+# processes (label -> pid: "rank0", ..., "engine"); e.g. `harness.soak.sample_resources`.
+SyncHook = Callable[[RunRecord, int, dict[str, int | None]], None]
+
 
 class ScenarioFailed(Exception):
     """Raised inside `run_scenario` to stop a scenario early; its errors are already recorded."""
@@ -63,6 +67,7 @@ class Runner:
     out_dir: Path
     run_id: str
     on_record: Callable[[RunRecord], None] | None = None
+    after_sync: SyncHook | None = None
     pools: dict[int, TrainerPool] = field(default_factory=dict)
 
     def pool(self, world_size: int) -> TrainerPool:
@@ -196,6 +201,8 @@ class Runner:
                 record.syncs.append(sync)
                 if prompts:
                     self._measure_logprobs(sync, pool, checker, prompts, temperature, deadline, record)
+                if self.after_sync is not None:  # an observer, like an oracle: it never makes a verdict
+                    self._oracle(record, "resources", i, functools.partial(self.after_sync, record, i, pids))
             for mode in ("raw", "bridge"):  # a second export path of the same state: an oracle
                 sums = self._oracle(
                     record,

@@ -1,9 +1,12 @@
 """One verdict from all checks: `judge` runs every check of `CHECKS` and picks the most severe failure::
 
     CONFIG_ERROR > DEADLOCK > CRASH > NAME_ERROR > HTTP_ERROR > CHUNK_MISMATCH > COVERAGE_GAP
-    > PARITY_FAIL > PASS
+    > PARITY_FAIL > RESOURCE_LEAK > PASS
 
 NAME_ERROR outranks HTTP_ERROR because an engine that cannot place a name answers non-200 too.
+RESOURCE_LEAK comes last: every other failure can cause growth (a rejected chunk held by its exception's
+traceback, a crashed rank's buffers), none is explained by a leak, and a leak is judged only over syncs
+that ran, so a run that failed otherwise is named by that failure.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from harness.checks.parity import (
     check_requested_mode,
     check_sent_layout,
 )
+from harness.checks.resources import check_resources
 from harness.checks.transfer import (
     check_chunks,
     check_config,
@@ -43,6 +47,7 @@ PRIORITY: tuple[str, ...] = (
     "CHUNK_MISMATCH",
     "COVERAGE_GAP",
     "PARITY_FAIL",
+    "RESOURCE_LEAK",
     "PASS",
 )
 
@@ -65,6 +70,7 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_group,
     check_logprobs,
     check_resync_unchanged,
+    check_resources,
 )
 
 
