@@ -9,14 +9,17 @@ size.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import ServerProcess, free_port
@@ -84,6 +87,14 @@ class EngineActor:
         if self.proc is not None:
             self.proc.stop()
 
+    def exit_status(self, tail_chars: int = 3000) -> tuple[int | None, str]:
+        """(the server's exit status, None while it runs or before it started; the last `tail_chars`
+        characters of its log once it has ended, else "")."""
+        popen = self.proc.proc if self.proc is not None else None
+        if popen is None or popen.poll() is None:
+            return None, ""
+        return popen.returncode, self.proc.log_tail(tail_chars) if self.proc is not None else ""
+
 
 @dataclass
 class TrainerPool:
@@ -133,10 +144,26 @@ class TrainerPool:
         return 0.5 if colocate else 1.0
 
     def kill(self) -> None:
-        """End every rank process and free the placement group."""
+        """End every rank process and free the placement group, then unlink the shared-memory segments the
+        ranks held that are still there: a killed sender never unlinks its own (`harness.shm`)."""
+        ranks = self._local_processes()
+        held = set().union(*(shm.held_by(p.pid) for p in ranks))
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
         remove_placement_group(self.pg)
+        if held:
+            psutil.wait_procs(ranks, timeout=10)
+            shm.unlink(held)
+
+    def _local_processes(self) -> list[psutil.Process]:
+        """The rank processes that run on this host (a Ray worker of `TrainerWorker` with that pid)."""
+        out = []
+        for pid in self.pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                if "TrainerWorker" in " ".join(proc.cmdline()):
+                    out.append(proc)
+        return out
 
 

@@ -98,12 +98,14 @@ def plot_steady_update_time(df: pd.DataFrame, out_path: Path | str) -> Path:
     return out
 
 
-RESOURCE_PANELS: tuple[tuple[str, str, float], ...] = (
-    ("rss_bytes", "RSS (MiB)", float(1 << 20)),
-    ("threads", "threads", 1.0),
-    ("fds", "open file descriptors", 1.0),
-    ("shm_segments", "/dev/shm segments (host)", 1.0),
+# (metrics drawn in the panel, y label, divisor of the values)
+RESOURCE_PANELS: tuple[tuple[tuple[str, ...], str, float], ...] = (
+    (("rss_bytes",), "RSS (MiB)", float(1 << 20)),
+    (("threads",), "threads", 1.0),
+    (("fds",), "open file descriptors", 1.0),
+    (("shm_segments", "host_shm_segments"), "/dev/shm segments", 1.0),
 )
+SERIES_NAMES: dict[str, str] = {"shm_segments": "the scenario's", "host_shm_segments": "whole host"}
 MAX_WIDTH_PX = 1600
 RESOURCE_DPI = 100
 
@@ -126,16 +128,19 @@ def plot_resources(samples: pd.DataFrame, out_path: Path | str) -> Path:
             axes[0][0].text(0.5, 0.5, "no resource samples", ha="center", va="center", transform=axes[0][0].transAxes)
         for c, scenario in enumerate(scenarios):
             part = samples[samples["scenario"] == scenario]
-            for r, (metric, label, scale) in enumerate(RESOURCE_PANELS):
+            for r, (metrics, label, scale) in enumerate(RESOURCE_PANELS):
                 ax = axes[r][c]
-                rows = part[part["metric"] == metric]
-                for process, series in rows.groupby("process", sort=False):
-                    ax.plot(series["sync"], series["value"] / scale, label=str(process), linewidth=1.0)
+                for metric in metrics:
+                    rows = part[part["metric"] == metric]
+                    for process, series in rows.groupby("process", sort=False):
+                        name = SERIES_NAMES.get(metric, str(process))
+                        ax.plot(series["sync"], series["value"] / scale, label=name, linewidth=1.0)
                 ax.set_ylabel(label, fontsize=8)
                 ax.grid(alpha=0.3)
                 ax.tick_params(labelsize=7)
                 if r == 0:
                     ax.set_title(scenario, fontsize=9)
+                if r in (0, len(RESOURCE_PANELS) - 1):
                     ax.legend(fontsize=7, loc="best")
                 if r == len(RESOURCE_PANELS) - 1:
                     ax.set_xlabel("sync", fontsize=8)

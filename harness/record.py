@@ -82,6 +82,7 @@ class ProcessSample(BaseModel):
     rss_bytes: int = 0  # resident set size (psutil `memory_info().rss`), bytes
     threads: int = 0  # OS threads (psutil `num_threads()`)
     fds: int = 0  # open file descriptors (psutil `num_fds()`)
+    shm: list[str] = Field(default_factory=list)  # /dev/shm segments the tree maps or holds open, by name
 
 
 class ResourceSample(BaseModel):
@@ -91,8 +92,13 @@ class ResourceSample(BaseModel):
     sync: int  # the sync just finished (0-based; the re-sync is index `syncs`)
     t: float  # unix seconds
     processes: dict[str, ProcessSample] = Field(default_factory=dict)  # "rank0", ..., "engine"
-    shm_segments: int = 0  # files in /dev/shm (POSIX shared-memory segments) on the host
-    shm_bytes: int = 0  # their sizes summed, bytes
+    # The scenario's segments: those its processes held at this or an earlier sample that are still in
+    # /dev/shm (a segment closed but never unlinked stays counted), and their bytes.
+    shm_segments: int = 0
+    shm_bytes: int = 0
+    # Every segment in the host's /dev/shm and their bytes (other programs' too: reported, not judged).
+    host_shm_segments: int = 0
+    host_shm_bytes: int = 0
 
 
 class SyncRecord(SyncReport):

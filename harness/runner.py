@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from harness import shm
 from harness.checks import LOGPROB_BUDGETS, check_transfer_init, group_differences, judged, logprob_parity
 from harness.faults import FAULTS
 from harness.oracles.expected import ExpectedState
@@ -31,6 +32,7 @@ from harness.record import ErrorRecord, OracleFailure, RunRecord, SyncRecord
 from harness.scenario import Scenario
 from harness.stacks import dump_stacks
 from harness.validate import validate
+from harness.watch import EngineExited, EngineWatch, wait_watched
 from reference_impl.engine import engine_kind
 from reference_impl.forward.hf import fixed_prompts
 from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
@@ -69,6 +71,8 @@ class Runner:
     on_record: Callable[[RunRecord], None] | None = None
     after_sync: SyncHook | None = None
     pools: dict[int, TrainerPool] = field(default_factory=dict)
+    # While a scenario's engine runs: whether its server is still there (waits end when it is not).
+    engine_watch: EngineWatch | None = field(default=None, init=False, repr=False)
 
     def pool(self, world_size: int) -> TrainerPool:
         """The reusable pool for `world_size`. Only one pool lives at a time: idle rank processes still
@@ -92,15 +96,21 @@ class Runner:
             self.drop_pool(ws)
 
     def _get(self, refs: list[Any], timeout: float, record: RunRecord, what: str) -> list[Any]:
-        """ray.get every ref; errors and timeouts are recorded, then ScenarioFailed is raised."""
+        """ray.get every ref; errors, timeouts and an engine gone meanwhile are recorded, then ScenarioFailed
+        is raised."""
         try:
-            return ray.get(refs, timeout=timeout)
+            return wait_watched(refs, timeout, what, self.engine_watch)
         except ray.exceptions.GetTimeoutError:
             self._deadline_passed(record, what, timeout)
             raise ScenarioFailed(what) from None
+        except EngineExited as e:
+            record.errors.insert(0, e.error)
+            raise ScenarioFailed(what) from None
         except ray.exceptions.RayError as e:
-            # Find which rank failed: the first ref whose get raises.
+            # Find which rank failed: the first finished ref whose get raises (one still running has not).
             for i, ref in enumerate(refs):
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue
                 try:
                     ray.get(ref, timeout=1)
                 except Exception as inner:
@@ -161,6 +171,7 @@ class Runner:
             )[0]
             pids = {f"rank{r}": pid for r, pid in enumerate(pool.pids)}
             pids["engine"] = ray.get(engine.pid.remote(), timeout=30)
+            self.engine_watch = EngineWatch(engine, pids["engine"], trace)
             self._get(setup_refs, SETUP_TIMEOUT_S, record, "trainer setup")
             if fault and fault.side == "trainer" and fault.apply is not None:
                 self._get([a.run_in_process.remote(fault.apply) for a in pool.actors], 60, record, "apply fault")
@@ -227,6 +238,9 @@ class Runner:
                 checker.close()
             if not healthy:
                 self._recover_calls(record)
+                if self.engine_watch is not None:  # an engine that died is named first, with its log's end
+                    self.engine_watch.name_the_engine(record.errors, "the scenario")
+            self.engine_watch = None
             if engine is not None:
                 with contextlib.suppress(Exception):
                     ray.get(engine.stop.remote(), timeout=30)
@@ -234,6 +248,7 @@ class Runner:
                 kind.reap(pids.get("engine"))
             if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
                 self.drop_pool(sc.world_size)
+                shm.unlink(shm.held_in(record.resources))  # what its dead ranks left in /dev/shm
         return self._finish(record)
 
     def _measure_logprobs(
@@ -293,11 +308,15 @@ class Runner:
 
     def _get_oracle(self, refs: list[Any], timeout: float, record: RunRecord, what: str) -> list[Any]:
         """ray.get for an oracle's remote call: a timeout is a DEADLOCK as in `_get`; an exception in the
-        actor is raised as it is (for `_oracle` to record), not recorded as the rank's crash."""
+        actor is raised as it is (for `_oracle` to record), not recorded as the rank's crash; an engine gone
+        meanwhile is recorded and ends the scenario as in `_get`."""
         try:
-            return ray.get(refs, timeout=timeout)
+            return wait_watched(refs, timeout, what, self.engine_watch)
         except ray.exceptions.GetTimeoutError:
             self._deadline_passed(record, what, timeout)
+            raise ScenarioFailed(what) from None
+        except EngineExited as e:
+            record.errors.insert(0, e.error)
             raise ScenarioFailed(what) from None
 
     def _deadline_passed(self, record: RunRecord, what: str, timeout: float) -> None:

@@ -4,11 +4,14 @@
 of the CPU matrix) for `--syncs` syncs (default 200) through the ordinary runner; the runner calls
 `sample_resources` after every sync (its `after_sync` hook), which appends one `ResourceSample` to the
 run record: RSS, threads and open file descriptors of every trainer rank and of the engine server (each
-with its descendants), and the segments in the host's `/dev/shm` with their bytes. The check
+with its descendants), the scenario's segments in `/dev/shm` (those its processes held at some sample and
+that are still there) and the host's totals. The check
 `harness.checks.resources.check_resources` judges the samples (RESOURCE_LEAK); this module writes them
 out as well:
 
-- `resources.csv`: one row per scenario, sync, process (or `host`) and metric, with its value;
+- `resources.csv`: one row per scenario, sync, process (or `host`) and metric, with its value (the host's
+  rows: the scenario's segments `shm_segments` / `shm_bytes`, and every segment on the host
+  `host_shm_segments` / `host_shm_bytes`);
 - `soak.csv` / `soak.md`: per scenario, process and metric the least-squares growth per 100 syncs over
   the second half of the samples, the allowance, and whether it is a leak;
 - `plots/resources.png`: every series against the sync index (`harness.plots.plot_resources`).
@@ -17,7 +20,6 @@ out as well:
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,37 +28,20 @@ from typing import Any
 import pandas as pd
 import psutil
 
+from harness import shm
 from harness.checks.resources import ALLOWANCES, HOST, HOST_METRICS, PROCESS_METRICS, growth_table
 from harness.record import ProcessSample, ResourceSample, RunRecord
 from harness.scenario import Scenario, load_matrix
 
-SHM_DIR = Path("/dev/shm")
 DEFAULT_SCENARIOS: tuple[str, ...] = ("qwen3/tp1-pp1/noncolocate/raw", "qwen3/tp1-pp1/colocate/raw")
 DEFAULT_SYNCS = 200
 SUFFIX = "soak{syncs}"  # soaked scenarios get their own ids: qwen3/tp1-pp1/noncolocate/raw/soak200
 
 
-def shm_usage(root: Path = SHM_DIR) -> tuple[int, int]:
-    """(segments, bytes) of the POSIX shared memory on this host: regular files in `root` and their sizes
-    (apparent sizes in bytes). (0, 0) when `root` does not exist (a host without /dev/shm)."""
-    count = total = 0
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return 0, 0
-    for entry in entries:
-        try:
-            if entry.is_file(follow_symlinks=False):
-                count += 1
-                total += entry.stat(follow_symlinks=False).st_size
-        except FileNotFoundError:  # unlinked while we looked
-            continue
-    return count, total
-
-
 def sample_process(pid: int) -> ProcessSample:
-    """RSS (bytes), threads and open descriptors of process `pid` and its descendants, summed; `alive`
-    False (and zeros) when `pid` is gone or a zombie. A descendant that ends while it is read is left out."""
+    """RSS (bytes), threads and open descriptors of process `pid` and its descendants, summed, and the
+    /dev/shm segments they hold; `alive` False (and zeros) when `pid` is gone or a zombie. A descendant
+    that ends while it is read is left out."""
     try:
         root = psutil.Process(pid)
         if root.status() == psutil.STATUS_ZOMBIE:
@@ -65,6 +50,7 @@ def sample_process(pid: int) -> ProcessSample:
     except psutil.NoSuchProcess:
         return ProcessSample(pid=pid, alive=False)
     out = ProcessSample(pid=pid)
+    held: set[str] = set()
     for proc in tree:
         try:
             with proc.oneshot():
@@ -75,21 +61,35 @@ def sample_process(pid: int) -> ProcessSample:
         out.rss_bytes += rss
         out.threads += threads
         out.fds += fds
+        held |= shm.held_by(proc.pid)
+    out.shm = sorted(held)
     return out
 
 
 def sample_resources(record: RunRecord, sync: int, pids: dict[str, int | None]) -> None:
     """The runner's `after_sync` hook: append one `ResourceSample` of the scenario's processes (`pids`:
-    label -> pid, e.g. "rank0", "engine"; None is skipped) and of the host's /dev/shm to `record.resources`.
+    label -> pid, e.g. "rank0", "engine"; None is skipped) and of /dev/shm to `record.resources`. The
+    scenario's segments are those its processes held at this or an earlier sample of the record that are
+    still in /dev/shm.
 
     Raises:
         psutil.AccessDenied: a process of the scenario cannot be read (the runner records that the sampler
             could not run for this sync; it is never a verdict of the system under test).
     """
     processes = {label: sample_process(pid) for label, pid in pids.items() if pid is not None}
-    segments, nbytes = shm_usage()
+    seen = shm.held_in(record.resources) | {n for p in processes.values() for n in p.shm}
+    ours = shm.present(seen)
+    host_segments, host_bytes = shm.host_usage()
     record.resources.append(
-        ResourceSample(sync=sync, t=time.time(), processes=processes, shm_segments=segments, shm_bytes=nbytes)
+        ResourceSample(
+            sync=sync,
+            t=time.time(),
+            processes=processes,
+            shm_segments=len(ours),
+            shm_bytes=sum(ours.values()),
+            host_shm_segments=host_segments,
+            host_shm_bytes=host_bytes,
+        )
     )
 
 
@@ -125,7 +125,8 @@ def samples_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
                         for m in PROCESS_METRICS
                     )
             rows.extend(
-                base | {"process": HOST, "pid": None, "metric": m, "value": getattr(s, m)} for m in HOST_METRICS
+                base | {"process": HOST, "pid": None, "metric": m, "value": getattr(s, m)}
+                for m in (*HOST_METRICS, "host_shm_segments", "host_shm_bytes")
             )
     return pd.DataFrame(rows, columns=["scenario", "sync", "elapsed_s", "process", "pid", "metric", "value"])
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness import shm
 from harness.checks import expectation_met
 from harness.faults import FAULTS, fault_scenarios
 from harness.record import RunRecord
@@ -35,6 +36,7 @@ def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
     assert expectation_met(rec, rec.verdict), (sc.expect_note, rec.checks)  # and the note it expects, if any
     assert any(n.startswith(f"fault injected: {name}") for n in rec.notes) or FAULTS[name].side == "engine"
     _assert_the_fault_is_named(name, rec)
+    assert shm.present(shm.held_in(rec.resources)) == {}  # nothing of it left in /dev/shm
     if FAULTS[name].expect == "DEADLOCK":
         # Ended within its deadline (+ setup) + 30 s, with one stack file per rank and the engine.
         assert elapsed < sc.deadline_s + 30 + 60

@@ -1,19 +1,21 @@
-"""Resources over a long run: no process of the scenario and no shared-memory segment of the host grows
+"""Resources over a long run: no process of the scenario and none of its shared-memory segments grows
 without bound (RESOURCE_LEAK).
 
 The samples are the record's `resources` (one `ResourceSample` per sync, taken by the runner's per-sync
 hook, `harness.soak.sample_resources`): per process (each trainer rank, the engine server, each with its
-descendants) RSS, threads and open file descriptors; for the host the segments in `/dev/shm` and their
-bytes. A leak is sustained growth, so each series is judged by its least-squares slope over the second
-half of the samples (the first half is warm-up: lazy imports, allocator pools, thread pools and the
-shared-memory segment are made during the first syncs), in units per 100 syncs:
+descendants) RSS, threads and open file descriptors; and the scenario's segments in `/dev/shm` with their
+bytes: those its processes held (mapped or open) at some sample that are still there, so a segment closed
+but never unlinked stays counted. The host's own /dev/shm totals are recorded too but not judged: other
+programs share that folder, and their segments are not the scenario's. A leak is sustained growth, so
+each series is judged by its least-squares slope over the second half of the samples (the first half
+is warm-up: lazy imports, allocator pools, thread pools and the shared-memory segment are made during
+the first syncs), in units per 100 syncs:
 
 - the slope must not exceed the metric's allowance (`ALLOWANCES`): RSS a few MiB per 100 syncs
   (allocator fragmentation and Python's own caches creep that slowly; one chunk kept per sync is
   100 x the model's bytes), threads, descriptors and segments 0;
 - growth below the metric's noise floor over the fitted window (slope x the syncs it spans) is never a
-  leak: one late thread, one extra descriptor, a few MiB of allocator noise, or a segment another program
-  on the host made and kept while the scenario ran.
+  leak: one late thread, one extra descriptor, a few MiB of allocator noise.
 
 Fewer than `MIN_FIT_SAMPLES` samples in the fitted half (a short run, or none sampled) is a skip: a slope
 over a handful of syncs says nothing about a long run. The growth table of a soak (`growth_table`) is
