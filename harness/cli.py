@@ -10,7 +10,7 @@
 and writes `faults.md` / `faults.csv` (fault, scenario, expected, got, caught); it exits 0 when every
 fault was caught with its expected verdict. `soak` runs scenarios for many syncs and judges the growth of
 their processes' resources (`harness.soak`). Every command samples resources after each sync
-(`harness.soak.sample_resources`); runs of fewer than 11 syncs are too short for that check to judge.
+(`harness.soak.sample_resources`); runs of fewer than 10 syncs are too short for that check to judge.
 """
 
 from __future__ import annotations
@@ -92,10 +92,11 @@ def run_scenarios(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harness.placement import ensure_ray, order_for_reuse, shutdown_ray
+    from harness.placement import descendants, end_leftovers, ensure_ray, order_for_reuse, shutdown_ray
     from harness.results import write_env
     from harness.runner import Runner
 
+    before = {p.pid for p in descendants()}
     console = Console(stderr=True)
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
     out = results_dir / run_id
@@ -140,9 +141,11 @@ def run_scenarios(
                 progress.update(task, description=sc.id)
                 runner.run_scenario(sc, problems[sc.id], validated=True)
     finally:
+        started = [p for p in descendants() if p.pid not in before]  # before their parents end (re-parenting)
         if runner is not None:
             runner.close()
         shutdown_ray()
+        end_leftovers(started)  # what an interrupt in the middle of ray.init or a launch left running
     wall = time.perf_counter() - t0
     bad = [r for r in records if not expectation_met(r, r.verdict)]
     console.print(f"{len(records)} scenarios in {wall:.0f} s, {len(bad)} unexpected; results in {out}")

@@ -56,9 +56,33 @@ def order_for_reuse(scenarios: list[Scenario]) -> list[Scenario]:
 
 
 def shutdown_ray() -> None:
-    """Stop the Ray instance this driver started (its worker processes end with it)."""
-    if ray.is_initialized():
-        ray.shutdown()
+    """Stop the Ray instance this driver started (its worker processes end with it). Also after an
+    interrupted `ray.init`: Ray's processes may already run before Ray counts as initialized, and
+    `ray.shutdown` ends whatever the driver has started (it does nothing when nothing was)."""
+    ray.shutdown()
+
+
+def descendants() -> list[psutil.Process]:
+    """This process's descendants (once Ray runs: its node processes, their workers, the engine servers
+    those start); empty when they cannot be read."""
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def end_leftovers(started: list[psutil.Process], grace_s: float = 10.0) -> list[int]:
+    """Give the processes in `started` (what this driver started) `grace_s` seconds to end on their own,
+    then SIGKILL those still running; returns their pids. `psutil.Process` objects compare by pid and start
+    time, so a pid reused by an unrelated process meanwhile is never touched."""
+    _, alive = psutil.wait_procs(started, timeout=grace_s)
+    killed = []
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+                killed.append(proc.pid)
+    return killed
 
 
 @ray.remote(num_cpus=0.5)

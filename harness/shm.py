@@ -40,15 +40,15 @@ def host_usage(root: Path = SHM_DIR) -> tuple[int, int]:
 
 def held_by(pid: int, root: Path = SHM_DIR) -> set[str]:
     """Names of the segments in `root` that process `pid` maps or holds open (Linux `/proc/<pid>/maps` and
-    `/proc/<pid>/fd`); empty when the process is gone or cannot be read."""
+    `/proc/<pid>/fd`), leaving out those already unlinked; empty when the process is gone or unreadable."""
     prefix = str(root) + "/"
     names: set[str] = set()
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
             fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
             path = fields[5] if len(fields) == 6 else ""
-            if path.startswith(prefix):
-                names.add(path[len(prefix) :].removesuffix(" (deleted)"))
+            if path.startswith(prefix) and not path.endswith(" (deleted)"):  # e.g. Ray's object store: unlinked
+                names.add(path[len(prefix) :])
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):

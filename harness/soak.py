@@ -161,7 +161,7 @@ def growth_markdown(df: pd.DataFrame) -> str:
     from harness.results import markdown_table
 
     if df.empty:
-        return "No scenario has enough resource samples to fit a growth (at least 11 syncs).\n"
+        return "No scenario has enough resource samples to fit a growth (at least 11: 10 syncs and the re-sync).\n"
     metrics = list(dict.fromkeys(df["metric"]))
     rows = []
     for (scenario, process), part in df.groupby(["scenario", "process"], sort=False):

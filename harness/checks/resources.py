@@ -190,7 +190,7 @@ def check_resources(record: RunRecord) -> CheckResult:
             name,
             VERDICT,
             f"{len(record.resources)} resource samples: a slope needs at least {MIN_FIT_SAMPLES} after the warm-up "
-            f"half ({2 * MIN_FIT_SAMPLES - 1} syncs or more)",
+            f"half ({2 * MIN_FIT_SAMPLES - 1} samples or more, one per sync and the re-sync)",
         )
     leaks = [g for g in growth_table(record.resources) if g.leak]
     if not leaks:
