@@ -1,7 +1,7 @@
 """Sessions: `tests` (pytest, CI; `nox -s tests -- scenarios --matrix cpu -k ...` runs scenarios as
 tests), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3 dense on real vLLM beside the
-embedded engine), `gpu_matrix` (full-size models on GPU runners, as pytest tests) and `report` (a run
-against a baseline).
+embedded engine), `gpu_matrix` (full-size models on GPU runners, as pytest tests), `report` (a run
+against a baseline) and `soak` (one scenario for 200 syncs per placement, resource growth per 100 syncs).
 
 The harness runs on Python 3.12 (megatron-core 0.19.2 and Megatron-Bridge 0.6.2 require it). Where
 Python 3.12 is installed through pyenv but not active, it is found under `$(pyenv root)/versions/3.12.*`.
@@ -92,6 +92,15 @@ def cpu_matrix_vllm(session: nox.Session) -> None:
     _install(session)
     env = _vllm_env(session)
     session.run("python", "-m", "harness", "run", "--matrix", "cpu_vllm", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """`python -m harness soak`: qwen3 TP1 PP1 raw, non-colocate and colocate, 200 syncs each; RSS, threads,
+    descriptors and shared-memory segments sampled after every sync (resources.csv, soak.md,
+    plots/resources.png). Extra args go to the command (e.g. --syncs 500, --scenario ID)."""
+    _install(session)
+    session.run("python", "-m", "harness", "soak", *session.posargs)
 
 
 def _hf_cache_module():  # type: ignore[no-untyped-def]  (loaded from its file: no harness dependencies)

@@ -5,13 +5,16 @@
     python -m harness list --matrix cpu [--filter EXPR]
     python -m harness faults [--filter EXPR] [--results-dir DIR] [--run-id ID]
     python -m harness report --run results/<run-id> --baseline results/baselines/cpu [--threshold 1.25]
+    python -m harness soak [--scenario ID]... [--syncs N] [--results-dir DIR] [--run-id ID]
 
 `run` exits 0 when every scenario's verdict is the one it expects (PASS unless it says `expect:`),
 1 otherwise, 2 on bad arguments; with `--baseline DIR` it also writes the regression report at the end
 and exits 1 when that finds a regression. `report` (`harness.report`) exits 1 on a regression.
 `faults` runs every registered fault injection (`harness/faults.py`)
 and writes `faults.md` / `faults.csv` (fault, scenario, expected, got, caught); it exits 0 when every
-fault was caught with its expected verdict.
+fault was caught with its expected verdict. `soak` runs scenarios for many syncs and judges the growth of
+their processes' resources (`harness.soak`). Every command samples resources after each sync
+(`harness.soak.sample_resources`); runs of fewer than 10 syncs are too short for that check to judge.
 """
 
 from __future__ import annotations
@@ -22,11 +25,17 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.checks import expectation_met
 from harness.record import RunRecord
 from harness.scenario import Scenario, expand, load_matrix, select
+from harness.soak import add_arguments as add_soak_arguments
+from harness.soak import cmd_soak, sample_resources
 from harness.validate import validate
+
+if TYPE_CHECKING:
+    from harness.runner import SyncHook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex",
         )
-    for name in ("run", "faults"):
+    soak = sub.add_parser("soak", help="one scenario for many syncs; resource growth per 100 syncs")
+    add_soak_arguments(soak)
+    for name in ("run", "faults", "soak"):
         p = sub.choices[name]
         p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
         p.add_argument("--run-id", default=None, help="folder name under --results-dir (default: a timestamp)")
@@ -72,10 +83,12 @@ def run_scenarios(
     run_id: str | None,
     ray_address: str | None,
     after_each: Callable[[list[RunRecord], Path], None] | None = None,
+    after_sync: SyncHook | None = sample_resources,
 ) -> tuple[list[RunRecord], Path]:
     """Run `scenarios` in order into `results_dir/<run_id>/` (`harness.matrix_run.MatrixRun`); records,
-    summaries and plots are written as each scenario ends (and `after_each(records, out)` is called).
-    Every process started is stopped on the way out, Ctrl-C included."""
+    summaries and plots are written as each scenario ends (and `after_each(records, out)` is called); the
+    runner calls `after_sync` after every sync (default: resource samples into the record). Every process
+    started is stopped on the way out, Ctrl-C included."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -83,7 +96,7 @@ def run_scenarios(
     from harness.placement import order_for_reuse
 
     console = Console(stderr=True)
-    run = MatrixRun(scenarios, results_dir, run_id, ray_address, after_each=after_each)
+    run = MatrixRun(scenarios, results_dir, run_id, ray_address, after_each=after_each, after_sync=after_sync)
     t0 = time.perf_counter()
     try:
         with Progress(
@@ -169,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate_like_interrupt)
     args = _parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "list": cmd_list, "faults": cmd_faults, "report": cmd_report}[args.cmd](args)
+        commands = {"run": cmd_run, "list": cmd_list, "faults": cmd_faults, "report": cmd_report, "soak": cmd_soak}
+        return commands[args.cmd](args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,17 +14,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.record import RunRecord
 from harness.scenario import Scenario
 from harness.validate import validate
+
+if TYPE_CHECKING:
+    from harness.runner import SyncHook
 
 
 class MatrixRun:
     """Scenarios run one by one into `results_dir/run_id` (default run id: a timestamp).
 
     `order` is the scenarios' ids in the order the tables list them (the matrix order); `after_each`
-    is called with every record so far and the folder after each scenario's outputs are written.
+    is called with every record so far and the folder after each scenario's outputs are written;
+    `after_sync` is the runner's hook after every sync (default: `harness.soak.sample_resources`).
     """
 
     def __init__(
@@ -35,8 +40,17 @@ class MatrixRun:
         ray_address: str | None = None,
         after_each: Callable[[list[RunRecord], Path], None] | None = None,
         argv: Sequence[str] | None = None,
+        after_sync: SyncHook | None = None,
     ) -> None:
         from harness.env import write_env
+        from harness.placement import descendants
+
+        self.before = {p.pid for p in descendants()}  # what ran before: never stopped by `close`
+        if after_sync is None:  # every driver samples resources after each sync (RESOURCE_LEAK's record)
+            from harness.soak import sample_resources
+
+            after_sync = sample_resources
+        self.after_sync = after_sync
 
         self.order = [sc.id for sc in order]
         self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
@@ -63,7 +77,9 @@ class MatrixRun:
         if config_error is None:
             ensure_ray(self.ray_address)
         if self.runner is None:
-            self.runner = Runner(out_dir=self.out, run_id=self.run_id, on_record=self._on_record)
+            self.runner = Runner(
+                out_dir=self.out, run_id=self.run_id, on_record=self._on_record, after_sync=self.after_sync
+            )
         self.runner.run_scenario(sc, config_error, validated=True)
         return next(r for r in reversed(self.records) if r.scenario_id == sc.id)
 
@@ -92,19 +108,22 @@ class MatrixRun:
         write_run_plots(df, self.out / "plots")
 
     def close(self) -> None:
-        """Stop every process the run started (trainer pools, Ray) and write the run's end into
+        """Stop every process the run started (trainer pools, Ray, then whatever an interrupt in the middle
+        of ray.init or a launch left running: `harness.placement.end_leftovers`) and write the run's end into
         env.json (`harness.env.finish_env`). Safe to call twice."""
         if self.closed:
             return
         self.closed = True
         from harness.env import finish_env
-        from harness.placement import shutdown_ray
+        from harness.placement import descendants, end_leftovers, shutdown_ray
 
+        started = [p for p in descendants() if p.pid not in self.before]  # before their parents end
         try:
             if self.runner is not None:
                 self.runner.close()
         finally:
             shutdown_ray()
+            end_leftovers(started)
             self.env = finish_env(self.out)
 
     def report(self, baseline: Path) -> tuple[int, Path]:

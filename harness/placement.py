@@ -15,14 +15,17 @@ on one node everything stays on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import ServerProcess, free_port
@@ -73,9 +76,33 @@ def order_for_reuse(scenarios: list[Scenario]) -> list[Scenario]:
 
 
 def shutdown_ray() -> None:
-    """Stop the Ray instance this driver started (its worker processes end with it)."""
-    if ray.is_initialized():
-        ray.shutdown()
+    """Stop the Ray instance this driver started (its worker processes end with it). Also after an
+    interrupted `ray.init`: Ray's processes may already run before Ray counts as initialized, and
+    `ray.shutdown` ends whatever the driver has started (it does nothing when nothing was)."""
+    ray.shutdown()
+
+
+def descendants() -> list[psutil.Process]:
+    """This process's descendants (once Ray runs: its node processes, their workers, the engine servers
+    those start); empty when they cannot be read."""
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def end_leftovers(started: list[psutil.Process], grace_s: float = 10.0) -> list[int]:
+    """Give the processes in `started` (what this driver started) `grace_s` seconds to end on their own,
+    then SIGKILL those still running; returns their pids. `psutil.Process` objects compare by pid and start
+    time, so a pid reused by an unrelated process meanwhile is never touched."""
+    _, alive = psutil.wait_procs(started, timeout=grace_s)
+    killed = []
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+                killed.append(proc.pid)
+    return killed
 
 
 @ray.remote(num_cpus=0.5)
@@ -120,6 +147,14 @@ class EngineActor:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
+
+    def exit_status(self, tail_chars: int = 3000) -> tuple[int | None, str]:
+        """(the server's exit status, None while it runs or before it started; the last `tail_chars`
+        characters of its log once it has ended, else "")."""
+        popen = self.proc.proc if self.proc is not None else None
+        if popen is None or popen.poll() is None:
+            return None, ""
+        return popen.returncode, self.proc.log_tail(tail_chars) if self.proc is not None else ""
 
 
 @dataclass
@@ -180,10 +215,26 @@ class TrainerPool:
         return str(node["NodeManagerAddress"])
 
     def kill(self) -> None:
-        """End every rank process and free the placement group."""
+        """End every rank process and free the placement group, then unlink the shared-memory segments the
+        ranks held that are still there: a killed sender never unlinks its own (`harness.shm`)."""
+        ranks = self._local_processes()
+        held = set().union(*(shm.held_by(p.pid) for p in ranks))
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
         remove_placement_group(self.pg)
+        if held:
+            psutil.wait_procs(ranks, timeout=10)
+            shm.unlink(held)
+
+    def _local_processes(self) -> list[psutil.Process]:
+        """The rank processes that run on this host (a Ray worker of `TrainerWorker` with that pid)."""
+        out = []
+        for pid in self.pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                if "TrainerWorker" in " ".join(proc.cmdline()):
+                    out.append(proc)
+        return out
 
 

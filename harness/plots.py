@@ -360,3 +360,55 @@ def write_run_plots(df: pd.DataFrame, plots_dir: Path | str) -> list[Path]:
         plot_gbps_vs_bound(df, out / "gbps_vs_bound.png"),
     )
     return [p for p in written if p is not None]
+
+
+# (metrics drawn in the panel, y label, divisor of the values)
+RESOURCE_PANELS: tuple[tuple[tuple[str, ...], str, float], ...] = (
+    (("rss_bytes",), "RSS (MiB)", float(1 << 20)),
+    (("threads",), "threads", 1.0),
+    (("fds",), "open file descriptors", 1.0),
+    (("shm_segments", "host_shm_segments"), "/dev/shm segments", 1.0),
+)
+SERIES_NAMES: dict[str, str] = {"shm_segments": "the scenario's", "host_shm_segments": "whole host"}
+RESOURCE_DPI = 100
+
+
+def plot_resources(samples: pd.DataFrame, out_path: Path | str) -> Path:
+    """Resource samples of a soak against the sync index: one column per scenario, one row per metric
+    (RSS in MiB, threads, open descriptors, the host's /dev/shm segments), one line per process. `samples`
+    is `harness.soak.samples_frame` (scenario, sync, process, metric, value). At most `MAX_WIDTH_PX` pixels
+    wide whatever the number of scenarios; an empty table gives a figure that says so."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scenarios = list(dict.fromkeys(samples["scenario"])) if not samples.empty else []
+    cols = max(1, len(scenarios))
+    width_in = min(MAX_WIDTH_PX / RESOURCE_DPI, 4.0 + 5.0 * cols)
+    fig, axes = plt.subplots(
+        len(RESOURCE_PANELS), cols, figsize=(width_in, 2.6 * len(RESOURCE_PANELS)), squeeze=False, sharex="col"
+    )
+    try:
+        if not scenarios:
+            axes[0][0].text(0.5, 0.5, "no resource samples", ha="center", va="center", transform=axes[0][0].transAxes)
+        for c, scenario in enumerate(scenarios):
+            part = samples[samples["scenario"] == scenario]
+            for r, (metrics, label, scale) in enumerate(RESOURCE_PANELS):
+                ax = axes[r][c]
+                for metric in metrics:
+                    rows = part[part["metric"] == metric]
+                    for process, series in rows.groupby("process", sort=False):
+                        name = SERIES_NAMES.get(metric, str(process))
+                        ax.plot(series["sync"], series["value"] / scale, label=name, linewidth=1.0)
+                ax.set_ylabel(label, fontsize=8)
+                ax.grid(alpha=0.3)
+                ax.tick_params(labelsize=7)
+                if r == 0:
+                    ax.set_title(scenario, fontsize=9)
+                if r in (0, len(RESOURCE_PANELS) - 1):
+                    ax.legend(fontsize=7, loc="best")
+                if r == len(RESOURCE_PANELS) - 1:
+                    ax.set_xlabel("sync", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out, dpi=RESOURCE_DPI)
+    finally:
+        plt.close(fig)
+    return out

@@ -30,7 +30,9 @@ __all__ = [
     "ErrorRecord",
     "HttpCall",
     "OracleFailure",
+    "ProcessSample",
     "RecoveryRecord",
+    "ResourceSample",
     "RunRecord",
     "SyncRecord",
     "TensorLayout",
@@ -52,6 +54,7 @@ VERDICTS: tuple[str, ...] = (
     "PARITY_FAIL",
     "DEADLOCK",
     "CRASH",
+    "RESOURCE_LEAK",
 )
 
 
@@ -112,6 +115,35 @@ class EngineSync(EngineAccount):
     logprobs: dict[str, Any] = Field(default_factory=dict)
     logprobs_expected: dict[str, Any] = Field(default_factory=dict)
     engine_logprobs: list[list[float]] = Field(default_factory=list)
+
+
+class ProcessSample(BaseModel):
+    """One process of a scenario (a trainer rank, the engine server) measured once, with its descendants
+    (e.g. a Python resource tracker, vLLM's engine core): the sums over that process tree."""
+
+    pid: int
+    alive: bool = True  # False: the process was gone when sampled (the other fields are 0)
+    procs: int = 0  # processes in the tree (the process itself and its descendants)
+    rss_bytes: int = 0  # resident set size (psutil `memory_info().rss`), bytes
+    threads: int = 0  # OS threads (psutil `num_threads()`)
+    fds: int = 0  # open file descriptors (psutil `num_fds()`)
+    shm: list[str] = Field(default_factory=list)  # /dev/shm segments the tree maps or holds open, by name
+
+
+class ResourceSample(BaseModel):
+    """What the scenario's processes and the host's `/dev/shm` held right after one sync (and its
+    log-prob comparison) ended; taken by the runner's per-sync hook (`harness.soak.sample_resources`)."""
+
+    sync: int  # the sync just finished (0-based; the re-sync is index `syncs`)
+    t: float  # unix seconds
+    processes: dict[str, ProcessSample] = Field(default_factory=dict)  # "rank0", ..., "engine"
+    # The scenario's segments: those its processes held at this or an earlier sample that are still in
+    # /dev/shm (a segment closed but never unlinked stays counted), and their bytes.
+    shm_segments: int = 0
+    shm_bytes: int = 0
+    # Every segment in the host's /dev/shm and their bytes (other programs' too: reported, not judged).
+    host_shm_segments: int = 0
+    host_shm_bytes: int = 0
 
 
 class SyncRecord(SyncReport):
@@ -212,6 +244,7 @@ class RunRecord(BaseModel):
     # trainer build, connect), syncs (syncs and trainer steps, the recovery's included), checks (the
     # harness's own reads of the engine, probes, log-prob views, oracles, judging), teardown (stops).
     wall: dict[str, float] = Field(default_factory=dict)
+    resources: list[ResourceSample] = Field(default_factory=list)  # one per sync when sampled (soak)
     verdict: str = ""
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)

@@ -22,14 +22,16 @@ from pathlib import Path
 
 import ray
 
+from harness import shm
 from harness.checks import group_differences, judged
 from harness.faults import FAULTS
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
-from harness.session import ScenarioFailed, ScenarioSession, error_from, oracle_into
+from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
 from harness.stacks import dump_stacks
 from harness.validate import validate
+from harness.watch import EngineWatch
 from reference_impl.engine import engine_kind
 from reference_impl.forward.hf import fixed_prompts
 from reference_impl.forward.prompts import probe_prompt
@@ -62,6 +64,7 @@ class Runner:
     out_dir: Path
     run_id: str
     on_record: Callable[[RunRecord], None] | None = None
+    after_sync: SyncHook | None = None
     pools: dict[int, TrainerPool] = field(default_factory=dict)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
@@ -147,6 +150,8 @@ class Runner:
             pids = {f"rank{r}": pid for r, pid in enumerate(pool.pids)}
             for i, e in enumerate(engines):
                 pids[engine_label(i)] = ray.get(e.pid.remote(), timeout=30)
+            session.pids, session.after_sync = pids, self.after_sync
+            session.watches = [EngineWatch(e, pids[engine_label(i)], trace) for i, e in enumerate(engines)]
             session.get(setup_refs, SETUP_TIMEOUT_S, "trainer setup")
             if fault is not None and fault.trainer is not None and sc.fault_sync is None:
                 session.on_ranks("run_in_process", fault.trainer, what="apply fault", timeout=60)
@@ -174,6 +179,8 @@ class Runner:
                 checker.close()
             if not healthy:
                 self._recover_calls(record)
+                for engine_watch in session.watches if session is not None else []:  # a dead engine first
+                    engine_watch.name_the_engine(record.errors, "the scenario")
             stops = [e.stop.remote() for e in engines]  # type: ignore[attr-defined]
             with contextlib.suppress(Exception):
                 ray.get(stops, timeout=30)
@@ -182,6 +189,7 @@ class Runner:
                 kind.reap(pids.get(engine_label(i)))
             if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
                 self.drop_pool(sc.world_size)
+                shm.unlink(shm.held_in(record.resources))  # what its dead ranks left in /dev/shm
             marks["end"] = time.perf_counter()
             record.wall = wall_split(marks, session.checks_s if session is not None else 0.0)
         return self._finish(record)

@@ -36,6 +36,7 @@ from harness.record import (
     TransferGroupRecord,
 )
 from harness.scenario import Scenario
+from harness.watch import EngineExited, EngineWatch, wait_watched
 from reference_impl.engine.base import EngineKind
 from reference_impl.forward.hf import FORWARD_NAME as HF_FORWARD
 from reference_impl.forward.hf import HfForward, Prompt
@@ -57,6 +58,11 @@ ENGINE_MEASURED = (
     "engine_logprobs",
 )
 PROBE_TEMPERATURE = 1.0  # a generated token's log-prob: vLLM reports it from the raw logits
+
+
+# Called after every sync (and its log-prob comparison) with the record, the sync's index and the scenario's
+# processes (label -> pid: "rank0", ..., "engine"); e.g. `harness.soak.sample_resources`.
+SyncHook = Callable[[RunRecord, int, dict[str, int | None]], None]
 
 
 class ScenarioFailed(Exception):
@@ -137,6 +143,9 @@ class ScenarioSession:
     hf_view_state: int = -1  # the expected state's step the view holds
     probe: list[int] = field(default_factory=list)  # a prompt served before and after every sync
     checks_s: float = 0.0  # seconds spent in the harness's own reads, probes, log-prob views and oracles
+    watches: list[EngineWatch] = field(default_factory=list)  # one per engine once their servers run
+    pids: dict[str, int | None] = field(default_factory=dict)  # "rank0", ..., "engine", "engine1", ...
+    after_sync: SyncHook | None = None  # an observer after every sync (resource samples); never a verdict
 
     # ------------------------------------------------------------------ remote calls and oracles
 
@@ -149,15 +158,30 @@ class ScenarioSession:
         finally:
             self.checks_s += time.perf_counter() - t0
 
+    def watch(self, what: str) -> ErrorRecord | None:
+        """The `ErrorRecord` of the first engine server found gone (`harness.watch.EngineWatch`), else None."""
+        for engine_watch in self.watches:
+            error = engine_watch(what)
+            if error is not None:
+                return error
+        return None
+
     def get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
-        """ray.get every ref; errors and timeouts are recorded, then ScenarioFailed is raised."""
+        """ray.get every ref (`harness.watch.wait_watched`); errors, timeouts and an engine gone meanwhile
+        are recorded, then ScenarioFailed is raised."""
         try:
-            return ray.get(refs, timeout=timeout)
+            return wait_watched(refs, timeout, what, self.watch if self.watches else None)
         except ray.exceptions.GetTimeoutError:
             self.deadline_passed(what, timeout)
             raise ScenarioFailed(what) from None
+        except EngineExited as e:
+            self.record.errors.insert(0, e.error)
+            raise ScenarioFailed(what) from None
         except ray.exceptions.RayError as e:
-            for i, ref in enumerate(refs):  # which rank failed: the first ref whose get raises
+            # Which rank failed: the first finished ref whose get raises (one still running has not).
+            for i, ref in enumerate(refs):
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue
                 try:
                     ray.get(ref, timeout=1)
                 except Exception as inner:
@@ -169,11 +193,15 @@ class ScenarioSession:
 
     def get_oracle(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         """ray.get for an oracle's remote call: a timeout is a DEADLOCK as in `get`; an exception in the
-        actor is raised as it is (for `oracle` to record), not recorded as the rank's crash."""
+        actor is raised as it is (for `oracle` to record), not recorded as the rank's crash; an engine gone
+        meanwhile is recorded and ends the scenario as in `get`."""
         try:
-            return ray.get(refs, timeout=timeout)
+            return wait_watched(refs, timeout, what, self.watch if self.watches else None)
         except ray.exceptions.GetTimeoutError:
             self.deadline_passed(what, timeout)
+            raise ScenarioFailed(what) from None
+        except EngineExited as e:
+            self.record.errors.insert(0, e.error)
             raise ScenarioFailed(what) from None
 
     def oracle(self, check: str, sync: int | None, fn: Callable[[], Any]) -> Any:
@@ -287,6 +315,8 @@ class ScenarioSession:
         self.record.syncs.append(sync)  # before the engine is asked anything more: nothing of it is lost
         with self.checking():
             self._measure(sync, index)
+            if self.after_sync is not None:
+                self.oracle("resources", index, functools.partial(self.after_sync, self.record, index, self.pids))
         return sync
 
     def _measure(self, sync: SyncRecord, index: int) -> None:

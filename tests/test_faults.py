@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness import shm
 from harness.checks import expectation_met
 from harness.faults import FAULTS, fault_scenarios
 from harness.record import RunRecord
@@ -45,6 +46,7 @@ def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
         assert {k: clean.engine_checksums.get(k) for k in clean.expected_checksums} == clean.expected_checksums
         # parity_expected may fail, but only on the sync the fault was armed for
         assert results["parity_expected"]["ok"] or f"sync {sc.fault_sync}:" in results["parity_expected"]["message"]
+    assert shm.present(shm.held_in(rec.resources)) == {}  # nothing of it left in /dev/shm
     if FAULTS[name].expect == "DEADLOCK":
         # Ended within its deadline (+ setup) + 30 s, with one stack file per rank and the engine.
         assert elapsed < sc.deadline_s + 30 + 60

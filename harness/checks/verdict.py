@@ -1,7 +1,7 @@
 """One verdict from all checks: `judge` runs every check of `CHECKS` and picks the most severe failure::
 
     CONFIG_ERROR > DEADLOCK > CRASH > NAME_ERROR > HTTP_ERROR > CHUNK_MISMATCH > COVERAGE_GAP
-    > PARITY_FAIL > PASS
+    > PARITY_FAIL > RESOURCE_LEAK > PASS
 
 NAME_ERROR outranks HTTP_ERROR because an engine that cannot place a name answers non-200 too.
 
@@ -9,6 +9,10 @@ Several engine replicas (`engines` > 1): every check judges every engine, each o
 engine saw it (`RunRecord.engine_view`: its calls, the sender's account of it, what the harness measured
 on it). A check that fails alike for every engine (the run, the trainer, the sender) says so once; one
 that fails differently names the first engine that failed ("engine 1: ...") and which others did.
+
+RESOURCE_LEAK comes last: every other failure can cause growth (a rejected chunk held by its exception's
+traceback, a crashed rank's buffers), none is explained by a leak, and a leak is judged only over syncs
+that ran, so a run that failed otherwise is named by that failure.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from harness.checks.parity import (
     check_requested_mode,
     check_sent_layout,
 )
+from harness.checks.resources import check_resources
 from harness.checks.transfer import (
     check_chunks,
     check_config,
@@ -51,6 +56,7 @@ PRIORITY: tuple[str, ...] = (
     "CHUNK_MISMATCH",
     "COVERAGE_GAP",
     "PARITY_FAIL",
+    "RESOURCE_LEAK",
     "PASS",
 )
 
@@ -78,6 +84,7 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_weight_version,
     check_engine_caches,
     check_engine_tp_shards,
+    check_resources,
 )
 
 

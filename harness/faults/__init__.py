@@ -45,6 +45,8 @@ class Fault:
 
 
 _SMALL = {"syncs": 2, "chunk_bytes": 65536}
+# Long enough for the resource check to fit a slope after its warm-up half (`checks.resources`).
+_SOAK = {"syncs": 12, "chunk_bytes": 65536}
 
 FAULTS: dict[str, Fault] = {
     f.name: f
@@ -233,6 +235,27 @@ FAULTS: dict[str, Fault] = {
             "PARITY_FAIL",
             {"model": "qwen3", **_SMALL},
             engine=engine.weight_version_not_committed,
+        ),
+        Fault(
+            "shm_segment_per_sync",
+            "colocate: a new shared-memory segment per sync, the previous one closed but never unlinked",
+            "RESOURCE_LEAK",
+            {"model": "qwen3", "colocate": True, **_SOAK},
+            trainer=trainer.shm_segment_per_sync,
+        ),
+        Fault(
+            "sender_keeps_packed_bytes",
+            "the sender keeps a packed copy of every chunk it sent",
+            "RESOURCE_LEAK",
+            {"model": "qwen3", **_SOAK},
+            trainer=trainer.sender_keeps_packed_bytes,
+        ),
+        Fault(
+            "engine_keeps_received_chunks",
+            "the engine keeps a copy of every chunk it loaded",
+            "RESOURCE_LEAK",
+            {"model": "qwen3", "colocate": True, **_SOAK},
+            engine=engine.engine_keeps_received_chunks,
         ),
     ]
 }

@@ -101,3 +101,16 @@ def tp_row_split_as_column() -> None:
         return pieces
 
     seams.replace("engine_tp_pieces", make)
+def engine_keeps_received_chunks() -> None:
+    """The engine keeps a copy of every chunk it loaded (a received-chunk list that is never cleared after
+    /finish_weight_update): the engine's memory grows by the model's bytes per sync."""
+    kept: list[list[torch.Tensor]] = []
+
+    def at_load(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load(self, names, dtype_names, shapes, tensors):  # type: ignore[no-untyped-def]
+            orig(self, names, dtype_names, shapes, tensors)
+            kept.append([t.clone() for t in tensors])
+
+        return load
+
+    seams.replace("engine_load", at_load)
