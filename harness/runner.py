@@ -160,7 +160,11 @@ class Runner:
             if fault and fault.side == "trainer" and fault.apply is not None:
                 self._get([a.run_in_process.remote(fault.apply) for a in pool.actors], 60, record, "apply fault")
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
-            checker = EngineClient(url, parse_rejections=kind.parse_rejections)
+            checker = EngineClient(
+                url,
+                parse_rejections=kind.parse_rejections,
+                image_prompts_via_chat=kind.capabilities.image_prompts_via_chat,
+            )
             reports_tensors = kind.capabilities.per_tensor_reports
             if reports_tensors:
                 record.engine_shards = checker.shards()
@@ -258,7 +262,10 @@ class Runner:
         if "skipped" in trainer:
             record.notes.append(f"sync {sync.index}: no log-prob comparison: {trainer['skipped']}")
             return
-        engine = [checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index) for p in prompts]
+        engine = [
+            checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index, chat_content=p.chat_content)
+            for p in prompts
+        ]
         sync.engine_logprobs = engine
         parity = self._oracle(record, "logprob_parity", sync.index, lambda: logprob_parity(trainer["prompts"], engine))
         if parity is not None:

@@ -93,11 +93,20 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     scenarios = select(load_matrix("cpu_vllm"), "!tag:full-size")
     vllm = {s.id.removeprefix("vllm/") for s in scenarios if s.engine == "vllm"}
     embedded = {s.id for s in scenarios if s.engine == "embedded"}
-    assert (
-        vllm
-        == embedded
-        == {f"qwen3/tp{tp}-pp{pp}/noncolocate/{mode}" for tp in (1, 2) for pp in (1, 2) for mode in ("raw", "bridge")}
-    )
+    dense = {
+        f"{model}/tp{tp}-pp{pp}/noncolocate/{mode}"
+        for model in ("qwen3", "qwen3-vl")
+        for tp in (1, 2)
+        for pp in (1, 2)
+        for mode in ("raw", "bridge")
+    }
+    moe = {
+        f"{model}/tp1-pp1{'-ep2' if ep == 2 else ''}/noncolocate/{mode}"
+        for model in ("qwen3-moe", "qwen3-vl-moe")
+        for ep in (1, 2)
+        for mode in ("raw", "bridge")
+    }
+    assert vllm == embedded == dense | moe
     # vLLM computes prompt log-probs at 1.0; the embedded rows are pinned to it so the two compare.
     assert all(s.temperature(honours_temperature=True) == 1.0 for s in scenarios)
     assert Scenario(model="qwen3").temperature(honours_temperature=True) == 0.7
@@ -108,8 +117,6 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     ("fields", "says"),
     [
         ({"model": "qwen3", "colocate": True}, "set colocate: false"),
-        ({"model": "qwen3-vl"}, "chat route"),
-        ({"model": "qwen3-moe"}, "mixture-of-experts"),
         ({"model": "qwen3", "logprob_temperature": 0.7}, "temperature 1.0"),
         ({"model": "qwen3", "logprobs": False}, "logprobs: true"),
         ({"model": "qwen3", "fault": "ok_without_transfer"}, "use engine: embedded"),
@@ -117,11 +124,6 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     ],
 )
 def test_vllm_scenarios_that_cannot_run_here_say_why(fields: dict, says: str) -> None:
-    if says == "mixture-of-experts":
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("a limit of vLLM on CPU hosts; this host has CUDA")
     sc = Scenario(**{"engine": "vllm", **fields})
     problem = validate(sc)
     assert problem is not None and says in problem, problem

@@ -159,7 +159,9 @@ def build_tokenizer(config: dict[str, Any]):  # -> transformers.PreTrainedTokeni
     special = special_tokens(config)
     vocab_size = int(_text_config(config)["vocab_size"])
     vocab = {special.get(i, ordinary_token(i)): i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    # A word outside the vocabulary becomes <|endoftext|> (vLLM renders a "warmup" message at start); the
+    # fixed prompts hold none, and the engine client checks the ids the engine made.
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=special.get(_text_config(config).get("bos_token_id"))))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # Already in the vocabulary at their ids: marked as special, matched whole before the whitespace split.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in sorted(special.items())])
