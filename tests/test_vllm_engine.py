@@ -412,6 +412,19 @@ def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
     assert coverage["ok"] and not coverage["skipped"]
 
 
+def test_vllm_moe_scenario_through_the_runner(runner: Runner) -> None:
+    """Qwen3-VL-MoE (fused experts in the released layout, vision tower, image prompt on the chat route) at
+    EP 2 on real vLLM's CPU MoE kernels: every sync after the first reloads prepacked experts, so the
+    log-probs of syncs 1 and 2 (changed weights) show that the experts reach vLLM's kernel."""
+    _require_vllm()
+    sc = Scenario(model="qwen3-vl-moe", ep=2, engine="vllm", syncs=2, chunk_bytes=1 << 20, logprob_temperature=1.0)
+    assert validate(sc) is None
+    rec = runner.run_scenario(sc)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    assert len(rec.syncs) == 3 and all(s.logprobs["max_abs"] < 1e-4 for s in rec.syncs)
+    assert all(len(s.engine_logprobs) == 3 for s in rec.syncs)  # two text prompts and the image prompt
+
+
 # Trainer-side faults that a non-colocate Qwen3 or Qwen3-VL scenario shows, each run against real vLLM and
 # against the embedded engine in the same test: both verdicts must be the fault's.
 VLLM_FAULTS = (
