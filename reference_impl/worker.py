@@ -109,6 +109,7 @@ class TrainerWorker:
             base_url,
             session_ends_on_error=kind.capabilities.session_ends_on_error,
             parse_rejections=kind.parse_rejections,
+            caches_to_reset=kind.capabilities.caches_to_reset,
             rank=self.rank,
             call_log=self.trace_dir / f"rank{self.rank}.calls.jsonl" if self.trace_dir else None,
         )

@@ -126,6 +126,7 @@ def _connect(kind: str, proc: Any, url: str, ckpt: Path, model: str) -> Connecte
         session_ends_on_error=caps.session_ends_on_error,
         parse_rejections=engine_kind(kind).parse_rejections,
         image_prompts_via_chat=caps.image_prompts_via_chat,
+        caches_to_reset=caps.caches_to_reset,
     )
     return Connected(kind, proc, client, connect_broadcast(client), ckpt, model)
 

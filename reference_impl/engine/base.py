@@ -36,6 +36,10 @@ class Capabilities(BaseModel):
             (text parts and an `image_url` part, rendered by the checkpoint's chat template: vLLM's only
             image route); otherwise to `/v1/completions` as token ids with `multi_modal_data` (the
             embedded engine's extension).
+        caches_to_reset: routes the sender posts after every finished update, dropping what the engine
+            computed from the old weights and would otherwise reuse (vLLM keeps vision-encoder outputs by
+            image hash across requests, `v1/core/encoder_cache_manager.py`, and prefix-cache KV blocks;
+            its weight-update routes drop neither).
         tensor_parallel: can run with TP > 1 on the engine side.
         replicas: several engines of this kind can be fed by one transfer group.
         fault_hooks: loads a fault hook (`--fault MODULE:FUNCTION`) at start, for mutation tests.
@@ -48,6 +52,7 @@ class Capabilities(BaseModel):
     prompt_logprobs_honour_temperature: bool
     colocate: bool
     image_prompts_via_chat: bool = False
+    caches_to_reset: tuple[str, ...] = ()
     tensor_parallel: bool = False
     replicas: bool = False
     fault_hooks: bool = False

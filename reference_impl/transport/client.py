@@ -73,10 +73,12 @@ class EngineClient:
         rank: int | None = None,
         call_log: str | Path | None = None,
         image_prompts_via_chat: bool = False,
+        caches_to_reset: Sequence[str] = (),
     ) -> None:
         """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM).
         `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`).
-        `image_prompts_via_chat`: image prompts go to the chat route (`Capabilities.image_prompts_via_chat`)."""
+        `image_prompts_via_chat`: image prompts go to the chat route (`Capabilities.image_prompts_via_chat`).
+        `caches_to_reset`: routes posted after every finished update (`Capabilities.caches_to_reset`)."""
         self.base_url, self.timeout_s = base_url, timeout_s
         self.rank = rank  # the trainer rank making the calls (None: the harness itself)
         # Every call is also appended to `call_log` as it completes (one JSON line), so the calls of a
@@ -86,6 +88,7 @@ class EngineClient:
             self.call_log.parent.mkdir(parents=True, exist_ok=True)
         self.session_ends_on_error = session_ends_on_error
         self.image_prompts_via_chat = image_prompts_via_chat
+        self.caches_to_reset = tuple(caches_to_reset)
         self.parse_rejections = parse_rejections
         self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
         self.calls: list[HttpCall] = []
@@ -148,9 +151,17 @@ class EngineClient:
             raise
 
     def finish(self, sync: int, weight_version: int) -> Any:
-        """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it)."""
+        """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it), then POST each of
+        `caches_to_reset` (what the engine computed from the old weights and would reuse).
+
+        Raises:
+            EngineRejected: a non-200 answer to any of them.
+        """
         self.session_open, self.session_closed_by = False, ""
-        return self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
+        answer = self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
+        for route in self.caches_to_reset:
+            self._post(route, {}, sync=sync)
+        return answer
 
     def checksums(self) -> dict[str, str]:
         """POST /weight_checker {"action": "checksum"} -> HF name -> checksum."""

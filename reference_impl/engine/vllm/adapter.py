@@ -59,6 +59,7 @@ class VllmEngine(EngineKind):
         prompt_logprobs_honour_temperature=False,
         colocate=False,
         image_prompts_via_chat=True,
+        caches_to_reset=("/reset_encoder_cache", "/reset_prefix_cache"),
     )
     # An engine core that profiles memory and warms up: 18-55 s on 2 shared cores, much more under load.
     start_timeout_s = 900.0
