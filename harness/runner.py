@@ -143,7 +143,13 @@ class Runner:
             session = ScenarioSession(sc, record, kind, pool, engines, deadline, trace, ckpt, fault)
             urls = session.get(starts, kind.start_timeout_s, "engine start")
             checkers = session.checkers = [
-                EngineClient(url, parse_rejections=kind.parse_rejections, engine=i, token=self.token)
+                EngineClient(
+                    url,
+                    parse_rejections=kind.parse_rejections,
+                    engine=i,
+                    token=self.token,
+                    image_prompts_via_chat=kind.capabilities.image_prompts_via_chat,
+                )
                 for i, url in enumerate(urls)
             ]
             session.checker = checkers[0]

@@ -363,7 +363,10 @@ class ScenarioSession:
         temperature = self.sc.temperature(self.kind.capabilities.prompt_logprobs_honour_temperature)
         for checker, part in zip(self.checkers, parts, strict=True):
             part.engine_logprobs = [
-                checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index) for p in self.prompts
+                checker.prompt_logprobs(
+                    p.input_ids, temperature, p.image_url, sync=sync.index, chat_content=p.chat_content
+                )
+                for p in self.prompts
             ]
         what = f"trainer log-probs after sync {sync.index}"
         refs = lambda: [a.trainer_logprobs.remote(temperature) for a in self.pool.actors]  # noqa: E731
@@ -431,7 +434,8 @@ class ScenarioSession:
             rec.engine, rec.health_status, rec.completion_status = i, checker.health(), None
             if rec.health_status == 200 and self.prompts:
                 try:
-                    checker.prompt_logprobs(self.prompts[0].input_ids, 1.0, self.prompts[0].image_url)
+                    first = self.prompts[0]
+                    checker.prompt_logprobs(first.input_ids, 1.0, first.image_url, chat_content=first.chat_content)
                     rec.completion_status = 200
                 except EngineRejected as e:
                     rec.completion_status = e.status

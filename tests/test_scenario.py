@@ -123,12 +123,21 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     scenarios = select(load_matrix("cpu_vllm"), "!tag:full-size")
     vllm = {s.id.removeprefix("vllm/") for s in scenarios if s.engine == "vllm"}
     embedded = {s.id for s in scenarios if s.engine == "embedded"}
-    assert (
-        vllm
-        == embedded
-        == {f"qwen3/tp{tp}-pp{pp}/noncolocate/{mode}" for tp in (1, 2) for pp in (1, 2) for mode in ("raw", "bridge")}
-        | {"qwen3/tp1-pp1/noncolocate-engine-tp2/raw", "qwen3/tp1-pp1/noncolocate-engines2/raw"}
-    )
+    dense = {
+        f"{model}/tp{tp}-pp{pp}/noncolocate/{mode}"
+        for model in ("qwen3", "qwen3-vl")
+        for tp in (1, 2)
+        for pp in (1, 2)
+        for mode in ("raw", "bridge")
+    }
+    moe = {
+        f"{model}/tp1-pp1{'-ep2' if ep == 2 else ''}/noncolocate/{mode}"
+        for model in ("qwen3-moe", "qwen3-vl-moe")
+        for ep in (1, 2)
+        for mode in ("raw", "bridge")
+    }
+    parallel_ids = {"qwen3/tp1-pp1/noncolocate-engine-tp2/raw", "qwen3/tp1-pp1/noncolocate-engines2/raw"}
+    assert vllm == embedded == dense | moe | parallel_ids
     parallel = select(scenarios, "tag:engine-parallel")
     assert {(s.engine, s.engines, s.engine_tp) for s in parallel} == {
         (engine, n, tp) for engine in ("vllm", "embedded") for n, tp in ((1, 2), (2, 1))
@@ -144,8 +153,6 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     ("fields", "says"),
     [
         ({"model": "qwen3", "colocate": True}, "set colocate: false"),
-        ({"model": "qwen3-vl"}, "chat route"),
-        ({"model": "qwen3-moe"}, "mixture-of-experts"),
         ({"model": "qwen3", "logprob_temperature": 0.7}, "temperature 1.0"),
         ({"model": "qwen3", "logprobs": False}, "logprobs: true"),
         ({"model": "qwen3", "fault": "ok_without_transfer"}, "use engine: embedded"),
@@ -153,11 +160,6 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     ],
 )
 def test_vllm_scenarios_that_cannot_run_here_say_why(fields: dict, says: str) -> None:
-    if says == "mixture-of-experts":
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("a limit of vLLM on CPU hosts; this host has CUDA")
     sc = Scenario(**{"engine": "vllm", **fields})
     problem = validate(sc)
     assert problem is not None and says in problem, problem

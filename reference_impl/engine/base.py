@@ -32,6 +32,10 @@ class Capabilities(BaseModel):
         prompt_logprobs_honour_temperature: prompt log-probs are computed at the request's
             temperature (vLLM computes them before any sampling processor, i.e. at 1.0).
         colocate: can take chunks by handle from a trainer on the same devices.
+        image_prompts_via_chat: a prompt with an image goes to `/v1/chat/completions` as one chat message
+            (text parts and an `image_url` part, rendered by the checkpoint's chat template: vLLM's only
+            image route); otherwise to `/v1/completions` as token ids with `multi_modal_data` (the
+            embedded engine's extension).
         tensor_parallel: can run with TP > 1 on the engine side.
         replicas: several engines of this kind can be fed by one transfer group.
         fault_hooks: loads a fault hook (`--fault MODULE:FUNCTION`) at start, for mutation tests.
@@ -43,6 +47,7 @@ class Capabilities(BaseModel):
     session_ends_on_error: bool
     prompt_logprobs_honour_temperature: bool
     colocate: bool
+    image_prompts_via_chat: bool = False
     tensor_parallel: bool = False
     replicas: bool = False
     fault_hooks: bool = False

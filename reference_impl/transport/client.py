@@ -7,6 +7,12 @@ answer to a non-200 becomes data here, once: the client is built with its engine
 (`EngineKind.parse_rejections`), which turns the whole body into `Rejection`s before the
 stored body is cut to 4000 characters.
 
+Prompt log-probs (`prompt_logprobs`) go to `/v1/completions` as token ids; a prompt with an image goes
+there too with `multi_modal_data` (the embedded engine's extension), or, for a client built with
+`image_prompts_via_chat=True` (the engine kind's capability; vLLM takes images only on its chat route), to
+`/v1/chat/completions` as one chat message whose ids the engine makes with the checkpoint's chat template
+and tokenizer: the answer's `prompt_token_ids` must then be the prompt's ids exactly (`PromptMismatch`).
+
 The client also tracks whether the engine holds an open update session (`session_open`), so that a
 sender never broadcasts a chunk nobody will receive: both engines refuse /update_weights without a
 session before taking any bytes, and vLLM's worker also ends the session when a chunk fails
@@ -50,6 +56,11 @@ class EngineRejected(RuntimeError):
         return self.call.rejections
 
 
+class PromptMismatch(ValueError):
+    """The engine made other token ids from a chat message than the prompt it stands for (its chat template
+    or tokenizer disagrees with the fixed prompt): its log-probs would be of another prompt."""
+
+
 class EngineClient:
     """Client of one engine's weight-update routes (base_url like http://127.0.0.1:PORT)."""
 
@@ -64,11 +75,13 @@ class EngineClient:
         call_log: str | Path | None = None,
         engine: int = 0,
         token: str | None = None,
+        image_prompts_via_chat: bool = False,
     ) -> None:
         """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM).
         `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`). `engine`: which
         engine replica this client calls (recorded on every call). `token`: the run's bearer token, sent as
-        `Authorization: Bearer <token>` on every call (`wsh_vllm_plugin.auth`); None sends none."""
+        `Authorization: Bearer <token>` on every call (`wsh_vllm_plugin.auth`); None sends none.
+        `image_prompts_via_chat`: image prompts go to the chat route (`Capabilities.image_prompts_via_chat`)."""
         self.base_url, self.timeout_s = base_url, timeout_s
         self.rank = rank  # the trainer rank making the calls (None: the harness itself)
         self.engine = engine
@@ -79,6 +92,7 @@ class EngineClient:
         if self.call_log is not None:
             self.call_log.parent.mkdir(parents=True, exist_ok=True)
         self.session_ends_on_error = session_ends_on_error
+        self.image_prompts_via_chat = image_prompts_via_chat
         self.parse_rejections = parse_rejections
         self.http = self._new_http()
         self.calls: list[HttpCall] = []
@@ -151,7 +165,12 @@ class EngineClient:
             raise
 
     def finish(self, sync: int, weight_version: int) -> Any:
-        """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it)."""
+        """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it). The sender then drops
+        the engine's caches (`transport.sync.reset_engine_caches`).
+
+        Raises:
+            EngineRejected: a non-200 answer.
+        """
         self.session_open, self.session_closed_by = False, ""
         return self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
 
@@ -211,16 +230,71 @@ class EngineClient:
         return self._post("/weight_checker", {"action": "shards"})["shards"]
 
     def prompt_logprobs(
-        self, prompt: list[int], temperature: float, image_url: str | None = None, sync: int | None = None
+        self,
+        prompt: list[int],
+        temperature: float,
+        image_url: str | None = None,
+        sync: int | None = None,
+        chat_content: list[dict[str, Any]] | None = None,
     ) -> list[float]:
-        """POST /v1/completions with `prompt_logprobs`: the log-prob of each prompt token t >= 1 given the
-        tokens before it, at `temperature` (vLLM's prompt_logprobs entries, the first one None)."""
+        """The log-prob of each prompt token t >= 1 given the tokens before it, at `temperature` (vLLM's
+        `prompt_logprobs` entries, the first one None): POST /v1/completions with `prompt_logprobs` 0; for an
+        image prompt (`image_url`) on a chat-route client, POST /v1/chat/completions with `chat_content` as
+        one user message (`_chat_prompt_logprobs`).
+
+        Raises:
+            EngineRejected: a non-200 answer.
+            PromptMismatch: the chat route made other ids than `prompt`.
+            ValueError: an image prompt for a chat-route client without `chat_content`.
+        """
+        if image_url is not None and self.image_prompts_via_chat:
+            if chat_content is None:
+                raise ValueError("this engine takes image prompts on its chat route: pass the prompt's chat_content")
+            return self._chat_prompt_logprobs(prompt, temperature, chat_content, sync)
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": temperature, "prompt_logprobs": 0}
         if image_url is not None:
             body["multi_modal_data"] = {"image": image_url}
         entries = self._post("/v1/completions", body, sync=sync)["choices"][0]["prompt_logprobs"]
-        return [float(entries[i][str(tok)]["logprob"]) for i, tok in enumerate(prompt) if i > 0]
+        return _own_logprobs(entries, prompt)
+
+    def _chat_prompt_logprobs(
+        self, prompt: list[int], temperature: float, chat_content: list[dict[str, Any]], sync: int | None
+    ) -> list[float]:
+        """POST /v1/chat/completions {"messages": [{"role": "user", "content": chat_content}], "max_tokens": 1,
+        "prompt_logprobs": 0, "return_token_ids": true, "add_generation_prompt": false}: vLLM answers
+        `prompt_token_ids` (the ids its chat template, tokenizer and multimodal processor made, image
+        placeholder expanded) and `prompt_logprobs` at the top level (vLLM ChatCompletionResponse).
+
+        Raises:
+            EngineRejected: a non-200 answer.
+            PromptMismatch: `prompt_token_ids` is not `prompt`.
+        """
+        body: dict[str, Any] = {
+            "messages": [{"role": "user", "content": chat_content}],
+            "max_tokens": 1,
+            "temperature": temperature,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+            "add_generation_prompt": False,
+        }
+        answer = self._post("/v1/chat/completions", body, sync=sync)
+        made = list(answer.get("prompt_token_ids") or [])
+        if made != prompt:
+            pairs = zip(made, prompt, strict=False)
+            first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(made), len(prompt)))
+            raise PromptMismatch(
+                f"the engine's chat template and tokenizer made {len(made)} ids from the chat message, the prompt "
+                f"has {len(prompt)}; first difference at position {first}: engine {made[first : first + 4]} vs "
+                f"prompt {prompt[first : first + 4]}"
+            )
+        return _own_logprobs(answer["prompt_logprobs"], prompt)
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
         self.http.close()
+
+
+def _own_logprobs(entries: list[dict[str, Any] | None], prompt: list[int]) -> list[float]:
+    """Each prompt token's own log-prob from vLLM's `prompt_logprobs` list (entry i keyed by the token id as a
+    string; entry 0 is None)."""
+    return [float(entries[i][str(tok)]["logprob"]) for i, tok in enumerate(prompt) if i > 0]

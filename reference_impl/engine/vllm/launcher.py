@@ -4,14 +4,16 @@
 from vLLM's own environment (`env.vllm_python()`)::
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model CKPT \
-        --load-format dummy --seed SEED --dtype DTYPE --skip-tokenizer-init \
+        --load-format dummy --seed SEED --dtype DTYPE [--skip-tokenizer-init] \
         --weight-transfer-config '{"backend": "gloo"}' --host 127.0.0.1 --port PORT ...
 
 `VLLM_SERVER_DEV_MODE=1` registers the RLHF weight-update routes (vLLM `entrypoints/rl`);
 `--load-format dummy` starts from random weights, so a sync that moves nothing cannot pass a
-log-prob comparison; `--skip-tokenizer-init` because the checkpoints carry no tokenizer (prompts are
-token ids). The server runs in its own session and is stopped with `killpg` (it starts an engine-core
-process of its own; `ServerProcess.stop` ends the whole group). Transfer backend: "gloo" (this
+log-prob comparison; `--skip-tokenizer-init` where the adapter asks for it (text checkpoints carry no
+tokenizer: their prompts are token ids; a VL checkpoint's image prompt goes through vLLM's chat route,
+which needs the checkpoint's tokenizer, chat template and processors). The server runs in its own
+session and is stopped with `killpg` (it starts an engine-core process of its own; `ServerProcess.stop`
+ends the whole group). Transfer backend: "gloo" (this
 directory's plugin), on every host: the trainer speaks the harness's wire format
 (`wsh_vllm_plugin/protocol.py`), not vLLM's packed NCCL protocol.
 """
@@ -65,11 +67,13 @@ class VllmEngineProcess(ServerProcess):
         tp: int = 1,
         host: str = "127.0.0.1",
         token: str | None = None,
+        skip_tokenizer_init: bool = True,
     ) -> None:
         """`backend`: the weight-transfer backend vLLM is started with ("gloo": wsh-vllm-plugin, what the
         harness's sender speaks). `max_model_len`: tokens; must hold the longest fixed prompt. `tp`:
         `--tensor-parallel-size` (each TP worker joins the transfer group). `host`, `token`: where it binds
         and the bearer token every route asks for (`wsh_vllm_plugin.auth`, loaded with `--middleware`).
+        `skip_tokenizer_init`: start without tokenizer (token-id prompts only; no chat route).
 
         Raises:
             ValueError: a `host` other than 127.0.0.1 without a token.
@@ -77,6 +81,7 @@ class VllmEngineProcess(ServerProcess):
         super().__init__(log_path, log_suffix=".vllm.log", host=host, token=token)
         self.checkpoint, self.seed, self.dtype, self.backend = checkpoint, seed, dtype, backend
         self.max_model_len, self.extra_args, self.tp = max_model_len, list(extra_args or []), tp
+        self.skip_tokenizer_init = skip_tokenizer_init
 
     def command(self, port: int) -> list[str]:
         """The server's argv (vLLM's python first).
@@ -96,7 +101,7 @@ class VllmEngineProcess(ServerProcess):
             str(self.seed),
             "--dtype",
             self.dtype,
-            "--skip-tokenizer-init",
+            *(["--skip-tokenizer-init"] if self.skip_tokenizer_init else []),
             "--weight-transfer-config",
             json.dumps({"backend": self.backend}),
             "--max-model-len",
