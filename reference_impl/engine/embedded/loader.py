@@ -115,9 +115,9 @@ class EngineLoader:
             p = self.params[ct.param]
             self.shards[hf_name] = EngineShard(hf_name, target, tuple(ct.view(p).shape), p.dtype, ct)
         # vLLM parameter name -> its shards, for messages about names that map to a shard no shard has.
-        self.shards: dict[str, list[EngineShard]] = {}
+        self.by_vllm_name: dict[str, list[EngineShard]] = {}
         for shard in self.shards.values():
-            self.shards.setdefault(shard.target.name, []).append(shard)
+            self.by_vllm_name.setdefault(shard.target.name, []).append(shard)
         self.counts: dict[str, int] = {}
         self.reset_counts()
 
@@ -181,7 +181,7 @@ class EngineLoader:
 
     def _unknown_name_reason(self, name: str) -> str:
         target = hf_to_vllm(self.names, name)
-        known = self.shards.get(target.name)
+        known = self.by_vllm_name.get(target.name)
         if not known:
             return (
                 f"not a {self.model_type} checkpoint parameter of this engine (maps to vLLM name {target.name}, "
