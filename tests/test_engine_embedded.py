@@ -819,11 +819,12 @@ def test_shm_full_sync_matches_checkpoint(
     assert torch.equal(shm_buffer.tensor(n).clone(), protocol.pack(last))  # and unmodified
 
 
+NO_SUCH_SEGMENT = protocol.SHM_NAME_PREFIX + "0123456789abcdef"  # a producer's name, but nobody made it
 SHM_BAD = {
     # case: (handle edits, words the error must contain)
     "missing_handle": ({"drop": True}, ["chunk 5", "no handle"]),
     "nbytes_too_small": ({"nbytes": 60}, ["chunk 5", "bytes", "256"]),
-    "no_such_segment": ({"name": "wsh_no_such_segment"}, ["chunk 5", "cannot be opened", "wsh_no_such_segment"]),
+    "no_such_segment": ({"name": NO_SUCH_SEGMENT}, ["chunk 5", "cannot be opened", NO_SUCH_SEGMENT]),
     "kind_mismatch": ({"kind": "cuda_ipc"}, ["chunk 5", "cuda_ipc", "shm"]),
 }
 

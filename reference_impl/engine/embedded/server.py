@@ -8,7 +8,8 @@ the app is built, and may replace what runs at the engine's seams (`reference_im
 that cannot be loaded exits at startup.
 
 Request bodies are the protocol's (`wsh_vllm_plugin.protocol`: `InitInfo`, `UpdateInfo`, the handle
-layouts), validated by pydantic from those dataclasses.
+layouts), read by their `from_json` (exact JSON types, ranges, no unknown field; a name with a control
+character or twice in one chunk, a negative dimension: refused by field). Every body refuses unknown fields.
 
 Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; older releases
 `vllm/entrypoints/serve/dev/rlhf/api_router.py`), with plain-data answers the harness records:
@@ -29,9 +30,13 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
   "load_s", "loaded"}`. With backend shm / cuda_ipc, update_info's `"handle"` is `{"kind": "shm",
   "name", "nbytes"}` / `{"kind": "cuda_ipc", "ipc", "nbytes", "device_uuid"}`
   (opened by `reference_impl.transport.handles`) and the engine reads the chunk from it (no broadcast; views over
-  the shared buffer, copied by the load, dropped before the handle is closed). A missing, malformed or
-  unopenable handle is a 400 naming the chunk (kind "bytes"); so is a handle under backend gloo (nothing
-  is broadcast-received then: a sender that passes handles does not broadcast).
+  the shared buffer, copied by the load, dropped before the handle is closed). The handle is checked
+  (`handles.check_handle`) only after the session and the chunk's names, shapes and dtypes, and before
+  anything is mapped: its nbytes must be the declared dtypes x shapes, an shm segment must be named by the
+  producer (`protocol.SHM_NAME_PREFIX`), a cuda_ipc pickle may hold only what torch's `reduce_tensor`
+  makes. A missing, malformed, foreign or unopenable handle is a 400 naming the chunk and the field (kind
+  "bytes"); so is a handle under backend gloo (nothing is broadcast-received then: a sender that passes
+  handles does not broadcast).
 - POST /finish_weight_update `{"weight_version": v}` -> `{"weight_version", "update_counts": {shard:
   n for every shard}, "load_s"}`. A shard is one checkpoint tensor, keyed by its vLLM target string
   (`vllm_name` or `vllm_name[shard]`, e.g. `model.layers.0.mlp.experts.routed_experts.w13_weight[3:w1]`); a full sync
@@ -84,11 +89,12 @@ import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
     GLOO,
     HANDLE_KINDS,
+    MAX_INT64,
     InitInfo,
     ProtocolError,
     TransferGroup,
@@ -101,23 +107,30 @@ from reference_impl.engine.embedded.completions import CompletionEngine, Complet
 from reference_impl.engine.embedded.loader import EngineLoader
 
 
-class InitRequest(BaseModel):
-    init_info: InitInfo
+class _Body(BaseModel):
+    """A request body: an unknown field is a 400 naming it (vLLM ignores some; a typo must not pass)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
-class StartRequest(BaseModel):
-    weight_version: int | None = None  # vLLM declares `str | None`; numeric strings are accepted (pydantic)
+class InitRequest(_Body):
+    init_info: dict[str, Any]  # read by `InitInfo.from_json` (types, ranges, unknown fields)
 
 
-class UpdateRequest(BaseModel):
-    update_info: UpdateInfo
+class StartRequest(_Body):
+    # vLLM declares `str | None`; numeric strings are accepted (pydantic), as the update client sends them.
+    weight_version: int | None = Field(None, ge=0, le=MAX_INT64)
 
 
-class FinishRequest(BaseModel):
-    weight_version: int | None = None  # vLLM declares `str | None`; numeric strings are accepted (pydantic)
+class UpdateRequest(_Body):
+    update_info: dict[str, Any]  # read by `UpdateInfo.from_json` (types, names, shapes, unknown fields)
 
 
-class CheckerRequest(BaseModel):
+class FinishRequest(_Body):
+    weight_version: int | None = Field(None, ge=0, le=MAX_INT64)  # as StartRequest's
+
+
+class CheckerRequest(_Body):
     action: Literal["checksum", "shards", "reset", "compare"]
     baseline: dict[str, str] | None = None
 
@@ -146,6 +159,14 @@ class EngineState:
 def _request_error(route: str, field: str, msg: str) -> HTTPException:
     """A 400 shaped like the request-validation ones (keyed by the field, kind "request")."""
     return _http_error(400, f"bad request body for {route}: {field}: {msg}", {field: msg}, {field: "request"})
+
+
+def _read[T: (InitInfo, UpdateInfo)](cls: type[T], body: dict[str, Any], route: str, key: str) -> T:
+    """`cls.from_json(body)`; a broken rule is a 400 keyed by the field (`body.<key>.<field>`, kind "request")."""
+    try:
+        return cls.from_json(body)
+    except ProtocolError as e:
+        raise _request_error(route, ".".join(filter(None, ("body", key, e.field))), str(e)) from None
 
 
 def create_app(
@@ -218,8 +239,8 @@ def create_app(
 
     @app.post("/init_weight_transfer_engine")
     def init_weight_transfer_engine(req: InitRequest) -> dict[str, Any]:
-        info = req.init_info
         route = "/init_weight_transfer_engine"
+        info = _read(InitInfo, req.init_info, route, "init_info")
         if info.backend in HANDLE_KINDS:
             if info.backend == CUDA_IPC and not torch.cuda.is_available():
                 raise _request_error(
@@ -231,12 +252,6 @@ def create_app(
             with st.lock:
                 st.backend = info.backend
             return {"ok": True, "backend": info.backend}
-        try:
-            info.check()
-        except ProtocolError as e:
-            if e.required:
-                raise _request_error(route, f"body.init_info.{e.field}", e.reason) from None
-            raise _http_error(400, str(e)) from None
         assert info.master_address is not None and info.master_port is not None
         with st.lock:
             st.group = join_transfer_group(
@@ -264,7 +279,7 @@ def create_app(
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict[str, Any]:
-        info = req.update_info
+        info = _read(UpdateInfo, req.update_info, "/update_weights", "update_info")
         chunk = f"chunk {info.chunk_index}" if info.chunk_index is not None else "this chunk"
         with st.lock:
             if st.backend is None or (st.backend == GLOO and st.group is None):
@@ -320,18 +335,26 @@ def create_app(
                 dict.fromkeys(info.names, "bytes"),
             )
         assert st.group is not None
+        if info.src == st.group.rank or info.src >= st.group.world_size:
+            why = f"src {info.src} is not a sender in the transfer group (this engine is rank {st.group.rank} of "
+            why += f"{st.group.world_size}); nothing was received"
+            raise receive.ChunkRejected(
+                f"{chunk}: {why}", {"body.update_info.src": why}, {"body.update_info.src": "request"}
+            )
         # As vLLM's worker: no session, no receive (the sender must not broadcast then; see client.py).
         _require_session(info, chunk, "nothing received")
         payload = st.group.receive_chunk(info.src)  # with a session: receive first, check after
         return int(payload.numel()), _apply(info, chunk, payload)
 
     def _receive_handle(info: UpdateInfo, chunk: str) -> tuple[int, float]:
+        # Session, metadata, then the handle (the one validation, against the declared size): a handle is
+        # mapped only for a chunk the engine would load.
         assert st.backend is not None
-        nbytes = receive.check_handle(info.handle, st.backend, chunk, info.names)
-        _require_session(info, chunk, f"its {nbytes}-byte handle was not opened")
-        assert info.handle is not None
+        _require_session(info, chunk, "its handle was not opened")
+        nbytes = st.applier.check(chunk, info.names, info.dtype_names, info.shapes)
+        handle = receive.check_handle(info.handle, st.backend, chunk, info.names, nbytes)
         with contextlib.ExitStack() as stack:
-            payload = receive.open_handle(stack, info.handle, chunk, info.names)
+            payload = receive.open_handle(stack, handle, chunk, info.names)
             try:
                 return int(payload.numel()), _apply(info, chunk, payload)
             finally:
