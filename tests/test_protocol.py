@@ -151,6 +151,7 @@ CHUNK = {"names": ["a", "b"], "dtype_names": ["float32", "int64"], "shapes": [[2
     ("edits", "field", "words"),
     [
         ({"names": ["a", "a"]}, "names.1", "appears twice"),
+        ({"names": [], "dtype_names": [], "shapes": []}, "names", "no tensor"),
         ({"names": ["a", "b\x00c"]}, "names.1", "control character '\\x00'"),
         ({"names": ["", "b"]}, "names.0", "1..1024 characters"),
         ({"names": ["a", "b" * 1025]}, "names.1", "1..1024 characters"),

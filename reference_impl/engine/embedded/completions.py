@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 # vLLM's _SAMPLING_EPS (vllm/sampling_params.py): below it vLLM samples greedily; here logits / T would
@@ -89,16 +89,17 @@ class MultiModalData(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """The fields of vLLM's `CompletionRequest` this engine serves (see the module docstring)."""
+    """The fields of vLLM's `CompletionRequest` this engine serves (see the module docstring), with exact
+    JSON types (`"1"` or `true` is no max_tokens)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: list[StrictInt] = Field(min_length=1)
-    max_tokens: int = Field(1, ge=0, le=1)
-    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: StrictInt = Field(1, ge=0, le=1)
+    temperature: StrictFloat = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     multi_modal_data: MultiModalData | None = None
 
 

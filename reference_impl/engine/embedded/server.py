@@ -83,13 +83,14 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
     GLOO,
@@ -117,9 +118,20 @@ class InitRequest(_Body):
     init_info: dict[str, Any]  # read by `InitInfo.from_json` (types, ranges, unknown fields)
 
 
+def _weight_version(value: Any) -> Any:
+    """An int, or its decimal string (vLLM declares `str | None`; the update client sends strings)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    raise ValueError(f"weight_version must be an integer >= 0 or its decimal string, got {type(value).__name__}")
+
+
+WeightVersion = Annotated[int | None, BeforeValidator(_weight_version), Field(ge=0, le=MAX_INT64)]
+
+
 class StartRequest(_Body):
-    # vLLM declares `str | None`; numeric strings are accepted (pydantic), as the update client sends them.
-    weight_version: int | None = Field(None, ge=0, le=MAX_INT64)
+    weight_version: WeightVersion = None
 
 
 class UpdateRequest(_Body):
@@ -127,7 +139,7 @@ class UpdateRequest(_Body):
 
 
 class FinishRequest(_Body):
-    weight_version: int | None = Field(None, ge=0, le=MAX_INT64)  # as StartRequest's
+    weight_version: WeightVersion = None
 
 
 class CheckerRequest(_Body):
@@ -200,6 +212,16 @@ def create_app(
                 }
             },
         )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Ours carry the detail dict already; the framework's own (404, 405, a body that cannot be parsed at
+        # all) carry a sentence: answer those in the same shape, keyed by the route.
+        detail = exc.detail
+        if not (isinstance(detail, dict) and {"error", "rejected", "kinds"} <= set(detail)):
+            why = f"{request.method} {request.url.path}: {detail}"
+            detail = {"error": why, "rejected": {request.url.path: why}, "kinds": {request.url.path: "request"}}
+        return JSONResponse(status_code=exc.status_code, content={"detail": detail}, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -405,7 +427,9 @@ def create_app(
         if req.action == "checksum":
             return {"checksums": sums, "weight_version": st.weight_version}
         if req.baseline is None:
-            raise _http_error(400, "action 'compare' requires a 'baseline' object {hf_name: checksum}")
+            raise _request_error(
+                "/weight_checker", "body.baseline", "action 'compare' requires a 'baseline' object {hf_name: checksum}"
+            )
         keys = set(sums) | set(req.baseline)
         mismatches = sorted(k for k in keys if sums.get(k) != req.baseline.get(k))
         return {"match": not mismatches, "mismatches": mismatches, "weight_version": st.weight_version}

@@ -185,12 +185,14 @@ class UpdateInfo:
 
         Raises:
             ProtocolError: a value of the wrong type; the three lists differ in length ("names",
-                `check_lengths`); a name that is empty, longer than MAX_NAME_CHARS, holds a control
-                character (NUL included) or appears twice ("names.<i>"); a dimension outside
+                `check_lengths`) or are empty ("names"); a name that is empty, longer than MAX_NAME_CHARS,
+                holds a control character (NUL included) or appears twice ("names.<i>"); a dimension outside
                 0..MAX_INT64 ("shapes.<i>.<j>"); src or chunk_index outside 0..MAX_INT64.
         """
         check_types(self)
         check_lengths(self.names, self.dtype_names, self.shapes)
+        if not self.names:
+            raise ProtocolError("names", "a chunk declares no tensor; send at least one name")
         seen: dict[str, int] = {}
         for i, name in enumerate(self.names):
             where = f"names.{i}"
