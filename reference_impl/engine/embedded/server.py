@@ -80,77 +80,32 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import torch
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
     GLOO,
     HANDLE_KINDS,
-    MAX_INT64,
     InitInfo,
-    ProtocolError,
     TransferGroup,
     UpdateInfo,
     join_transfer_group,
 )
 
-from reference_impl.engine.embedded import receive
+from reference_impl.engine.embedded import bodies, receive
+from reference_impl.engine.embedded.bodies import (
+    CheckerRequest,
+    FinishRequest,
+    InitRequest,
+    StartRequest,
+    UpdateRequest,
+)
 from reference_impl.engine.embedded.completions import CompletionEngine, CompletionError, CompletionRequest
 from reference_impl.engine.embedded.loader import EngineLoader
-
-
-class _Body(BaseModel):
-    """A request body: an unknown field is a 400 naming it (vLLM ignores some; a typo must not pass)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class InitRequest(_Body):
-    init_info: dict[str, Any]  # read by `InitInfo.from_json` (types, ranges, unknown fields)
-
-
-def _weight_version(value: Any) -> Any:
-    """An int, or its decimal string (vLLM declares `str | None`; the update client sends strings)."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        return int(value)
-    raise ValueError(f"weight_version must be an integer >= 0 or its decimal string, got {type(value).__name__}")
-
-
-WeightVersion = Annotated[int | None, BeforeValidator(_weight_version), Field(ge=0, le=MAX_INT64)]
-
-
-class StartRequest(_Body):
-    weight_version: WeightVersion = None
-
-
-class UpdateRequest(_Body):
-    update_info: dict[str, Any]  # read by `UpdateInfo.from_json` (types, names, shapes, unknown fields)
-
-
-class FinishRequest(_Body):
-    weight_version: WeightVersion = None
-
-
-class CheckerRequest(_Body):
-    action: Literal["checksum", "shards", "reset", "compare"]
-    baseline: dict[str, str] | None = None
-
-
-def _http_error(
-    status: int, error: str, rejected: dict[str, str] | None = None, kinds: dict[str, str] | None = None
-) -> HTTPException:
-    return HTTPException(status, detail={"error": error, "rejected": rejected or {}, "kinds": kinds or {}})
 
 
 class EngineState:
@@ -166,19 +121,6 @@ class EngineState:
         self.session_load_s = 0.0
         self.paused = False
         self.lock = threading.Lock()  # one chunk received + loaded at a time, in arrival order
-
-
-def _request_error(route: str, field: str, msg: str) -> HTTPException:
-    """A 400 shaped like the request-validation ones (keyed by the field, kind "request")."""
-    return _http_error(400, f"bad request body for {route}: {field}: {msg}", {field: msg}, {field: "request"})
-
-
-def _read[T: (InitInfo, UpdateInfo)](cls: type[T], body: dict[str, Any], route: str, key: str) -> T:
-    """`cls.from_json(body)`; a broken rule is a 400 keyed by the field (`body.<key>.<field>`, kind "request")."""
-    try:
-        return cls.from_json(body)
-    except ProtocolError as e:
-        raise _request_error(route, ".".join(filter(None, ("body", key, e.field))), str(e)) from None
 
 
 def create_app(
@@ -198,44 +140,7 @@ def create_app(
         loader.model, config if config is not None else loader.model.config.to_dict(), served_name
     )
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        fields = {".".join(str(x) for x in e.get("loc", ())): str(e.get("msg", "")) for e in exc.errors()}
-        first = next(iter(fields.items()), ("body", "invalid"))
-        return JSONResponse(
-            status_code=400,
-            content={
-                "detail": {
-                    "error": f"bad request body for {request.url.path}: {first[0]}: {first[1]}",
-                    "rejected": fields,
-                    "kinds": dict.fromkeys(fields, "request"),
-                }
-            },
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Ours carry the detail dict already; the framework's own (404, 405, a body that cannot be parsed at
-        # all) carry a sentence: answer those in the same shape, keyed by the route.
-        detail = exc.detail
-        if not (isinstance(detail, dict) and {"error", "rejected", "kinds"} <= set(detail)):
-            why = f"{request.method} {request.url.path}: {detail}"
-            detail = {"error": why, "rejected": {request.url.path: why}, "kinds": {request.url.path: "request"}}
-        return JSONResponse(status_code=exc.status_code, content={"detail": detail}, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            status_code=500,
-            content={
-                "detail": {
-                    "error": f"{type(exc).__name__} in {request.url.path}: {exc}",
-                    "rejected": {},
-                    "kinds": {},
-                    "traceback": "".join(traceback.format_exception(exc)),
-                }
-            },
-        )
+    bodies.install_error_handlers(app)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -262,10 +167,10 @@ def create_app(
     @app.post("/init_weight_transfer_engine")
     def init_weight_transfer_engine(req: InitRequest) -> dict[str, Any]:
         route = "/init_weight_transfer_engine"
-        info = _read(InitInfo, req.init_info, route, "init_info")
+        info = bodies.read(InitInfo, req.init_info, route, "init_info")
         if info.backend in HANDLE_KINDS:
             if info.backend == CUDA_IPC and not torch.cuda.is_available():
-                raise _request_error(
+                raise bodies.request_error(
                     route,
                     "body.init_info.backend",
                     "backend 'cuda_ipc' needs CUDA in the engine process (torch.cuda.is_available() is False); "
@@ -291,7 +196,7 @@ def create_app(
         with st.lock:
             if st.session_open:
                 why = "start_weight_update called while an update session is open; POST /finish_weight_update first"
-                raise _http_error(400, why, {"/start_weight_update": why}, {"/start_weight_update": "session"})
+                raise bodies.http_error(400, why, {"/start_weight_update": why}, {"/start_weight_update": "session"})
             st.session_open = True
             st.session_load_s = 0.0
             st.loader.reset_counts()
@@ -301,11 +206,11 @@ def create_app(
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict[str, Any]:
-        info = _read(UpdateInfo, req.update_info, "/update_weights", "update_info")
+        info = bodies.read(UpdateInfo, req.update_info, "/update_weights", "update_info")
         chunk = f"chunk {info.chunk_index}" if info.chunk_index is not None else "this chunk"
         with st.lock:
             if st.backend is None or (st.backend == GLOO and st.group is None):
-                raise _http_error(
+                raise bodies.http_error(
                     400,
                     f"{chunk}: no transfer group or handle backend; POST /init_weight_transfer_engine before "
                     "/update_weights",
@@ -313,7 +218,7 @@ def create_app(
                     dict.fromkeys(info.names, "session"),
                 )
             if not info.packed:
-                raise _http_error(
+                raise bodies.http_error(
                     400,
                     f"{chunk}: packed=false is not supported by the embedded engine; send packed chunks",
                     dict.fromkeys(info.names, "unpacked transfer"),
@@ -325,7 +230,7 @@ def create_app(
                 else:
                     received, load_s = _receive_handle(info, chunk)
             except receive.ChunkRejected as e:
-                raise _http_error(400, e.error, e.rejected, e.kinds) from None
+                raise bodies.http_error(400, e.error, e.rejected, e.kinds) from None
             st.session_load_s += load_s
         return {
             "ok": True,
@@ -387,7 +292,7 @@ def create_app(
         with st.lock:
             if not st.session_open:
                 why = "finish_weight_update called without an open session; POST /start_weight_update first"
-                raise _http_error(400, why, {"/finish_weight_update": why}, {"/finish_weight_update": "session"})
+                raise bodies.http_error(400, why, {"/finish_weight_update": why}, {"/finish_weight_update": "session"})
             st.session_open = False
             if req is not None and req.weight_version is not None:
                 st.weight_version = req.weight_version
@@ -413,7 +318,7 @@ def create_app(
                     )
                 return completer.complete(req, inputs, st.weight_version)
         except CompletionError as e:
-            raise _http_error(e.status, e.error, e.rejected, e.kinds) from None
+            raise bodies.http_error(e.status, e.error, e.rejected, e.kinds) from None
 
     @app.post("/weight_checker")
     def weight_checker(req: CheckerRequest) -> dict[str, Any]:
@@ -427,7 +332,7 @@ def create_app(
         if req.action == "checksum":
             return {"checksums": sums, "weight_version": st.weight_version}
         if req.baseline is None:
-            raise _request_error(
+            raise bodies.request_error(
                 "/weight_checker", "body.baseline", "action 'compare' requires a 'baseline' object {hf_name: checksum}"
             )
         keys = set(sums) | set(req.baseline)
