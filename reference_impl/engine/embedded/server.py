@@ -26,7 +26,9 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
   "chunk_index", "handle"}}` -> with no open session, a 400 (kind "session") before anything is received, as
   vLLM's worker refuses it before its transfer backend runs (a sender must not broadcast then);
   otherwise receives the chunk from the group FIRST (so a bad body never leaves the trainer's broadcast
-  hanging), then checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
+  hanging: also an update_info the protocol refuses is received and dropped first, as vLLM's gloo plugin
+  does; only a body that is no object with an object `update_info` is refused before, by both), then
+  checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
   "load_s", "loaded"}`. With backend shm / cuda_ipc, update_info's `"handle"` is `{"kind": "shm",
   "name", "nbytes"}` / `{"kind": "cuda_ipc", "ipc", "nbytes", "device_uuid"}`
   (opened by `reference_impl.transport.handles`) and the engine reads the chunk from it (no broadcast; views over
@@ -85,11 +87,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
     GLOO,
     HANDLE_KINDS,
+    SENDER_RANK,
     InitInfo,
     TransferGroup,
     UpdateInfo,
@@ -206,7 +209,12 @@ def create_app(
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict[str, Any]:
-        info = bodies.read(UpdateInfo, req.update_info, "/update_weights", "update_info")
+        try:
+            info = bodies.read(UpdateInfo, req.update_info, "/update_weights", "update_info")
+        except HTTPException:
+            with st.lock:
+                _drain(req.update_info)
+            raise
         chunk = f"chunk {info.chunk_index}" if info.chunk_index is not None else "this chunk"
         with st.lock:
             if st.backend is None or (st.backend == GLOO and st.group is None):
@@ -218,6 +226,7 @@ def create_app(
                     dict.fromkeys(info.names, "session"),
                 )
             if not info.packed:
+                _drain(req.update_info)
                 raise bodies.http_error(
                     400,
                     f"{chunk}: packed=false is not supported by the embedded engine; send packed chunks",
@@ -239,6 +248,17 @@ def create_app(
             "load_s": load_s,
             "loaded": len(info.names),
         }
+
+    def _drain(update_info: dict[str, Any]) -> None:
+        """Under gloo, inside a session, receive and drop the chunk whose update_info is refused (call under
+        the lock): the sender broadcasts while its call is in flight, and as vLLM's gloo plugin receives
+        before it parses, the sender never hangs on a refused body. From `src` when it names another rank
+        of the group, else from the sender's rank. Nothing when a handle is given (no broadcast then)."""
+        if st.backend != GLOO or st.group is None or not st.session_open or update_info.get("handle") is not None:
+            return
+        src = update_info.get("src", SENDER_RANK)
+        usable = isinstance(src, int) and not isinstance(src, bool) and 0 <= src < st.group.world_size
+        st.group.receive_chunk(src if usable and src != st.group.rank else SENDER_RANK)
 
     def _require_session(info: UpdateInfo, chunk: str, what: str) -> None:
         if not st.session_open:
@@ -262,14 +282,15 @@ def create_app(
                 dict.fromkeys(info.names, "bytes"),
             )
         assert st.group is not None
+        # As vLLM's worker: no session, no receive (the sender must not broadcast then; see client.py).
+        _require_session(info, chunk, "nothing received")
         if info.src == st.group.rank or info.src >= st.group.world_size:
             why = f"src {info.src} is not a sender in the transfer group (this engine is rank {st.group.rank} of "
-            why += f"{st.group.world_size}); nothing was received"
+            why += f"{st.group.world_size}); the chunk was received from rank {SENDER_RANK} and dropped"
+            _drain({"src": SENDER_RANK})
             raise receive.ChunkRejected(
                 f"{chunk}: {why}", {"body.update_info.src": why}, {"body.update_info.src": "request"}
             )
-        # As vLLM's worker: no session, no receive (the sender must not broadcast then; see client.py).
-        _require_session(info, chunk, "nothing received")
         payload = st.group.receive_chunk(info.src)  # with a session: receive first, check after
         return int(payload.numel()), _apply(info, chunk, payload)
 
