@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from hostile.bodies import PickledCall
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from wsh_vllm_plugin import protocol
 from wsh_vllm_plugin.protocol import SHM_NAME_PREFIX, CudaIpcHandle, ProtocolError
@@ -65,16 +66,6 @@ def _ipc(obj: object) -> str:
 
 def _handle(ipc: str, nbytes: int = NBYTES) -> dict[str, Any]:
     return asdict(CudaIpcHandle(ipc=ipc, nbytes=nbytes, device_uuid="GPU-0"))
-
-
-class _Call:
-    """Unpickles as `fn(*args)`: the pickle itself makes the call (REDUCE), before any tuple is read."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        self.fn, self.args = fn, args
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return self.fn, self.args
 
 
 class _Recorder(pickle.Unpickler):
@@ -127,9 +118,9 @@ def test_hostile_calls_are_refused_and_never_run(tmp_path: Path) -> None:
     target = tmp_path / "written.pt"
     marker = tmp_path / "ran"
     cases = {
-        torch.save: [_Call(torch.save, {"x": 1}, str(target)), (torch.save, ({"x": 1}, str(target)))],
-        builtins.eval: [_Call(builtins.eval, f"open({str(marker)!r}, 'w')"), (builtins.eval, ("1",))],
-        os.system: [_Call(os.system, f"touch {marker}"), (os.system, (f"touch {marker}",))],
+        torch.save: [PickledCall(torch.save, {"x": 1}, str(target)), (torch.save, ({"x": 1}, str(target)))],
+        builtins.eval: [PickledCall(builtins.eval, f"open({str(marker)!r}, 'w')"), (builtins.eval, ("1",))],
+        os.system: [PickledCall(os.system, f"touch {marker}"), (os.system, (f"touch {marker}",))],
     }
     for fn, payloads in cases.items():
         qualname = f"{fn.__module__}.{fn.__qualname__}"  # as pickle names it: torch.serialization.save
@@ -141,17 +132,17 @@ def test_hostile_calls_are_refused_and_never_run(tmp_path: Path) -> None:
     assert not target.exists() and not marker.exists()
     # Sent to an shm engine, the same handle is refused for what it holds, not only for its kind.
     with pytest.raises(ProtocolError, match=r"torch\.serialization\.save"):
-        check_handle(_handle(_ipc(_Call(torch.save, {"x": 1}, str(target)))), "shm", NBYTES)
+        check_handle(_handle(_ipc(PickledCall(torch.save, {"x": 1}, str(target)))), "shm", NBYTES)
     assert not target.exists()
 
 
 def test_allowed_globals_are_never_called_while_unpickling() -> None:
     """The rebuild function and the classes are allowed as names only: a pickle that calls them refuses."""
-    call = _Call(rebuild_cuda_tensor, *_args())
+    call = PickledCall(rebuild_cuda_tensor, *_args())
     with pytest.raises(ProtocolError, match=r"may not call torch\.multiprocessing\.reductions\.rebuild_cuda_tensor"):
         decode_ipc(_ipc((call, ())), NBYTES)
     with pytest.raises(ProtocolError, match=r"may not call torch\.Tensor"):
-        decode_ipc(_ipc((rebuild_cuda_tensor, (_Call(torch.Tensor, 10**6),))), NBYTES)
+        decode_ipc(_ipc((rebuild_cuda_tensor, (PickledCall(torch.Tensor, 10**6),))), NBYTES)
 
 
 @pytest.mark.parametrize(
