@@ -80,6 +80,10 @@ class EngineActor:
     def pid(self) -> int | None:
         return self.proc.pid() if self.proc else None
 
+    def log_tail(self) -> str:
+        """The last lines of the engine server's log."""
+        return self.proc.log_tail() if self.proc else "(engine never started)"
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()

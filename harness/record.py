@@ -29,6 +29,7 @@ __all__ = [
     "ErrorRecord",
     "HttpCall",
     "OracleFailure",
+    "RecoveryRecord",
     "RunRecord",
     "SyncRecord",
     "TensorLayout",
@@ -69,6 +70,18 @@ class OracleFailure(BaseModel):
     reason: str  # exception class and message
 
 
+class RecoveryRecord(BaseModel):
+    """After a failed sync: was the engine alive, and did one clean sync of the unchanged weights (every
+    fault undone) leave it holding the expected state (`harness.session.ScenarioSession.recover`)?"""
+
+    after_sync: int
+    health_status: int = 0  # GET /health; 0 when no answer
+    completion_status: int | None = None  # one prompt-log-prob completion; None when not tried
+    engine_log_tail: str = ""  # when the engine no longer answers
+    clean_sync: int | None = None  # the recovery sync's index in `syncs`
+    clean_sync_finished: bool = False  # it ran start -> updates -> finish with every call answered 200
+
+
 class SyncRecord(SyncReport):
     """One weight update (start -> update x chunks -> finish): the sender's `SyncReport` with phases and
     wall time merged over ranks, and what the harness measured after it."""
@@ -82,9 +95,17 @@ class SyncRecord(SyncReport):
     # HF name -> checksum of the state every export must produce after this sync (`harness.oracles.expected`).
     expected_checksums: dict[str, str] = Field(default_factory=dict)
     perturbed: bool = True  # the trainer's weights changed since the previous sync (False: a re-sync)
+    recovery: bool = False  # the clean sync after a failed one (`RunRecord.recovery`)
+    engine_weight_version: str | None = None  # GET /weight_info after the finish (None: not asked)
+    # The probe served through the engine's caches after this sync: generated token, its log-prob on the
+    # engine and under the expected state (`harness.session.ScenarioSession.measure_probe`).
+    probe: dict[str, Any] = Field(default_factory=dict)
     # Log-prob parity after this sync (`harness.checks.logprob_parity`): forward, temperature, tokens,
-    # max_abs, mean_abs, mean_exp_abs (NeMo-RL's mean exp|diff|), first_diff.
+    # max_abs, mean_abs, mean_exp_abs (NeMo-RL's mean exp|diff|), first_diff. `logprobs`: the trainer's
+    # Megatron forward vs the engine; `logprobs_expected`: a transformers forward over the expected state
+    # vs the engine.
     logprobs: dict[str, Any] = Field(default_factory=dict)
+    logprobs_expected: dict[str, Any] = Field(default_factory=dict)
     engine_logprobs: list[list[float]] = Field(default_factory=list)  # per fixed prompt, after this sync
 
 
@@ -104,6 +125,7 @@ class RunRecord(BaseModel):
     http: list[HttpCall] = Field(default_factory=list)
     errors: list[ErrorRecord] = Field(default_factory=list)
     oracle_failures: list[OracleFailure] = Field(default_factory=list)
+    recovery: RecoveryRecord | None = None
     syncs: list[SyncRecord] = Field(default_factory=list)
     requested_export_mode: str = ""  # export mode the scenario asked for
     engine_capabilities: Capabilities | None = None  # what the scenario's engine can report (None: not run)
@@ -117,6 +139,9 @@ class RunRecord(BaseModel):
     group_members: list[str] = Field(default_factory=list)
     group_differences: list[str] = Field(default_factory=list)
     logprob_budget: dict[str, float] = Field(default_factory=dict)  # max_abs / mean_exp_abs allowed
+    # The same for the trainer's Megatron forward vs the engine: `logprob_budget` plus the model family's
+    # known, sourced gap (`ModelFamily.trainer_logprob_gap`), when it has one.
+    trainer_logprob_budget: dict[str, float] = Field(default_factory=dict)
     verdict: str = ""
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)

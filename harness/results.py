@@ -53,6 +53,7 @@ COLUMNS: tuple[str, ...] = (
     *PHASE_COLUMNS,
     "logprob_max_abs",
     "logprob_mean_exp_abs",
+    "logprob_expected_max_abs",
     "http_200",
     "verdict",
     "expected",
@@ -159,6 +160,8 @@ def record_row(record: RunRecord) -> dict[str, Any]:
     measured = [s.logprobs for s in record.syncs if s.logprobs]
     row["logprob_max_abs"] = max((m["max_abs"] for m in measured), default=_NAN)
     row["logprob_mean_exp_abs"] = max((m["mean_exp_abs"] for m in measured), default=_NAN)
+    over_expected = [s.logprobs_expected for s in record.syncs if s.logprobs_expected]
+    row["logprob_expected_max_abs"] = max((m["max_abs"] for m in over_expected), default=_NAN)
     expected = expected_verdict(record)
     row.update(
         http_200=http_200_summary(record),

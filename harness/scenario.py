@@ -52,6 +52,7 @@ class Scenario(BaseModel):
     expect: str = "PASS"
     expect_note: str = ""  # a phrase some check must also say (e.g. "oracle could not run"), with `expect`
     fault: str | None = None
+    fault_sync: int | None = None  # arm a trainer fault for this sync only (fail once, then recover)
     suffix: str = ""  # distinguishes scenarios that share model/layout/placement/mode; {field} placeholders
     group: str = ""  # scenarios with the same group_key must leave bit-identical engine weights
     deadline_s: float | None = None  # per-sync deadline; None = from bytes and a margin

@@ -91,7 +91,7 @@ def _fault_problem(sc: Scenario) -> str | None:
 
     if sc.fault not in FAULTS:
         return f"fault {sc.fault!r} is unknown: use one of {sorted(FAULTS)}"
-    if FAULTS[sc.fault].side == "engine" and not engine_kind(sc.engine).capabilities.fault_hooks:
+    if FAULTS[sc.fault].engine is not None and not engine_kind(sc.engine).capabilities.fault_hooks:
         hooks = [name for name, kind in ENGINES.items() if kind.capabilities.fault_hooks]
         return (
             f"fault {sc.fault!r} is a hook the engine loads at start and engine {sc.engine} loads none: "

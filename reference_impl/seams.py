@@ -1,7 +1,8 @@
 """The named seams of the weight-sync path: the only places where a fault injection may replace code.
 
 A seam is a module attribute that production code calls through its module (so replacing the attribute
-changes what runs) and that has a purpose of its own on the sync path; nothing here exists only to be
+changes what runs; a method of a Ray actor's class is not one: Ray binds an actor's methods when it
+creates the actor) and that has a purpose of its own on the sync path; nothing here exists only to be
 patched. The harness's fault injections (`harness/faults/`) reach the system under test through
 `replace` and nothing else: a fault names the seam it changes, and a seam that moves breaks loudly here
 instead of silently patching nothing.
@@ -10,7 +11,7 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 
 | seam | what runs there |
 | --- | --- |
-| `connect_engine` | a trainer rank sets up its channel to the engine (/init_weight_transfer_engine) |
+| `talks_to_engine` | which trainer rank sets up the channel to the engine (/init_weight_transfer_engine) |
 | `train_step` | the trainer's step between syncs over every (global name, parameter) |
 | `convert` | raw export: one full Megatron parameter -> its HF (name, tensor) pairs |
 | `export` | the export mode dispatch (raw / bridge) |
@@ -18,17 +19,19 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 | `plan_chunks` | the chunk (bucket) plan every rank computes |
 | `update_info` | one chunk's `update_info` body |
 | `send_chunk` | the sender hands one chunk to its channel |
+| `reset_engine_caches` | after a finished update, the sender resets the engine's prefix and encoder caches |
 | `hand_off` / `collect` | non-sender ranks hand their tensors to the sender / the sender collects them |
 | `colocate_pack` | the colocate producer packs a chunk into its shared buffer |
-| `fused_logprobs` | the trainer-side fused log-prob kernel |
-| `vl_hidden_states` | the trainer-side Qwen3-VL forward (vision path kwargs, mRoPE ids) |
-| `vl_text_forward` | transformers' Qwen3-VL language model forward (the library's own) |
+| `megatron_forward_kwargs` | the trainer's log-prob forward: one prompt's inputs to the Megatron model |
+| `megatron_logprobs_kernel` | the trainer's vocab-parallel fused log-prob kernel (takes the temperature) |
 
 Engine side (replaced inside the embedded engine's process by a fault hook it loads at start):
 
 | seam | what runs there |
 | --- | --- |
+| `engine_validate` | the loader checks a chunk's names, dtypes and shapes before anything is loaded |
 | `engine_load` | the loader copies one validated chunk into the engine's parameters |
+| `engine_commit_version` | /finish_weight_update commits the new weight version |
 | `engine_session_start` | the loader's per-session reset at /start_weight_update |
 """
 
@@ -39,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 SEAMS: dict[str, tuple[str, str]] = {
-    "connect_engine": ("reference_impl.worker", "TrainerWorker.connect_engine"),
+    "talks_to_engine": ("reference_impl.worker", "talks_to_engine"),
     "train_step": ("reference_impl.trainer.step", "apply"),
     "convert": ("reference_impl.export.stream", "convert"),
     "export": ("reference_impl.export.stream", "export"),
@@ -47,13 +50,15 @@ SEAMS: dict[str, tuple[str, str]] = {
     "plan_chunks": ("reference_impl.transport.sync", "plan_chunks"),
     "update_info": ("reference_impl.transport.sync", "update_info"),
     "send_chunk": ("reference_impl.transport.sync", "send_chunk"),
+    "reset_engine_caches": ("reference_impl.transport.sync", "reset_engine_caches"),
     "hand_off": ("reference_impl.transport.sync", "hand_off"),
     "collect": ("reference_impl.transport.sync", "collect"),
     "colocate_pack": ("reference_impl.transport.colocate", "pack"),
-    "fused_logprobs": ("reference_impl.forward.logprobs", "fused_logprobs"),
-    "vl_hidden_states": ("reference_impl.forward.hf", "vl_hidden_states"),
-    "vl_text_forward": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextModel.forward"),
+    "megatron_forward_kwargs": ("reference_impl.forward.megatron", "forward_kwargs"),
+    "megatron_logprobs_kernel": ("reference_impl.forward.megatron", "vocab_parallel_logprobs"),
+    "engine_validate": ("reference_impl.engine.embedded.loader", "EngineLoader.validate"),
     "engine_load": ("reference_impl.engine.embedded.loader", "EngineLoader.load"),
+    "engine_commit_version": ("reference_impl.engine.embedded.server", "EngineState.commit_version"),
     "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),
 }
 
@@ -82,6 +87,9 @@ def current(seam: str) -> Callable[..., Any]:
     return getattr(owner, attr)
 
 
+_ORIGINALS: dict[str, Callable[..., Any]] = {}  # what ran at each replaced seam before its first replacement
+
+
 def replace(seam: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
     """Replace what runs at `seam` by `make(current)` in this process; returns the previous callable.
 
@@ -90,5 +98,16 @@ def replace(seam: str, make: Callable[[Callable[..., Any]], Callable[..., Any]])
     """
     owner, attr = _owner(seam)
     previous = getattr(owner, attr)
+    _ORIGINALS.setdefault(seam, previous)
     setattr(owner, attr, make(previous))
     return previous
+
+
+def restore_all() -> list[str]:
+    """Put back what ran at every replaced seam (undo every fault in this process); returns their names."""
+    restored = list(_ORIGINALS)
+    for seam, original in _ORIGINALS.items():
+        owner, attr = _owner(seam)
+        setattr(owner, attr, original)
+    _ORIGINALS.clear()
+    return restored

@@ -11,8 +11,11 @@ size.
 from __future__ import annotations
 
 import gc
+import importlib
+import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,12 @@ class TrainerSetup:
     trace_dir: str | None = None
 
 
+def talks_to_engine(rank: int, layout: RankLayout | None) -> bool:
+    """Whether this trainer rank is the one that sets up the channel to the engine and sends (global rank
+    0, the sender; the other ranks hand their tensors to it). A seam (`reference_impl.seams`)."""
+    return rank == SENDER
+
+
 class TrainerWorker:
     """One trainer rank (see module doc). Methods return plain data (dicts) for the runner."""
 
@@ -66,8 +75,6 @@ class TrainerWorker:
         self.layout: RankLayout | None = None
         self.client: EngineClient | None = None
         self.channel: Channel | None = None
-        self.last_sent: dict[str, torch.Tensor] = {}  # sender: the tensors of the last sync, by HF name
-        self.reference: Any = None  # sender: the trainer-side log-prob forward (built on first use)
         self.checkpoint = ""
         self.trace_dir: Path | None = None
         self.progress = Progress(None)
@@ -102,7 +109,7 @@ class TrainerWorker:
         a thread while this rank joins as rank 0. Colocate: a shared-memory segment (CUDA IPC on GPU)
         passed by handle; the engine has nothing to join. Returns the HTTP calls made.
         """
-        if self.rank != SENDER:
+        if not talks_to_engine(self.rank, self.layout):
             return []
         kind = engine_kind(engine)  # e.g. whether a failed chunk ends the session (see transport.client)
         self.client = EngineClient(
@@ -135,7 +142,6 @@ class TrainerWorker:
         what this rank observed and the engine calls it made (the sender's; none on other ranks)."""
         assert self.model is not None and self.layout is not None
         t0 = time.perf_counter()
-        self.last_sent = {}
         self.progress.at(f"sync {index}: {export_mode} export (gather and convert)")
         ex = stream.export(export_mode, self.model, self.layout, self.convert_config)
         named, phases = ex.tensors, ex.phases
@@ -149,7 +155,6 @@ class TrainerWorker:
             weight_version=weight_version,
             client=self.client,
             channel=self.channel,
-            keep=self.last_sent if self.rank == SENDER else None,
             progress=self.progress,
         )
         res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
@@ -158,28 +163,20 @@ class TrainerWorker:
         return res, self._drain_calls()
 
     def trainer_logprobs(self, temperature: float) -> dict[str, Any]:
-        """Sender only: log-probs of the fixed prompts under the tensors the last sync sent.
+        """Collective on every rank: the trainer's own log-probs of the fixed prompts at `temperature`,
+        from its Megatron model (`forward.megatron`: the pipeline schedule, vocab-parallel fused log-probs).
 
-        Returns {"forward": name, "prompts": [[logprob of token t+1 given tokens <= t, ...], ...]}
-        (prompts as `forward.reference.fixed_prompts` orders them), or {"forward", "skipped": reason}
-        when the sent tensors do not make a whole model (a broken sync).
+        Returns, on global rank 0, {"forward": name, "prompts": [[logprob of token t+1 given tokens <= t,
+        ...], ...]} (prompts as `forward.hf.fixed_prompts` orders them); {} on every other rank.
         """
-        from reference_impl.forward.hf import FORWARD_NAME, HfForward, IncompleteState, fixed_prompts
+        from reference_impl.forward import megatron
+        from reference_impl.forward.hf import fixed_prompts
 
-        if self.rank != SENDER:
-            return {}
-        self.progress.at("trainer log-probs: the transformers forward over what the last sync sent")
-        if self.reference is None:
-            self.reference = HfForward(Path(self.checkpoint))
-        try:
-            self.reference.load(self.last_sent)
-        except IncompleteState as e:  # a broken sync: the other checks judge it; nothing to compare
-            return {"forward": FORWARD_NAME, "skipped": str(e)}
-        out = []
-        for prompt in fixed_prompts(self.reference.config):
-            logprobs, _ = self.reference.logprobs(prompt, temperature)
-            out.append(logprobs.tolist())
-        return {"forward": FORWARD_NAME, "prompts": out}
+        assert self.model is not None
+        self.progress.at("trainer log-probs: the Megatron forward of the fixed prompts")
+        config = json.loads((Path(self.checkpoint) / "config.json").read_text())
+        out = megatron.megatron_logprobs(self.model, fixed_prompts(config), temperature)
+        return {"forward": megatron.FORWARD_NAME, "prompts": out} if out is not None else {}
 
     def perturb(self, step: int, seed: int) -> None:
         """Deterministic weight change standing in for a training step: every parameter goes through
@@ -212,14 +209,15 @@ class TrainerWorker:
             self.channel.close()
         self.client = None
         self.channel = None
-        self.last_sent = {}
-        self.reference = None
         self.model = None
         destroy_model_parallel()
         gc.collect()
 
-    def run_in_process(self, fn: Any) -> None:
-        """Call `fn()` in this rank's process (the runner uses it to apply a scenario's fault injection;
-        the pool is discarded after that scenario)."""
-        fn()
+    def run_in_process(self, fn: Callable[[], Any] | str) -> Any:
+        """Call `fn()` in this rank's process, `fn` a callable or `MODULE:FUNCTION` (the runner applies and
+        undoes a scenario's fault injection this way; the pool is discarded after that scenario)."""
+        if isinstance(fn, str):
+            module, _, name = fn.partition(":")
+            fn = getattr(importlib.import_module(module), name)
+        return fn()
 

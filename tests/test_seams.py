@@ -31,7 +31,7 @@ def test_replace_swaps_and_returns_the_previous_callable() -> None:
 
 
 def test_unknown_seam_says_which_exist() -> None:
-    with pytest.raises(KeyError, match="known seams: connect_engine, train_step"):
+    with pytest.raises(KeyError, match="known seams: talks_to_engine, train_step"):
         seams.replace("no_such_seam", lambda orig: orig)
 
 
@@ -59,10 +59,12 @@ def test_faults_patch_only_through_seams() -> None:
 
 def test_every_fault_is_applied_from_its_side() -> None:
     for fault in FAULTS.values():
-        assert fault.apply is not None
-        assert fault.apply.__module__ == f"harness.faults.{fault.side}", fault.name
-        if fault.side == "engine":
-            assert fault.hook == f"harness.faults.engine:{fault.name}"
+        assert fault.trainer is not None or fault.engine is not None, fault.name
+        if fault.trainer is not None:
+            assert fault.trainer.__module__ == "harness.faults.trainer", fault.name
+        if fault.engine is not None:
+            assert fault.engine.__module__ == "harness.faults.engine", fault.name
+            assert fault.hook == f"harness.faults.engine:{fault.engine.__name__}"
 
 
 def _is_replace_call(node: ast.AST) -> bool:

@@ -38,6 +38,7 @@ from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
 from harness.record import HttpCall, RunRecord
 from harness.runner import Runner
 from harness.scenario import Scenario
+from harness.session import merge_sync
 from harness.validate import validate
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
@@ -92,9 +93,10 @@ class Connected:
             scenario=Scenario(model="qwen3", engine=self.kind, syncs=1),
             requested_export_mode="raw",
             checkpoint_checksums={n: tensor_checksum(t) for n, t in checkpoint_tensors(self.checkpoint).items()},
+            engine_capabilities=engine_kind(self.kind).capabilities,
         )
         if per_rank:
-            rec.syncs.append(Runner._merge_sync(index, per_rank, rec))
+            rec.syncs.append(merge_sync(index, per_rank, rec))
         else:
             rec.http.extend(self.client.calls)
         return rec

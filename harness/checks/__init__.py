@@ -12,7 +12,14 @@ re-sync), `verdict` (the order of verdicts and `judge`); `base` holds `CheckResu
 from __future__ import annotations
 
 from harness.checks.base import CheckResult
-from harness.checks.logprobs import LOGPROB_BUDGETS, check_logprobs, check_resync_unchanged, logprob_parity
+from harness.checks.engine_state import check_engine_caches, check_weight_version
+from harness.checks.logprobs import (
+    LOGPROB_BUDGETS,
+    check_logprobs,
+    check_logprobs_expected,
+    check_resync_unchanged,
+    logprob_parity,
+)
 from harness.checks.names import check_coverage, check_names
 from harness.checks.parity import (
     check_group,
@@ -30,6 +37,7 @@ from harness.checks.transfer import (
     check_crash,
     check_deadlock,
     check_http_status,
+    check_recovery,
     check_syncs_ran,
     check_transfer_init,
 )
@@ -54,19 +62,23 @@ __all__ = [
     "check_coverage",
     "check_crash",
     "check_deadlock",
+    "check_engine_caches",
     "check_group",
     "check_http_status",
     "check_logprobs",
+    "check_logprobs_expected",
     "check_names",
     "check_parity_cross_mode",
     "check_parity_expected",
     "check_parity_sent",
     "check_parity_sync0",
+    "check_recovery",
     "check_requested_mode",
     "check_resync_unchanged",
     "check_sent_layout",
     "check_syncs_ran",
     "check_transfer_init",
+    "check_weight_version",
     "expectation_met",
     "expected_verdict",
     "first_failure",

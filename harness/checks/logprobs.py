@@ -50,48 +50,59 @@ def logprob_parity(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence
     }
 
 
-def check_logprobs(record: RunRecord) -> CheckResult:
-    """After every sync, engine log-probs on the fixed prompts match the trainer's within the budget."""
-    name, verdict = "logprob_parity", "PARITY_FAIL"
-    measured = [s for s in record.syncs if s.logprobs]
+def _over_budget(record: RunRecord, name: str, field: str, budget: dict[str, float], versus: str) -> CheckResult:
+    """The first sync whose log-prob comparison `field` ("logprobs" | "logprobs_expected") is over `budget`."""
+    verdict = "PARITY_FAIL"
     why = oracle_failure(record, name)
     if why is not None:
-        if engine_reports_tensors(record):
-            return skipped(name, verdict, why)
-        return failed(name, verdict, f"{why}; and this engine reports nothing else about the weights it holds")
-    if not engine_reports_tensors(record):
-        # Log-probs are the only evidence of what such an engine (vLLM) holds: a finished sync without them
-        # shows nothing, so it cannot pass.
-        bare = next((s for s in record.syncs if s.finished and not s.logprobs), None)
-        if bare is not None:
-            return failed(
-                name,
-                verdict,
-                f"sync {bare.index}: no log-prob comparison, and this engine reports nothing else about the "
-                "weights it holds",
-            )
-    if not measured or not record.logprob_budget:
+        return skipped(name, verdict, why)
+    measured = [s for s in record.syncs if getattr(s, field)]
+    if not measured or not budget:
         return skipped(name, verdict, "no log-prob measurement in this record")
-    budget = record.logprob_budget
     for s in measured:
-        lp = s.logprobs
+        lp = getattr(s, field)
         if lp["max_abs"] > budget["max_abs"] or lp["mean_exp_abs"] > budget["mean_exp_abs"]:
             return failed(
                 name,
                 verdict,
-                f"sync {s.index}: log-prob max |diff| {lp['max_abs']:.3g} (budget {budget['max_abs']:.3g}), "
-                f"mean exp|diff| {lp['mean_exp_abs']:.6f} (budget {budget['mean_exp_abs']}); worst at "
+                f"sync {s.index}: {versus} log-prob max |diff| {lp['max_abs']:.3g} (budget {budget['max_abs']:.3g}), "
+                f"mean exp|diff| {lp['mean_exp_abs']:.6f} (budget {budget['mean_exp_abs']:.6g}); worst at "
                 f"{lp['first_diff']} (temperature {lp.get('temperature')})",
             )
     return passed(name, verdict)
+
+
+def check_logprobs(record: RunRecord) -> CheckResult:
+    """After every sync, the engine's log-probs on the fixed prompts match the trainer's own (its Megatron
+    forward) within the budget (`trainer_logprob_budget`: the dtype's, plus a model family's known gap).
+    On an engine that reports nothing per tensor (vLLM) a finished sync with no log-prob comparison at all
+    fails: log-probs are the only evidence of what it holds."""
+    name = "logprob_parity"
+    if not engine_reports_tensors(record):
+        bare = next((s for s in record.syncs if s.finished and not (s.logprobs or s.logprobs_expected)), None)
+        if bare is not None:
+            why = oracle_failure(record, name) or oracle_failure(record, "logprob_expected")
+            cause = f"{why}; and " if why else "no log-prob comparison, and "
+            nothing_else = "this engine reports nothing else about the weights it holds"
+            return failed(name, "PARITY_FAIL", f"sync {bare.index}: {cause}{nothing_else}")
+    budget = record.trainer_logprob_budget or record.logprob_budget
+    return _over_budget(record, name, "logprobs", budget, "trainer vs engine")
+
+
+def check_logprobs_expected(record: RunRecord) -> CheckResult:
+    """After every sync, the engine's log-probs match a transformers forward over the expected state (the
+    checkpoint with the trainer's steps applied, `harness.oracles.expected`) within the dtype's budget: a
+    third view that shares no code with the trainer or the export."""
+    budget = record.logprob_budget
+    return _over_budget(record, "logprob_expected", "logprobs_expected", budget, "expected state vs engine")
 
 
 def check_resync_unchanged(record: RunRecord) -> CheckResult:
     """A sync of unchanged weights leaves the engine's log-probs exactly as they were."""
     name, verdict = "resync_logprobs_unchanged", "PARITY_FAIL"
     for prev, s in zip(record.syncs, record.syncs[1:], strict=False):
-        if s.perturbed or not s.engine_logprobs or not prev.engine_logprobs:
-            continue
+        if s.perturbed or s.recovery or not s.engine_logprobs or not prev.engine_logprobs:
+            continue  # a recovery sync follows a failed one: the engine's log-probs are expected to move
         if s.engine_logprobs != prev.engine_logprobs:
             diff = logprob_parity(prev.engine_logprobs, s.engine_logprobs)
             return failed(

@@ -81,6 +81,33 @@ def check_transfer_init(record: RunRecord) -> CheckResult:
     )
 
 
+def check_recovery(record: RunRecord) -> CheckResult:
+    """After a failed sync the engine is alive (/health and one completion answer 200) and one clean sync
+    of the unchanged weights, with every fault undone, runs to its end with every call answered 200 (what
+    the engine then holds is judged by the parity checks, as after every sync). An engine that died is a
+    CRASH naming the sync it died after and its log's last line; one that survived but refuses a clean
+    sync is an HTTP_ERROR."""
+    name = "recovery"
+    rec = record.recovery
+    if rec is None:
+        return skipped(name, "CRASH", "no sync failed (or the run stopped before the liveness probe)")
+    after = f"after the failed sync {rec.after_sync}"
+    tail = first_line(rec.engine_log_tail.strip().splitlines()[-1]) if rec.engine_log_tail.strip() else ""
+    last = f"; its log ends: {excerpt(tail)}" if tail else ""
+    if rec.health_status != 200:
+        return failed(name, "CRASH", f"the engine died {after}: GET /health got {status_text(rec.health_status)}{last}")
+    if rec.completion_status not in (None, 200):
+        return failed(
+            name,
+            "CRASH",
+            f"the engine {after} answers /health but not a completion ({status_text(rec.completion_status)}){last}",
+        )
+    if rec.clean_sync is not None and not rec.clean_sync_finished:
+        why = f"the engine survived {after} but the clean sync {rec.clean_sync} did not run to its end"
+        return failed(name, "HTTP_ERROR", why)
+    return passed(name, "CRASH")
+
+
 def is_crash(record: RunRecord, err: ErrorRecord) -> bool:
     """Whether an error is a crash, or is judged by the HTTP / name checks instead (module doc)."""
     if err.type == ENGINE_REJECTED:
@@ -177,6 +204,7 @@ _EXPLAINING: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_config,
     check_deadlock,
     check_transfer_init,
+    check_recovery,
     check_crash,
     check_names,
     check_http_status,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from harness.checks.base import CheckResult
-from harness.checks.logprobs import check_logprobs, check_resync_unchanged
+from harness.checks.engine_state import check_engine_caches, check_weight_version
+from harness.checks.logprobs import check_logprobs, check_logprobs_expected, check_resync_unchanged
 from harness.checks.names import check_coverage, check_names
 from harness.checks.parity import (
     check_group,
@@ -28,6 +29,7 @@ from harness.checks.transfer import (
     check_crash,
     check_deadlock,
     check_http_status,
+    check_recovery,
     check_syncs_ran,
     check_transfer_init,
 )
@@ -50,6 +52,7 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_config,
     check_deadlock,
     check_transfer_init,
+    check_recovery,
     check_crash,
     check_sent_layout,
     check_http_status,
@@ -64,7 +67,10 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_syncs_ran,
     check_group,
     check_logprobs,
+    check_logprobs_expected,
     check_resync_unchanged,
+    check_weight_version,
+    check_engine_caches,
 )
 
 

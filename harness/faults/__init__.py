@@ -25,24 +25,23 @@ from harness.faults import engine, trainer
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: what bug it reproduces, where it is applied, and the verdict it must produce.
+    """One fault: what bug it reproduces, how it is injected, and the verdict it must produce.
 
-    `apply` is the function that injects it (in `faults.trainer` for side "trainer", `faults.engine`
-    for side "engine").
+    `trainer` is applied in every trainer rank's process (a function of `faults.trainer`), `engine` is the
+    hook the engine loads at start (a function of `faults.engine`); a fault has one or both.
     """
 
     name: str
     description: str
     expect: str
-    side: str  # "trainer" | "engine"
     scenario: dict[str, Any] = field(default_factory=dict)  # fields of the scenario that shows it
-    apply: Callable[[], None] | None = None
+    trainer: Callable[[], None] | None = None
+    engine: Callable[[], None] | None = None
 
     @property
-    def hook(self) -> str:
-        """The `--fault MODULE:FUNCTION` an engine loads at start for an engine-side fault."""
-        assert self.apply is not None
-        return f"{self.apply.__module__}:{self.apply.__name__}"
+    def hook(self) -> str | None:
+        """The `--fault MODULE:FUNCTION` the engine loads at start, None without an engine side."""
+        return f"{self.engine.__module__}:{self.engine.__name__}" if self.engine is not None else None
 
 
 _SMALL = {"syncs": 2, "chunk_bytes": 65536}
@@ -54,155 +53,172 @@ FAULTS: dict[str, Fault] = {
             "pp_barrier_in_chunk_loop",
             "a barrier inside the per-chunk loop while PP stages have different chunk counts",
             "DEADLOCK",
-            "trainer",
             {"model": "qwen3", "pp": 2, "deadline_s": 30, **_SMALL},
-            trainer.pp_barrier_in_chunk_loop,
+            trainer=trainer.pp_barrier_in_chunk_loop,
         ),
         Fault(
             "legacy_vision_names",
             "vision parameters sent as model.visual. + the Megatron suffix",
             "NAME_ERROR",
-            "trainer",
             {"model": "qwen3-vl", **_SMALL},
-            trainer.legacy_vision_names,
+            trainer=trainer.legacy_vision_names,
         ),
         Fault(
             "noncolocate_ignores_bridge",
             "bridge requested, the raw path used in non-colocate mode",
             "PARITY_FAIL",
-            "trainer",
             {"model": "qwen3", "export_mode": "bridge", **_SMALL},
-            trainer.noncolocate_ignores_bridge,
+            trainer=trainer.noncolocate_ignores_bridge,
         ),
         Fault(
             "gqa_split_wrong",
             "q/k/v split as contiguous blocks instead of head_dim query groups",
             "PARITY_FAIL",
-            "trainer",
             {"model": "qwen3", **_SMALL},
-            trainer.gqa_split_wrong,
+            trainer=trainer.gqa_split_wrong,
         ),
         Fault(
             "ep_local_expert_ids",
             "local expert ids sent as global at EP = 2",
             "COVERAGE_GAP",
-            "trainer",
             {"model": "qwen3-moe", "ep": 2, **_SMALL},
-            trainer.ep_local_expert_ids,
+            trainer=trainer.ep_local_expert_ids,
         ),
         Fault(
             "drop_last_chunk",
             "the last chunk is never sent",
             "CHUNK_MISMATCH",
-            "trainer",
             {"model": "qwen3", **_SMALL},
-            trainer.drop_last_chunk,
+            trainer=trainer.drop_last_chunk,
         ),
         Fault(
             "finalize_per_chunk",
             "the engine restores parameters not in the current chunk on each update",
             "PARITY_FAIL",
-            "engine",
             {"model": "qwen3", **_SMALL},
-            engine.finalize_per_chunk,
+            engine=engine.finalize_per_chunk,
         ),
         Fault(
             "tied_lm_head_sent",
             "a separate lm_head sent to an engine with tied embeddings",
             "NAME_ERROR",
-            "trainer",
             {"model": "qwen3", **_SMALL},
-            trainer.tied_lm_head_sent,
+            trainer=trainer.tied_lm_head_sent,
         ),
         Fault(
             "ok_without_transfer",
             "the engine answers 200 to /update_weights without loading what it received",
             "PARITY_FAIL",
-            "engine",
             {"model": "qwen3", **_SMALL},
-            engine.ok_without_transfer,
+            engine=engine.ok_without_transfer,
         ),
         Fault(
             "wrong_dtype",
             "chunks declared bfloat16 but sent as float32",
             "HTTP_ERROR",
-            "trainer",
             {"model": "qwen3", **_SMALL},
-            trainer.wrong_dtype,
+            trainer=trainer.wrong_dtype,
         ),
         Fault(
             "ipc_buffer_reused_early",
             "the colocate producer overwrites its buffer before the engine acknowledged the chunk",
             "PARITY_FAIL",
-            "trainer",
             {"model": "qwen3", "colocate": True, **_SMALL},
-            trainer.ipc_buffer_reused_early,
+            trainer=trainer.ipc_buffer_reused_early,
         ),
         Fault(
             "fused_drops_visual_kwargs",
             "the fused log-prob forward no longer passes visual_pos_masks / deepstack embeddings to the language "
             "model",
             "PARITY_FAIL",
-            "trainer",
             {"model": "qwen3-vl", **_SMALL},
-            trainer.fused_drops_visual_kwargs,
+            trainer=trainer.fused_drops_visual_kwargs,
         ),
         Fault(
             "temperature_not_passed",
             "the sampling temperature never reaches the trainer's fused log-prob path",
             "PARITY_FAIL",
-            "trainer",
             {"model": "qwen3-vl", **_SMALL},
-            trainer.temperature_not_passed,
+            trainer=trainer.temperature_not_passed,
         ),
         Fault(
             "position_ids_wrong_shape",
             "[batch, seq] position ids handed to the trainer-side mRoPE forward, which raises: its oracle "
             "could not run, the verdict comes from the other checks",
             "PASS",
-            "trainer",
             {"model": "qwen3-vl", **_SMALL, "expect_note": "oracle could not run"},
-            trainer.position_ids_wrong_shape,
+            trainer=trainer.position_ids_wrong_shape,
         ),
         Fault(
             "stale_cache_in_sync_loop",
             "the sync loop re-sends the tensors it cached at sync 0 at every later sync",
             "PARITY_FAIL",
-            "trainer",
             {"model": "qwen3", "pp": 2, "export_mode": "bridge", "syncs": 3, "chunk_bytes": 65536},
-            trainer.stale_cache_in_sync_loop,
+            trainer=trainer.stale_cache_in_sync_loop,
         ),
         Fault(
             "step_skips_one_parameter",
             "the trainer's step never reaches one parameter (the final norm)",
             "PARITY_FAIL",
-            "trainer",
             {"model": "qwen3", "syncs": 3, "chunk_bytes": 65536},
-            trainer.step_skips_one_parameter,
+            trainer=trainer.step_skips_one_parameter,
         ),
         Fault(
             "transposed_fused_experts",
             "Qwen3-VL-MoE's fused expert tensors sent with their last two dims swapped",
             "HTTP_ERROR",
-            "trainer",
             {"model": "qwen3-vl-moe", "ep": 2, **_SMALL},
-            trainer.transposed_fused_experts,
+            trainer=trainer.transposed_fused_experts,
         ),
         Fault(
             "planner_key_error",
             "the trainer's own chunk planner raises KeyError on a name",
             "CRASH",
-            "trainer",
             {"model": "qwen3", **_SMALL},
-            trainer.planner_key_error,
+            trainer=trainer.planner_key_error,
         ),
         Fault(
             "second_init_from_pp_stage",
             "the last PP stage's first rank sends a second /init_weight_transfer_engine",
             "CRASH",
-            "trainer",
             {"model": "qwen3", "pp": 2, **_SMALL},
-            trainer.second_init_from_pp_stage,
+            trainer=trainer.second_init_from_pp_stage,
+        ),
+        Fault(
+            "engine_dies_after_rejected_chunk",
+            "a lm_head sent to a tied engine, which answers the rejection and then dies",
+            "CRASH",
+            {"model": "qwen3", **_SMALL},
+            trainer=trainer.tied_lm_head_sent,
+            engine=engine.exit_after_rejected_chunk,
+        ),
+        Fault(
+            "wrong_dtype_once",
+            "chunks declared bfloat16 for float32 bytes in sync 1 only: the engine refuses them, then recovers",
+            "HTTP_ERROR",
+            {"model": "qwen3", "syncs": 3, "chunk_bytes": 65536, "fault_sync": 1},
+            trainer=trainer.wrong_dtype,
+        ),
+        Fault(
+            "no_prefix_cache_reset",
+            "after an update the sender resets the encoder cache but not the prefix cache",
+            "PARITY_FAIL",
+            {"model": "qwen3", "syncs": 3, "chunk_bytes": 65536},
+            trainer=trainer.no_prefix_cache_reset,
+        ),
+        Fault(
+            "encoder_cache_survives_update",
+            "after an update the sender resets only the prefix cache: old image features are reused",
+            "PARITY_FAIL",
+            {"model": "qwen3-vl", "syncs": 3, "chunk_bytes": 65536},
+            trainer=trainer.encoder_cache_survives_update,
+        ),
+        Fault(
+            "weight_version_not_committed",
+            "the engine loads the weights but /finish_weight_update never commits the new version",
+            "PARITY_FAIL",
+            {"model": "qwen3", **_SMALL},
+            engine=engine.weight_version_not_committed,
         ),
     ]
 }

@@ -7,6 +7,8 @@ app, and changes the loader's behaviour for the whole life of that process.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -59,3 +61,25 @@ def ok_without_transfer() -> None:
         return load
 
     seams.replace("engine_load", at_load)
+
+
+def exit_after_rejected_chunk() -> None:
+    """The engine answers a rejected chunk, then its process dies (vLLM 0.32 on CPU: a failed layerwise
+    reload leaves meta tensors and the next step kills the engine core): every later call finds nobody."""
+
+    def at_validate(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def validate(self, names, dtype_names, shapes):  # type: ignore[no-untyped-def]
+            rejected, kinds = orig(self, names, dtype_names, shapes)
+            if rejected:  # die once the 4xx has gone out
+                threading.Timer(0.5, os._exit, args=(1,)).start()
+            return rejected, kinds
+
+        return validate
+
+    seams.replace("engine_validate", at_validate)
+
+
+def weight_version_not_committed() -> None:
+    """/finish_weight_update loads the weights but never commits the new version: the engine keeps
+    reporting (and tagging its rollouts with) the version it started with."""
+    seams.replace("engine_commit_version", lambda orig: lambda self, version: None)

@@ -163,39 +163,47 @@ def ipc_buffer_reused_early() -> None:
 
 
 def fused_drops_visual_kwargs() -> None:
-    """The trainer's fused forward no longer passes `visual_pos_masks` / `deepstack_visual_embeds` to the
-    language model (a refactor dropped the vision path's extra arguments): the image's deepstack features
-    never reach the text layers, and the log-probs of every image prompt are silently wrong."""
+    """The trainer's log-prob forward no longer hands the vision inputs (`pixel_values`, `image_grid_thw`)
+    to the model (a refactor of the fused forward dropped the vision path's extra arguments): the image
+    tokens are embedded as text, and the log-probs of every image prompt are silently wrong."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(self, *args, visual_pos_masks=None, deepstack_visual_embeds=None, **kwargs):  # type: ignore[no-untyped-def]
-            return orig(self, *args, **kwargs)
+        def forward_kwargs(model, prompt):  # type: ignore[no-untyped-def]
+            kwargs = orig(model, prompt)
+            kwargs.pop("pixel_values", None)
+            kwargs.pop("image_grid_thw", None)
+            return kwargs
 
-        return forward
+        return forward_kwargs
 
-    seams.replace("vl_text_forward", make)
+    seams.replace("megatron_forward_kwargs", make)
 
 
 def temperature_not_passed() -> None:
-    """The trainer's fused log-prob path never receives the sampling temperature (it computes at T = 1)."""
+    """The trainer's fused log-prob kernel never receives the sampling temperature (it computes at T = 1)."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        return lambda hidden, weight, targets, temperature=1.0, **kw: orig(hidden, weight, targets, **kw)
+        def kernel(logits, targets, temperature, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return orig(logits, targets, 1.0, *args, **kwargs)
 
-    seams.replace("fused_logprobs", make)
+        return kernel
+
+    seams.replace("megatron_logprobs_kernel", make)
 
 
 def position_ids_wrong_shape() -> None:
-    """The caller passes text-style [batch, seq] position ids to the mRoPE model."""
+    """The trainer's forward hands text-style [batch, seq] position ids to the mRoPE model, whose guard
+    refuses them: the trainer-side forward raises (its oracle cannot run)."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def vl_hidden_states(model, input_ids, pixel_values, image_grid_thw, position_ids=None):  # type: ignore[no-untyped-def]
-            flat = torch.arange(input_ids.shape[1])[None].expand_as(input_ids)
-            return orig(model, input_ids, pixel_values, image_grid_thw, flat)
+        def forward_kwargs(model, prompt):  # type: ignore[no-untyped-def]
+            kwargs = orig(model, prompt)
+            kwargs["position_ids"] = torch.arange(len(prompt.input_ids))[None]
+            return kwargs
 
-        return vl_hidden_states
+        return forward_kwargs
 
-    seams.replace("vl_hidden_states", make)
+    seams.replace("megatron_forward_kwargs", make)
 
 
 def stale_cache_in_sync_loop() -> None:
@@ -263,22 +271,41 @@ def planner_key_error() -> None:
 
 
 def second_init_from_pp_stage() -> None:
-    """The first rank of the last PP stage also believes it is the sender and joins the engine through its
+    """The first rank of the last PP stage also believes it talks to the engine and joins it through its
     own /init_weight_transfer_engine (every stage leader "initialises the update group"): the engine joins
     that second group, and the real sender's broadcasts reach nobody."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def connect_engine(self, base_url, engine, colocate=False, timeout_s=120.0):  # type: ignore[no-untyped-def]
-            layout = self.layout
-            if self.rank == 0 or layout is None or layout.pp_rank != layout.pp - 1 or layout.tp_rank != 0:
-                return orig(self, base_url, engine, colocate, timeout_s)
-            rank, self.rank = self.rank, 0  # the bug: this stage leader takes itself for the sender
-            try:
-                calls = orig(self, base_url, engine, colocate, timeout_s)
-            finally:
-                self.rank = rank
-            return [c.model_copy(update={"rank": rank}) for c in calls]
+        def talks_to_engine(rank, layout):  # type: ignore[no-untyped-def]
+            last_stage_leader = layout is not None and layout.pp_rank == layout.pp - 1 and layout.tp_rank == 0
+            return orig(rank, layout) or last_stage_leader
 
-        return connect_engine
+        return talks_to_engine
 
-    seams.replace("connect_engine", make)
+    seams.replace("talks_to_engine", make)
+
+
+def no_prefix_cache_reset() -> None:
+    """After an update the sender resets the engine's encoder cache but not its prefix cache: a prompt
+    seen before the update is answered from keys/values of the old weights."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_engine_caches(client, sync):  # type: ignore[no-untyped-def]
+            client.reset_encoder_cache(sync)
+
+        return reset_engine_caches
+
+    seams.replace("reset_engine_caches", make)
+
+
+def encoder_cache_survives_update() -> None:
+    """After an update the sender resets only the engine's prefix cache (huggingface/trl#7198): an image
+    seen before the update is embedded by the old vision tower."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_engine_caches(client, sync):  # type: ignore[no-untyped-def]
+            client.reset_prefix_cache(sync)
+
+        return reset_engine_caches
+
+    seams.replace("reset_engine_caches", make)

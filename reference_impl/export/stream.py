@@ -88,7 +88,7 @@ def export_raw(
     etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
     ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
     local_experts = config.num_experts // layout.ep if config.num_experts else 0
-    named: NamedTensors = []
+    out: NamedTensors = []
     t_gather = t_convert = 0.0
     for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
         t0 = time.perf_counter()
@@ -96,22 +96,22 @@ def export_raw(
             full = tp_gather(p, etp_group, layout.etp)
             per_rank = ep_gather(full, ep_group, layout.ep)
             k = expert_id(name) - layout.ep_rank * local_experts
-            named = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
+            full_tensors = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
             mine = layout.is_expert_leader
         else:
-            named = [(name, tp_gather(p, tp_group, layout.tp))]
+            full_tensors = [(name, tp_gather(p, tp_group, layout.tp))]
             mine = layout.is_stage_leader
         t1 = time.perf_counter()
         if mine:
-            for n, t in named:
-                named.extend(convert(n, t, table.rules, config))
+            for n, t in full_tensors:
+                out.extend(convert(n, t, table.rules, config))
         t_gather += t1 - t0
         t_convert += time.perf_counter() - t1
-    if table.post is not None and named:
+    if table.post is not None and out:
         t0 = time.perf_counter()
-        named = table.post(named, config)
+        out = table.post(out, config)
         t_convert += time.perf_counter() - t0
-    return named, {"gather": t_gather, "convert": t_convert}
+    return out, {"gather": t_gather, "convert": t_convert}
 
 
 def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[NamedTensors, dict[str, float]]:

@@ -1,12 +1,11 @@
 """The transformers forward: log-probs of the fixed prompts from a transformers model of the checkpoint.
 
-It runs on the trainer's sender over exactly the tensors the last sync sent (HF names, checkpoint
+It runs over a given set of HF tensors (HF names, checkpoint
 layout), placed into a transformers model of the checkpoint's architecture (`models.hf_model`) through
 the family's checkpoint views (`models.checkpoint_views`). It shares only these HF checkpoint facts
-(`models/`) with the engine, never the engine's own code. The record names this forward
-(`FORWARD_NAME`): the Megatron model's own forward is not used on CPU (its pipeline schedule and the
-local-spec vision attention need CUDA-only paths), so the trainer log-probs come from this second
-implementation, not from the engine's code path:
+(`models/`) with the engine, never the engine's own code. The harness runs it over the expected state
+after every sync (`harness.oracles`), a third view beside the trainer's own Megatron forward
+(`forward.megatron`) and the engine; the record names each forward (`FORWARD_NAME`):
 
 - text: the decoder's last hidden states [T, H] and the output weight [V, H] (the embedding when
   tied) go through `logprobs.fused_logprobs` in token chunks, with the temperature;

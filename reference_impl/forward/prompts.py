@@ -257,3 +257,16 @@ def image_prompt(config: dict[str, Any], seed: int = 0, text_before: int = 4, te
         image_token_id=img_id,
         merge_size=merge,
     )
+
+
+PROBE_TOKENS = 40  # two full prefix-cache blocks of 16 and 8 more: a cached prefix is reused, one part is not
+_PROBE_SEED_SALT = 0x9B0E
+
+
+def probe_prompt(config: dict[str, Any], seed: int = 0) -> list[int]:
+    """A fixed text prompt of `PROBE_TOKENS` ordinary token ids (no special ids), long enough that an engine
+    with a prefix cache serves most of it from the cache when it sees it twice."""
+    special = special_token_ids(config)
+    rng = np.random.default_rng(seed ^ _PROBE_SEED_SALT)
+    usable = [t for t in range(vocab_size(config)) if t not in special]
+    return [int(usable[i]) for i in rng.integers(0, len(usable), PROBE_TOKENS)]

@@ -13,7 +13,10 @@ One family file per `model_type` (`models/families/<model_type>.py`) defines one
 - `local_gpt_layer_spec`: the trainer builds the language model with megatron-core's
   `get_gpt_layer_local_spec` (the VL providers of Megatron-Bridge bring their own spec);
 - `scale_down_checks`: the family's own facts a scaled-down entry must keep, beyond the generic ones
-  of `registry.check_scale_down_keeps_facts`.
+  of `registry.check_scale_down_keeps_facts`;
+- `trainer_logprob_gap`: a known, sourced difference (max |log-prob diff|, fp32) between the trainer's
+  Megatron forward and the HF / vLLM forward of the same weights, added to the trainer-vs-engine
+  log-prob budget (0 where both compute the same function).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class ModelFamily:
     layer spec, no family scale-down checks).
     """
 
-    model_type: str  # transformers `config.model_type`, also the `family:` of a model entry
+    model_type: str  # transformers `config.model_type`, also the `model_type:` of a model entry
     raw: FamilyTable
     names: FamilyNames
     views: tuple[ViewRule, ...] = ()  # none: every transformers parameter is saved as itself
@@ -50,3 +53,4 @@ class ModelFamily:
     released_fused_experts: bool = False
     local_gpt_layer_spec: bool = False
     scale_down_checks: tuple[ScaleDownCheck, ...] = ()
+    trainer_logprob_gap: float = 0.0

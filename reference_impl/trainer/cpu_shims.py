@@ -14,6 +14,7 @@ import importlib.util
 import sys
 import types
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
 
@@ -172,6 +173,93 @@ def shim_qwen3_vl_local_spec() -> None:
     _APPLIED.append("qwen3_vl local spec")
 
 
+class PackedVisionAttention(torch.nn.Module):
+    """Non-causal attention that also takes packed (THD) sequences: softmax attention within each packed
+    segment (for Qwen3-VL's vision encoder, one segment per image frame), never across segments.
+
+    Stands in for megatron-core's local `DotProductAttention` as the vision layers' `core_attention`:
+    that class asserts `packed_seq_params is None` ("Packed sequence is not supported by
+    DotProductAttention"), while Megatron-Bridge's `Qwen3VLVisionModel.forward` always packs (its
+    `build_packed_seq_params`, cu_seqlens over t x h x w patches per frame) and `Qwen3VLSelfAttention`
+    then calls `core_attention(query, key, value, attention_mask, attn_mask_type=...,
+    attention_bias=..., packed_seq_params=...)` with the batch dimension squeezed. Deliberately not a
+    `DotProductAttention` subclass: `Qwen3VLSelfAttention` sends unpacked calls of that class to its
+    causal fallback. Holds no parameters, so the model's state dict is unchanged.
+    """
+
+    def __init__(
+        self,
+        config: object,
+        layer_number: int,
+        attn_mask_type: object,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: object | None = None,
+    ) -> None:
+        super().__init__()
+        if "causal" in str(attn_mask_type):
+            raise ValueError(f"PackedVisionAttention is non-causal; got attn_mask_type {attn_mask_type}")
+        kv_channels = int(config.kv_channels)  # type: ignore[attr-defined]
+        self.softmax_scale = float(softmax_scale) if softmax_scale is not None else kv_channels**-0.5
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # q [L, nq, d], k/v [L, nkv, d] -> [L, nq * d]; grouped keys/values repeated per query group.
+        if q.shape[1] != k.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
+        )
+        return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: object = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: object | None = None,
+    ) -> torch.Tensor:
+        """Packed: query [t, nq, d], key/value [t, nkv, d] -> [t, nq * d]; cu_seqlens_q bounds the
+        segments. Unpacked: [s, b, n, d] -> [s, b, nq * d], full attention per batch row.
+
+        Raises:
+            ValueError: an attention mask or bias is given (the vision encoder passes neither).
+        """
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("PackedVisionAttention takes no attention mask or bias")
+        if packed_seq_params is None:
+            rows = range(query.shape[1])
+            return torch.stack([self._attend(query[:, i], key[:, i], value[:, i], self.softmax_scale) for i in rows], 1)
+        bounds = [int(x) for x in packed_seq_params.cu_seqlens_q]  # type: ignore[attr-defined]
+        parts = [self._attend(query[a:b], key[a:b], value[a:b], self.softmax_scale) for a, b in pairwise(bounds)]
+        return torch.cat(parts)
+
+
+def shim_vision_dot_product_attention() -> None:
+    """`DotProductAttention.forward` (megatron-core local spec) refuses packed sequences, which the
+    Qwen3-VL vision encoder always uses. Make the vision layer spec that Megatron-Bridge's
+    `modelling_qwen3_vl/model.py` builds (through `get_vit_layer_with_transformer_engine_spec`, already
+    swapped for the local spec by `shim_qwen3_vl_local_spec`) use `PackedVisionAttention` as
+    core_attention. The language model's attention is untouched."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as vl_model
+
+    local_vit_spec = vl_model.get_vit_layer_with_transformer_engine_spec
+
+    def vit_spec_with_packed_attention():  # type: ignore[no-untyped-def]
+        spec = local_vit_spec()
+        spec.submodules.self_attention.submodules.core_attention = PackedVisionAttention
+        return spec
+
+    vl_model.get_vit_layer_with_transformer_engine_spec = vit_spec_with_packed_attention
+    _APPLIED.append("vision DotProductAttention (packed)")
+
+
 def apply_cpu_shims() -> list[str]:
     """Apply every shim needed on this host once; returns the names applied (for the record)."""
     if _APPLIED:
@@ -183,4 +271,5 @@ def apply_cpu_shims() -> list[str]:
         shim_cuda_current_device()
         shim_tensor_cuda()
     shim_qwen3_vl_local_spec()
+    shim_vision_dot_product_attention()
     return list(_APPLIED)

@@ -81,14 +81,19 @@ class EngineClient:
     def _post(
         self,
         route: str,
-        body: dict[str, Any],
+        body: dict[str, Any] | None,
         sync: int | None = None,
         chunk: int | None = None,
         sent_names: Sequence[str] = (),
     ) -> Any:
+        """POST `body` to `route` (GET when `body` is None); every call is recorded (`calls`, `call_log`).
+
+        Raises:
+            EngineRejected: a non-200 answer, or none (status 0).
+        """
         t_sent, t0 = time.time(), time.perf_counter()
         try:
-            resp = self.http.post(route, json=body)
+            resp = self.http.get(route) if body is None else self.http.post(route, json=body)
             status, text = resp.status_code, resp.text
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"
@@ -137,6 +142,48 @@ class EngineClient:
         """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it)."""
         self.session_open, self.session_closed_by = False, ""
         return self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
+
+    def reset_prefix_cache(self, sync: int | None = None) -> Any:
+        """POST /reset_prefix_cache (vLLM's dev route): the engine drops its cached prompt prefixes."""
+        return self._post("/reset_prefix_cache", {}, sync=sync)
+
+    def reset_encoder_cache(self, sync: int | None = None) -> Any:
+        """POST /reset_encoder_cache (vLLM's dev route): the engine drops its cached image features."""
+        return self._post("/reset_encoder_cache", {}, sync=sync)
+
+    def weight_version(self, sync: int | None = None) -> str:
+        """GET /weight_info (vLLM's route) -> the engine's committed weight version (a string).
+
+        Raises:
+            EngineRejected: a non-200 answer.
+        """
+        return str(self._post("/weight_info", None, sync=sync)["weight_version"])
+
+    def generate(
+        self, prompt: list[int], temperature: float, image_url: str | None = None, sync: int | None = None
+    ) -> tuple[int, float]:
+        """POST /v1/completions with `max_tokens` 1 and `logprobs` 0 (no prompt log-probs, so an engine may
+        serve the prompt from its prefix cache) -> (the generated token id, its log-prob)."""
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": temperature,
+            "logprobs": 0,
+            "return_token_ids": True,  # vLLM's field; the embedded engine always returns them
+            "return_tokens_as_token_ids": True,  # vLLM needs it to write logprobs without a tokenizer
+        }
+        if image_url is not None:
+            body["multi_modal_data"] = {"image": image_url}
+        choice = self._post("/v1/completions", body, sync=sync)["choices"][0]
+        return int(choice["token_ids"][0]), float(choice["logprobs"]["token_logprobs"][0])
+
+    def health(self) -> int:
+        """GET /health: the status code, 0 when no answer arrives (the call is not recorded as an HttpCall:
+        it says whether the engine is alive, nothing about the update)."""
+        try:
+            return self.http.get("/health", timeout=10).status_code
+        except httpx.HTTPError:
+            return 0
 
     def checksums(self) -> dict[str, str]:
         """POST /weight_checker {"action": "checksum"} -> HF name -> checksum."""

@@ -102,6 +102,19 @@ def send_chunk(channel: Channel, client: EngineClient, tensors: list[torch.Tenso
     return channel.send(client, tensors, info, sync)
 
 
+def reset_engine_caches(client: EngineClient, sync: int) -> None:
+    """After a finished update, what RL trainers do before the next rollouts: drop the engine's prefix
+    cache and its vision-encoder cache (vLLM's /reset_prefix_cache and /reset_encoder_cache; vLLM 0.32's
+    finish resets neither, and a stale encoder cache is a public bug: vllm-project/vllm#44910). A seam
+    (`reference_impl.seams`).
+
+    Raises:
+        EngineRejected: the engine refused a reset.
+    """
+    client.reset_prefix_cache(sync)
+    client.reset_encoder_cache(sync)
+
+
 def update_info(chunk: Chunk) -> UpdateInfo:
     """The `update_info` of one chunk: names, dtype names and shapes in plan order, packed, from the
     sender, no handle (a colocate channel adds its own)."""
@@ -137,14 +150,12 @@ def run_sync(
     weight_version: int,
     client: EngineClient | None,
     channel: Channel | None,
-    keep: dict[str, torch.Tensor] | None = None,
     progress: Progress | None = None,
 ) -> tuple[SyncReport, list[Chunk]]:
     """One sync's transfer on this rank (see module doc). The sender passes `client` and `channel`.
     `progress` is told every phase this rank enters (what a watchdog reports when the rank hangs).
 
-    With `keep`, the sender also stores every tensor it sent there (name -> tensor, no copy), e.g. for
-    the trainer-side log-prob forward. Returns this rank's observations and the chunk plan. Seconds in
+    Returns this rank's observations and the chunk plan. Seconds in
     `phases`: `gather` here is the sender's wait for other ranks' tensors; `transfer` is the chunk loop's
     wall time less that wait, less checksum time and less the engine's reported load time (`load`).
     """
@@ -194,8 +205,6 @@ def run_sync(
         t2 = time.perf_counter()
         for m, t in zip(chunk.tensors, tensors, strict=True):
             res.sent_checksums[m.name] = tensor_checksum(t)
-            if keep is not None:
-                keep[m.name] = t
         t_sum += time.perf_counter() - t2
         t_recv += t1 - t0
     try:
@@ -204,6 +213,8 @@ def run_sync(
             answer = client.finish(sync_index, weight_version)
             res.finished = True
             res.engine_update_counts = {k: int(v) for k, v in answer.get("update_counts", {}).items()}
+            progress.at(f"{where}: resetting the engine's caches")
+            reset_engine_caches(client, sync_index)
     except EngineRejected:
         pass  # recorded in client.calls
     loop = time.perf_counter() - t_loop0 - t_sum

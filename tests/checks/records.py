@@ -51,6 +51,8 @@ def _sync(s: int, checkpoint: dict[str, str], mode: str) -> SyncRecord:
         engine_update_counts=dict.fromkeys(NAMES, 1),
         finished=True,
         logprobs=logprob_parity([[-1.0, -2.0]], [[-1.0 + 2e-6, -2.0]]) | {"temperature": 0.7},
+        logprobs_expected=logprob_parity([[-1.0, -2.0]], [[-1.0 + 3e-6, -2.0]]) | {"temperature": 0.7},
+        probe={"token": 7, "engine": -2.5, "expected": -2.5 + 4e-6},
         engine_logprobs=[[-1.0 + 2e-6, -2.0 - 0.01 * s]],
     )
 
@@ -72,6 +74,8 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
     resync = sync_records[-1].model_copy(deep=True, update={"index": syncs, "weight_version": syncs + 1})
     resync.perturbed = False
     sync_records.append(resync)
+    for sync in sync_records:  # what each finish committed, read back
+        sync.engine_weight_version = str(sync.weight_version)
     for s in range(syncs + 1):
         http += _session_calls(s)
     scenario_id = f"qwen3/tp1-pp1/noncolocate/{mode}"
@@ -87,6 +91,7 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
         engine_shards=list(NAMES),
         cross_mode_checksums={"raw": dict(last), "bridge": dict(last)},
         logprob_budget=dict(LOGPROB_BUDGETS["float32"]),
+        trainer_logprob_budget=dict(LOGPROB_BUDGETS["float32"]),
     )
 
 

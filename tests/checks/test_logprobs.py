@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from harness.checks import LOGPROB_BUDGETS, check_logprobs, check_resync_unchanged, judge, logprob_parity
+from harness.checks import (
+    LOGPROB_BUDGETS,
+    check_logprobs,
+    check_logprobs_expected,
+    check_resync_unchanged,
+    judge,
+    logprob_parity,
+)
 from harness.record import RunRecord
 
 from .records import make_record, verdict_of, vllm_record
@@ -32,7 +39,8 @@ def test_logprobs_over_budget_is_parity_fail(record: RunRecord) -> None:
     record.syncs[1].logprobs = logprob_parity([[-1.0, -2.0]], [[-1.0, -2.3]]) | {"temperature": 0.7}
     assert judge(record)[0] == "PARITY_FAIL"
     result = check_logprobs(record)
-    assert result.failed and result.message.startswith("sync 1: log-prob max |diff| 0.3 (budget 0.0001)")
+    assert result.failed
+    assert result.message.startswith("sync 1: trainer vs engine log-prob max |diff| 0.3 (budget 0.0001)")
     assert "position 2" in result.message and "temperature 0.7" in result.message
 
 
@@ -45,14 +53,29 @@ def test_logprobs_skipped_without_measurement(record: RunRecord) -> None:
 
 
 def test_vllm_sync_without_logprobs_cannot_pass() -> None:
-    """Log-probs are vLLM's only engine-side evidence."""
+    """Log-probs are vLLM's only engine-side evidence: a sync with neither view cannot pass, one view is
+    enough."""
     rec = vllm_record()
     rec.syncs[1].logprobs = {}
+    assert verdict_of(rec)[0] == "PASS"  # the view over the expected state is there
+    rec.syncs[1].logprobs_expected = {}
     verdict, message = verdict_of(rec)
     assert verdict == "PARITY_FAIL" and message.startswith("sync 1: no log-prob comparison")
     embedded = make_record()
-    embedded.syncs[1].logprobs = {}
+    embedded.syncs[1].logprobs = embedded.syncs[1].logprobs_expected = {}
     assert verdict_of(embedded)[0] == "PASS"
+
+
+def test_trainer_view_gets_the_family_gap_the_expected_view_does_not(record: RunRecord) -> None:
+    """A known, sourced trainer/engine gap (e.g. Megatron-Bridge's tanh GELU in the Qwen3-VL mergers)
+    widens only the trainer's budget; the transformers view over the expected state stays tight."""
+    for s in record.syncs:
+        s.logprobs = logprob_parity([[-1.0]], [[-1.0 + 2e-4]]) | {"temperature": 0.7}
+        s.logprobs_expected = dict(s.logprobs)
+    record.trainer_logprob_budget = {"max_abs": 6e-4, "mean_exp_abs": 1.0006}
+    assert check_logprobs(record).ok
+    result = check_logprobs_expected(record)
+    assert result.failed and result.message.startswith("sync 0: expected state vs engine log-prob max |diff| 0.0002")
 
 
 def test_resync_that_moves_logprobs_is_parity_fail(record: RunRecord) -> None:

@@ -189,8 +189,10 @@ def test_oracle_that_could_not_run_skips_its_check_and_never_fails_the_scenario(
 def test_oracle_failure_on_an_engine_without_reports_fails_the_logprob_check() -> None:
     rec = vllm_record()
     rec.oracle_failures.append(OracleFailure(check="logprob_parity", sync=0, reason="RuntimeError: boom"))
+    for s in rec.syncs:  # neither view could run
+        s.logprobs = s.logprobs_expected = {}
     assert verdict_of(rec) == (
         "PARITY_FAIL",
-        "oracle could not run after sync 0: RuntimeError: boom; and this engine reports nothing else about the "
-        "weights it holds",
+        "sync 0: oracle could not run after sync 0: RuntimeError: boom; and this engine reports nothing else about "
+        "the weights it holds",
     )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from harness.checks import check_chunks, check_crash, check_http_status, check_syncs_ran, judge
-from harness.record import ErrorRecord, RunRecord
+from harness.checks import check_chunks, check_crash, check_http_status, check_recovery, check_syncs_ran, judge
+from harness.record import ErrorRecord, RecoveryRecord, RunRecord
 from harness.scenario import Scenario
 
 from .records import NAMES, reject_chunk, rejection, verdict_of, vllm_record
@@ -220,3 +220,44 @@ def test_second_transfer_group_init_names_both_ranks(record: RunRecord) -> None:
         "the engine accepted 2 /init_weight_transfer_engine calls (rank 0, then rank 1): one transfer group per "
         "engine, and the later init replaces the earlier one, so the sender's broadcasts would reach nobody",
     )
+
+
+def test_engine_that_died_after_a_failed_sync_is_a_crash_over_the_name_error(record: RunRecord) -> None:
+    """The engine answered a rejected name, then died: the name error must not hide it."""
+    reject_chunk(record, 0, 1, 400, [rejection(NAMES[2], "name", "tied to model.embed_tokens.weight")])
+    record.recovery = RecoveryRecord(after_sync=0, health_status=0, engine_log_tail="INFO: serving\nKilled\n")
+    assert verdict_of(record) == ("CRASH", "the engine died after the failed sync 0: GET /health got no response "
+                                           "(status 0); its log ends: Killed")
+
+
+def test_engine_that_survived_but_refuses_a_clean_sync_is_http_error(record: RunRecord) -> None:
+    record.recovery = RecoveryRecord(after_sync=1, health_status=200, completion_status=200, clean_sync=3)
+    result = check_recovery(record)
+    assert (result.verdict_on_fail, result.message) == (
+        "HTTP_ERROR", "the engine survived after the failed sync 1 but the clean sync 3 did not run to its end"
+    )
+    record.recovery.clean_sync_finished = True
+    assert check_recovery(record).ok
+
+
+def test_rank_that_raised_because_the_engine_died_is_blamed_on_the_engine(record: RunRecord) -> None:
+    """The engine dies while a chunk is on the wire: the sender's broadcast raises (gloo: "Read error") and the
+    sync never returns. The session asks /health before giving up (`ScenarioSession.engine_died`); the verdict
+    names the engine, not the broken group it left behind."""
+    from types import SimpleNamespace
+
+    from harness.session import ScenarioSession
+
+    record.syncs = record.syncs[:1]
+    record.errors.append(ErrorRecord(rank=0, where="trainer", type="RuntimeError", message="gloo pair.cc: Read error"))
+    session = SimpleNamespace(
+        record=record, checker=SimpleNamespace(health=lambda: 0), _engine_log_tail=lambda: "INFO: serving\nKilled\n"
+    )
+    assert ScenarioSession.engine_died(session, after=1)  # type: ignore[arg-type]
+    assert verdict_of(record) == ("CRASH", "the engine died after the failed sync 1: GET /health got no response "
+                                           "(status 0); its log ends: Killed")
+    alive = SimpleNamespace(record=record, checker=SimpleNamespace(health=lambda: 200), _engine_log_tail=lambda: "")
+    record.recovery = None
+    assert not ScenarioSession.engine_died(alive, after=1)  # type: ignore[arg-type]
+    assert record.recovery is None
+    assert verdict_of(record)[1].startswith("rank 0 (trainer) raised RuntimeError: gloo pair.cc: Read error")

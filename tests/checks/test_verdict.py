@@ -23,9 +23,9 @@ from .records import reject_chunk, rejection
 def test_passing_record_passes(record: RunRecord) -> None:
     verdict, results = judge(record)
     assert verdict == "PASS"
-    assert len(results) == len(CHECKS) == 18
+    assert len(results) == len(CHECKS) == 22
     assert all(r.ok for r in results), [r for r in results if not r.ok]
-    assert [r.name for r in results if r.skipped] == ["group_invariance"]  # not in a group
+    assert [r.name for r in results if r.skipped] == ["recovery", "group_invariance"]  # no failed sync, no group
     assert expectation_met(record, verdict)
 
 

@@ -10,7 +10,8 @@ with a warning: a misspelt `prompt_logprobs` must not come back as an answer wit
      "temperature": float >= 1e-5 (default 1.0),
      "prompt_logprobs": null | 0..20 (0: only each prompt token's own entry),
      "logprobs": null | 0..20 (the generated token's, when max_tokens is 1),
-     "multi_modal_data": {"image": "data:image/png;base64,..."} (Qwen3-VL models only)}
+     "multi_modal_data": {"image": "data:image/png;base64,..."} (Qwen3-VL models only),
+     "return_token_ids": bool, "return_tokens_as_token_ids": bool (accepted; always answered as true)}
 
 Response (vLLM's `CompletionResponse`; the engine has no tokenizer, so every decoded token is written
 `"token_id:<id>"` as vLLM's `--return-tokens-as-token-ids` does and `text` is "")::
@@ -36,7 +37,10 @@ weights the forward ran on.
 Computation: the engine's transformers model, under `torch.no_grad`, in its own dtype, over the whole
 prompt at once (Qwen3-VL: `pixel_values`, `image_grid_thw` and `mm_token_type_ids` = (ids ==
 image_token_id), computed here from the data URL with `forward.prompts.process_image`); then
-`log_softmax(logits[:-1].float() / temperature)` gathered at prompt[1:].
+`log_softmax(logits[:-1].float() / temperature)` gathered at prompt[1:]. A request without prompt
+log-probs reuses the keys/values of a cached prompt prefix, and an image's features come from the
+encoder cache when it holds them, as in vLLM (`caches`: cleared only by /reset_prefix_cache and
+/reset_encoder_cache).
 
 Temperature, on purpose unlike vLLM: vLLM computes prompt log-probs from the raw logits whatever the
 request's temperature (its `logprobs_mode` defaults to `raw_logprobs`, and the processed modes are not
@@ -65,6 +69,8 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+
+from reference_impl.engine.embedded.caches import EncoderCache, PrefixCache
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 # vLLM's _SAMPLING_EPS (vllm/sampling_params.py): below it vLLM samples greedily; here logits / T would
@@ -101,6 +107,10 @@ class CompletionRequest(BaseModel):
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     multi_modal_data: MultiModalData | None = None
+    # vLLM's fields for ids in the answer; this engine has no tokenizer, so it always answers as if both
+    # were true (`token_ids` present, tokens written "token_id:<id>").
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionError(Exception):
@@ -120,10 +130,12 @@ def _bad(field_name: str, msg: str) -> CompletionError:
 
 @dataclass
 class ForwardInputs:
-    """What one forward takes: input ids [1, T] and the model's extra keyword arguments (VL: image)."""
+    """What one forward takes: input ids [1, T], the model's extra keyword arguments (VL: image) and the
+    image's encoder-cache key (`caches.EncoderCache.image_key`, None without an image)."""
 
     input_ids: torch.Tensor
     kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_key: str | None = None
 
 
 class CompletionEngine:
@@ -146,6 +158,10 @@ class CompletionEngine:
         self.max_model_len = min(MAX_MODEL_LEN, int(getattr(text, "max_position_embeddings", MAX_MODEL_LEN)))
         vision = getattr(model.config, "vision_config", None)
         self.merge_size = int(getattr(vision, "spatial_merge_size", 1)) if vision is not None else 1
+        self.prefix_cache = PrefixCache()
+        self.encoder_cache = EncoderCache()
+        if self.is_vl:
+            self.encoder_cache.install(model.model)
 
     def prepare(self, req: CompletionRequest) -> ForwardInputs:
         """Check the prompt and turn the image (if any) into the model's inputs; touches no weights.
@@ -202,6 +218,7 @@ class CompletionEngine:
                 "image_grid_thw": grid,
                 "mm_token_type_ids": image_mask.int(),
             },
+            EncoderCache.image_key(req.multi_modal_data.image),
         )
 
     def _process_image(self, url: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,10 +234,21 @@ class CompletionEngine:
         return torch.as_tensor(pixel_values), torch.as_tensor(grid, dtype=torch.long).reshape(-1, 3)
 
     @torch.no_grad()
-    def logits(self, inputs: ForwardInputs) -> torch.Tensor:
-        """Logits [T, V] of the whole prompt, in the model's dtype (call under the engine's lock)."""
-        out = self.model(input_ids=inputs.input_ids, use_cache=False, **inputs.kwargs)
-        return out.logits[0]
+    def logits(self, inputs: ForwardInputs, prefix_cache: bool = False) -> torch.Tensor:
+        """Logits [T', V] in the model's dtype (call under the engine's lock): of the whole prompt (T' = T),
+        or, with `prefix_cache` and a cached prefix of L tokens, of the last T - L positions only. An
+        image's features come from the encoder cache when it holds them (`caches`)."""
+        self.encoder_cache.key = inputs.image_key
+        try:
+            if not prefix_cache or self.is_vl or inputs.kwargs:
+                return self.model(input_ids=inputs.input_ids, use_cache=False, **inputs.kwargs).logits[0]
+            prompt = inputs.input_ids[0].tolist()
+            cached, kv = self.prefix_cache.lookup(prompt)
+            out = self.model(input_ids=inputs.input_ids[:, cached:], past_key_values=kv, use_cache=True)
+            self.prefix_cache.store(prompt, out.past_key_values)
+            return out.logits[0]
+        finally:
+            self.encoder_cache.key = None
 
     def complete(self, req: CompletionRequest, inputs: ForwardInputs, weight_version: int) -> dict[str, Any]:
         """Run the forward and build vLLM's `CompletionResponse` (module docstring) for `req`.
@@ -230,7 +258,8 @@ class CompletionEngine:
         Raises:
             CompletionError: 500 when the forward gives NaN log-probs (JSON has no NaN).
         """
-        logits = self.logits(inputs)
+        # As vLLM: a request for prompt log-probs needs every position computed, so it skips the prefix cache.
+        logits = self.logits(inputs, prefix_cache=req.prompt_logprobs is None)
         prompt = req.prompt
         generated: list[int] = []
         sample_logprobs: dict[str, Any] | None = None

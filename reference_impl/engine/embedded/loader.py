@@ -114,10 +114,10 @@ class EngineLoader:
             seen[target] = hf_name
             p = self.params[ct.param]
             self.shards[hf_name] = EngineShard(hf_name, target, tuple(ct.view(p).shape), p.dtype, ct)
-        # vLLM parameter name -> its shards, for messages about names that map to a shard no shard has.
-        self.by_vllm_name: dict[str, list[EngineShard]] = {}
+        # vLLM parameter name -> its shards, for messages about names that map to a shard the engine lacks.
+        self.by_param: dict[str, list[EngineShard]] = {}
         for shard in self.shards.values():
-            self.by_vllm_name.setdefault(shard.target.name, []).append(shard)
+            self.by_param.setdefault(shard.target.name, []).append(shard)
         self.counts: dict[str, int] = {}
         self.reset_counts()
 
@@ -181,7 +181,7 @@ class EngineLoader:
 
     def _unknown_name_reason(self, name: str) -> str:
         target = hf_to_vllm(self.names, name)
-        known = self.by_vllm_name.get(target.name)
+        known = self.by_param.get(target.name)
         if not known:
             return (
                 f"not a {self.model_type} checkpoint parameter of this engine (maps to vLLM name {target.name}, "

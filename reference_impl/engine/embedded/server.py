@@ -1,6 +1,6 @@
 """The embedded rollout engine: vLLM's RLHF weight-update routes over a transformers model.
 
-Run: `python -m reference_impl.engine.embedded.server --checkpoint DIR --seed N --host 127.0.0.1
+Run: `python -m reference_impl.engine.embedded --checkpoint DIR --seed N --host 127.0.0.1
 --port 0 --port-file FILE [--fault MODULE:FUNCTION]`. With port 0 it binds a free port and writes the port
 it serves on to FILE (atomically) once it accepts requests. `--fault MODULE:FUNCTION` loads a fault hook
 at start (the harness's mutation tests: `harness.faults.engine`): the function is called once, before
@@ -53,6 +53,10 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
   vLLM: temperature applied to prompt log-probs). The forward runs under the same lock as chunk loads
   (never over a half-applied chunk) and is refused with a 409 (kind "session") while an update session
   is open or the engine is paused.
+- GET /weight_info -> `{"weight_version": "<v>"}` (vLLM's route): the version committed by the last finish.
+- POST /reset_prefix_cache -> `{"success": true}`, POST /reset_encoder_cache -> `{"success": true}`
+  (vLLM's routes): clear the prefix cache and the vision-encoder cache (`caches`); nothing else clears
+  them, a weight update included, as in vLLM 0.32.
 - GET /health, GET /get_world_size, GET /is_paused, POST /pause, POST /resume.
 
 Every 4xx body is `{"detail": {"error": sentence, "rejected": {hf_name: reason}, "kinds": {hf_name:
@@ -125,6 +129,11 @@ class EngineState:
         self.paused = False
         self.lock = threading.Lock()  # one chunk received + loaded at a time, in arrival order
 
+    def commit_version(self, version: int) -> None:
+        """The weights now in place are `version` (what /finish_weight_update commits, and what
+        /weight_info and completions report). A seam (`reference_impl.seams`)."""
+        self.weight_version = version
+
 
 def create_app(
     loader: EngineLoader,
@@ -148,6 +157,25 @@ def create_app(
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {"status": "ok"}
+
+    @app.get("/weight_info")
+    def weight_info() -> dict[str, str]:
+        """vLLM's `GET /weight_info`: the committed weight version, as a string."""
+        return {"weight_version": str(st.weight_version)}
+
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache() -> dict[str, bool]:
+        """vLLM's `POST /reset_prefix_cache`: drop every cached prompt prefix (`caches.PrefixCache`)."""
+        with st.lock:
+            completer.prefix_cache.reset()
+        return {"success": True}
+
+    @app.post("/reset_encoder_cache")
+    def reset_encoder_cache() -> dict[str, bool]:
+        """vLLM's `POST /reset_encoder_cache`: drop every cached image's features (`caches.EncoderCache`)."""
+        with st.lock:
+            completer.encoder_cache.reset()
+        return {"success": True}
 
     @app.get("/get_world_size")
     def get_world_size() -> dict[str, int]:
@@ -202,9 +230,7 @@ def create_app(
                 raise bodies.http_error(400, why, {"/start_weight_update": why}, {"/start_weight_update": "session"})
             st.session_open = True
             st.session_load_s = 0.0
-            st.loader.reset_counts()
-            if req is not None and req.weight_version is not None:
-                st.weight_version = req.weight_version
+            st.loader.reset_counts()  # a start's weight_version is read but, as in vLLM, only a finish commits one
         return {"ok": True}
 
     @app.post("/update_weights")
@@ -316,7 +342,7 @@ def create_app(
                 raise bodies.http_error(400, why, {"/finish_weight_update": why}, {"/finish_weight_update": "session"})
             st.session_open = False
             if req is not None and req.weight_version is not None:
-                st.weight_version = req.weight_version
+                st.commit_version(req.weight_version)
             return {
                 "weight_version": st.weight_version,
                 "update_counts": dict(st.loader.counts),
@@ -458,4 +484,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(
+        "run the engine as `python -m reference_impl.engine.embedded` (this module must be imported under its "
+        "own name, so that fault hooks replace what the app calls)"
+    )

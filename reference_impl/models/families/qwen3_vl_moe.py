@@ -101,4 +101,5 @@ FAMILY = ModelFamily(
     is_vl=True,
     released_fused_experts=True,
     scale_down_checks=(qwen3_moe.check_scale_down, qwen3_vl.check_scale_down),
+    trainer_logprob_gap=qwen3_vl.MERGER_GELU_GAP,  # the same vision mergers
 )

@@ -1,0 +1,60 @@
+"""The engine's state beyond its weights: the version it commits, and caches that must not outlive an
+update (PARITY_FAIL).
+
+- `weight_version`: after every finished sync the engine reports (`GET /weight_info`) the version that
+  sync committed: rollouts tagged with another version are attributed to the wrong policy.
+- `engine_caches`: a probe prompt is served before a sync and again after it, without prompt log-probs
+  (which skip vLLM's prefix cache, so they cannot see it); the generated token's log-prob after the sync
+  must be what the expected state gives that token. A prefix cache that survived the update answers from
+  keys/values of the old weights. (A vision-encoder cache that survived shows in the image prompt's
+  log-probs, `logprobs.check_logprobs_expected`.)
+"""
+
+from __future__ import annotations
+
+from harness.checks.base import CheckResult, failed, oracle_failure, passed, skipped
+from harness.record import RunRecord
+
+VERDICT = "PARITY_FAIL"
+
+
+def check_weight_version(record: RunRecord) -> CheckResult:
+    """After every finished sync the engine's committed weight version is that sync's."""
+    name = "weight_version"
+    read = [s for s in record.syncs if s.engine_weight_version is not None]
+    if not read:
+        return skipped(name, VERDICT, "the engine's weight version was not read back")
+    for s in read:
+        if s.engine_weight_version != str(s.weight_version):
+            return failed(
+                name,
+                VERDICT,
+                f"sync {s.index}: the engine reports weight version {s.engine_weight_version!r} after finishing "
+                f"version {str(s.weight_version)!r}: its rollouts would be attributed to another policy",
+            )
+    return passed(name, VERDICT)
+
+
+def check_engine_caches(record: RunRecord) -> CheckResult:
+    """After every sync the probe's generated token has, on the engine, the log-prob the expected state
+    gives it (within the log-prob budget): no cache answered with the old weights."""
+    name = "engine_caches"
+    why = oracle_failure(record, name)
+    if why is not None:
+        return skipped(name, VERDICT, why)
+    probed = [s for s in record.syncs if s.probe]
+    budget = record.logprob_budget.get("max_abs")
+    if not probed or budget is None:
+        return skipped(name, VERDICT, "no probe served through the engine's caches")
+    for s in probed:
+        p = s.probe
+        diff = abs(p["engine"] - p["expected"])
+        if diff > budget:
+            return failed(
+                name,
+                VERDICT,
+                f"sync {s.index}: the probe prompt served again after the sync generated token {p['token']} with "
+                f"log-prob {p['engine']:.6f} on the engine but {p['expected']:.6f} under the expected state "
+                f"(|diff| {diff:.3g} > {budget:.3g}): a cache (the prefix cache?) answered with the old weights",
+            )
+    return passed(name, VERDICT)

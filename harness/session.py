@@ -1,0 +1,338 @@
+"""One scenario while it runs: its processes, its deadlines, its syncs and the oracles that judge them.
+
+`ScenarioSession` is made by `harness.runner.Runner.run_scenario` once the engine and the trainer ranks
+are up. It drives the rank actors (Ray) and the harness's own engine client, fills the run record as it
+goes, and never lets one of the harness's oracles raise into a verdict (`oracle`). Every remote call has
+a deadline; when one passes, the session records a DEADLOCK naming what was in flight and every rank's
+last phase (`transport.progress`) and raises `ScenarioFailed`.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from harness.checks import LOGPROB_BUDGETS, check_transfer_init, logprob_parity
+from harness.faults import Fault
+from harness.oracles.expected import ExpectedState
+from harness.placement import TrainerPool
+from harness.record import ErrorRecord, OracleFailure, RecoveryRecord, RunRecord, SyncRecord
+from harness.scenario import Scenario
+from reference_impl.engine.base import EngineKind
+from reference_impl.forward.hf import FORWARD_NAME as HF_FORWARD
+from reference_impl.forward.hf import HfForward, Prompt
+from reference_impl.models.families import model_family
+from reference_impl.models.registry import load_model
+from reference_impl.transport.client import EngineClient, EngineRejected
+from reference_impl.transport.observed import HttpCall, SyncReport
+from reference_impl.transport.progress import read_progress
+
+RESTORE_SEAMS = "reference_impl.seams:restore_all"  # undoes a fault armed for one sync
+PROBE_TEMPERATURE = 1.0  # a generated token's log-prob: vLLM reports it from the raw logits
+
+
+class ScenarioFailed(Exception):
+    """Raised to stop a scenario early; what happened is already in the record."""
+
+
+def error_from(exc: BaseException, rank: int | None, where: str) -> ErrorRecord:
+    """An `ErrorRecord` of `exc` (Ray's wrapper unwrapped: the actor's own exception class and text)."""
+    cause = getattr(exc, "cause", None) or exc
+    return ErrorRecord(
+        where=where,
+        rank=rank,
+        type=type(cause).__name__,
+        message=str(cause)[:4000],
+        traceback="".join(traceback.format_exception(exc))[-8000:],
+    )
+
+
+def oracle_into(failures: list[OracleFailure], check: str, fn: Callable[[], Any], sync: int | None = None) -> Any:
+    """Run one of the harness's own oracles; when it raises, append an `OracleFailure` for `check` (the check
+    then says "oracle could not run") and return None: an oracle never makes a verdict of the system under
+    test. A deadline passing inside it is still a DEADLOCK (`ScenarioFailed` passes through)."""
+    try:
+        return fn()
+    except ScenarioFailed:
+        raise
+    except Exception as e:
+        cause = getattr(e, "cause", None) or e
+        text = " ".join(str(cause).split())[:500] or "(no message)"
+        failures.append(OracleFailure(check=check, sync=sync, reason=f"{type(cause).__name__}: {text}"))
+        return None
+
+
+def merge_sync(index: int, per_rank: list[tuple[SyncReport, list[HttpCall]]], record: RunRecord) -> SyncRecord:
+    """One `SyncRecord` from every rank's report: the sender's (rank 0) observations; gather and convert as
+    the slowest rank's, transfer and load as the sender's; the sender's calls go into the record."""
+    reports = [report for report, _ in per_rank]
+    sender = reports[0]
+    record.http.extend(per_rank[0][1])
+    phases = {k: max(r.phases.get(k, 0.0) for r in reports) for k in ("gather", "convert")}
+    phases.update({k: sender.phases.get(k, 0.0) for k in ("transfer", "load")})
+    return SyncRecord(
+        **sender.model_dump(exclude={"rank", "phases", "total_s"}),
+        index=index,
+        weight_version=index,
+        chunks_sent=sum(c.sent for c in sender.chunks),
+        chunks_received=sum(c.received for c in sender.chunks),
+        phases=phases,
+        total_s=max(r.total_s for r in reports),
+    )
+
+
+def sync_failed(record: RunRecord, sync: SyncRecord) -> bool:
+    """Whether a sync did not end cleanly: unfinished, or some call of it answered non-200."""
+    return not sync.finished or any(c.sync == sync.index and c.status != 200 for c in record.http)
+
+
+@dataclass
+class ScenarioSession:
+    """The live scenario (see the module doc). `deadline` is seconds per remote step."""
+
+    sc: Scenario
+    record: RunRecord
+    kind: EngineKind
+    pool: TrainerPool
+    engine: Any  # the EngineActor handle
+    deadline: float
+    trace_dir: Path
+    checkpoint: Path
+    fault: Fault | None = None
+    checker: EngineClient = None  # type: ignore[assignment]  # the harness's own client, once the engine is up
+    prompts: list[Prompt] = field(default_factory=list)
+    expected: ExpectedState | None = None
+    hf_view: HfForward | None = None  # the transformers forward over the expected state, built on first use
+    hf_view_state: int = -1  # the expected state's step the view holds
+    probe: list[int] = field(default_factory=list)  # a prompt served before and after every sync
+
+    # ------------------------------------------------------------------ remote calls and oracles
+
+    def get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
+        """ray.get every ref; errors and timeouts are recorded, then ScenarioFailed is raised."""
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.deadline_passed(what, timeout)
+            raise ScenarioFailed(what) from None
+        except ray.exceptions.RayError as e:
+            for i, ref in enumerate(refs):  # which rank failed: the first ref whose get raises
+                try:
+                    ray.get(ref, timeout=1)
+                except Exception as inner:
+                    self.record.errors.append(error_from(inner, i, "trainer"))
+                    break
+            else:
+                self.record.errors.append(error_from(e, None, "trainer"))
+            raise ScenarioFailed(what) from e
+
+    def get_oracle(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
+        """ray.get for an oracle's remote call: a timeout is a DEADLOCK as in `get`; an exception in the
+        actor is raised as it is (for `oracle` to record), not recorded as the rank's crash."""
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.deadline_passed(what, timeout)
+            raise ScenarioFailed(what) from None
+
+    def oracle(self, check: str, sync: int | None, fn: Callable[[], Any]) -> Any:
+        """`oracle_into` this record's oracle failures."""
+        return oracle_into(self.record.oracle_failures, check, fn, sync)
+
+    def deadline_passed(self, what: str, timeout: float) -> None:
+        """Mark a DEADLOCK in `what` and keep every rank's last phase."""
+        self.record.deadlock = True
+        self.record.deadlock_at = what
+        self.record.notes.append(f"{what}: no progress within {timeout:.0f} s")
+        self.record.progress = read_progress(self.trace_dir)
+
+    def on_ranks(self, method: str, *args: Any, what: str, timeout: float | None = None) -> list[Any]:
+        """Call `method(*args)` on every trainer rank and wait (`get`)."""
+        refs = [getattr(a, method).remote(*args) for a in self.pool.actors]
+        return self.get(refs, self.deadline if timeout is None else timeout, what)
+
+    # ------------------------------------------------------------------ the scenario's steps
+
+    def connect(self) -> None:
+        """Every rank sets up its channel to the engine (the sender's /init_weight_transfer_engine). An
+        engine that joined more than one transfer group stops the scenario: nothing sent after it would
+        reach the engine."""
+        for calls in self.on_ranks(
+            "connect_engine", self.checker.base_url, self.sc.engine, self.sc.colocate, what="connect engine"
+        ):
+            self.record.http.extend(calls)
+        if not check_transfer_init(self.record).ok:
+            self.record.notes.append("stopped after connect: the engine joined more than one transfer group")
+            raise ScenarioFailed("connect engine")
+
+    def run_syncs(self) -> None:
+        """Syncs #0..N-1 with the trainer's step before each later one, then one more that re-sends unchanged
+        weights (its log-probs must not move); after every sync the engine's report, the expected state and
+        the log-probs. A fault armed for one sync (`fault_sync`) is applied just before it and undone after.
+        When some sync failed, the engine's liveness and a clean recovery sync end the run (`recover`)."""
+        sc = self.sc
+        if sc.logprobs:
+            budget = LOGPROB_BUDGETS[sc.dtype]
+            gap = model_family(load_model(sc.model).model_type).trainer_logprob_gap
+            self.record.logprob_budget = dict(budget)
+            self.record.trainer_logprob_budget = {k: v + gap for k, v in budget.items()}
+        self.expected = self.oracle("parity_expected", None, lambda: ExpectedState(self.checkpoint, sc.seed))
+        try:
+            for i in range(sc.syncs + 1):
+                if 0 < i < sc.syncs:
+                    refs = [a.perturb.remote(i, sc.seed) for a in self.pool.actors]
+                    if self.expected is not None:  # while the ranks step
+                        self.expected = self.oracle("parity_expected", i, functools.partial(self.expected.advance, i))
+                    self.get(refs, self.deadline, f"perturb {i}")
+                armed = self._arm(i)
+                self.sync(i, perturbed=i != sc.syncs)
+                if armed:
+                    self.on_ranks("run_in_process", RESTORE_SEAMS, what=f"disarm fault after sync {i}", timeout=60)
+        except EngineRejected as e:  # the harness's own call (checksums, log-probs) got no 200: stop syncing
+            self.record.notes.append(f"the syncs stopped: the harness's {e.route} got {e.status} from the engine")
+        except ScenarioFailed:
+            if not self.record.deadlock:  # a rank raised: an engine that died first is the cause to name
+                self.engine_died(after=len(self.record.syncs))
+            raise
+        failed = [s.index for s in self.record.syncs if sync_failed(self.record, s)]
+        if failed or len(self.record.syncs) < sc.syncs + 1:
+            self.recover(after=failed[-1] if failed else len(self.record.syncs) - 1)
+
+    def _arm(self, index: int) -> bool:
+        """Apply a trainer fault armed for sync `index` only; returns whether it was applied."""
+        fault = self.fault
+        if fault is None or fault.trainer is None or self.sc.fault_sync != index:
+            return False
+        self.on_ranks("run_in_process", fault.trainer, what=f"arm fault for sync {index}", timeout=60)
+        self.record.notes.append(f"fault armed for sync {index} only: {fault.name}")
+        return True
+
+    def sync(self, index: int, perturbed: bool = True) -> SyncRecord:
+        """One sync on every rank, merged into the record, then the engine's report, its weight version,
+        the probe through its caches and the log-probs. Before the sync the probe is served once (so an
+        engine with a prefix cache holds it under the old weights)."""
+        sc = self.sc
+        if self.probe:
+            self.checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
+        refs = [a.sync.remote(index, index, sc.export_mode, sc.chunk_bytes) for a in self.pool.actors]
+        expected = self.expected
+        sums = self.oracle("parity_expected", index, expected.checksums) if expected is not None else None
+        sync = merge_sync(index, self.get(refs, self.deadline, f"sync {index}"), self.record)
+        sync.perturbed = perturbed
+        sync.expected_checksums = sums or {}
+        self.record.syncs.append(sync)  # before the engine is asked anything more: nothing of it is lost
+        if self.kind.capabilities.per_tensor_reports:
+            sync.engine_checksums = self.checker.checksums()
+        if sync.finished:
+            sync.engine_weight_version = self.checker.weight_version(sync=index)
+        if self.probe:
+            self.measure_probe(sync)
+        if self.prompts:
+            self.measure_logprobs(sync)
+        return sync
+
+    def measure_logprobs(self, sync: SyncRecord) -> None:
+        """The engine's prompt log-probs on the fixed prompts after this sync, against two views:
+        the trainer's own (its Megatron forward on every rank, `sync.logprobs`) and a transformers forward
+        over the expected state (`sync.logprobs_expected`, in this process). Both are oracles: when one
+        cannot run, that is recorded for its check, never raised."""
+        temperature = self.sc.temperature(self.kind.capabilities.prompt_logprobs_honour_temperature)
+        engine = [
+            self.checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index) for p in self.prompts
+        ]
+        sync.engine_logprobs = engine
+        what = f"trainer log-probs after sync {sync.index}"
+        refs = lambda: [a.trainer_logprobs.remote(temperature) for a in self.pool.actors]  # noqa: E731
+        trainer = self.oracle("logprob_parity", sync.index, lambda: self.get_oracle(refs(), self.deadline, what)[0])
+        if trainer is not None:
+            parity = self.oracle("logprob_parity", sync.index, lambda: logprob_parity(trainer["prompts"], engine))
+            if parity is not None:
+                sync.logprobs = parity | {"forward": trainer["forward"], "temperature": temperature}
+        view = self.oracle("logprob_expected", sync.index, lambda: self._expected_view(temperature))
+        if view is not None:
+            parity = self.oracle("logprob_expected", sync.index, lambda: logprob_parity(view, engine))
+            if parity is not None:
+                sync.logprobs_expected = parity | {"forward": HF_FORWARD, "temperature": temperature}
+
+    def measure_probe(self, sync: SyncRecord) -> None:
+        """Serve the probe prompt again after the sync (no prompt log-probs: the engine may answer from its
+        prefix cache) and put its generated token's log-prob beside that token's log-prob under the
+        expected state (`sync.probe`): a cache that outlived the update answers with the old weights."""
+        token, engine = self.checker.generate(self.probe, PROBE_TEMPERATURE, sync=sync.index)
+        sequence = Prompt([*self.probe, token])
+        expected = self.oracle(
+            "engine_caches", sync.index, lambda: self._expected_view(PROBE_TEMPERATURE, [sequence])[0][-1]
+        )
+        if expected is not None:
+            sync.probe = {"token": token, "engine": engine, "expected": expected}
+
+    def _expected_view(self, temperature: float, prompts: list[Prompt] | None = None) -> list[list[float]]:
+        """Log-probs of the fixed prompts from a transformers model holding the expected state."""
+        if self.expected is None:
+            raise RuntimeError("no expected state (its oracle could not run)")
+        if self.hf_view is None:
+            self.hf_view = HfForward(self.checkpoint)
+        if self.hf_view_state != self.expected.index:
+            self.hf_view.load(self.expected.tensors)
+            self.hf_view_state = self.expected.index
+        return [self.hf_view.logprobs(p, temperature)[0].tolist() for p in (prompts or self.prompts)]
+
+    def cross_export(self) -> None:
+        """Both export modes of the last state (a second export path: an oracle of the parity check)."""
+        for mode in ("raw", "bridge"):
+            refs = lambda m=mode: [a.export_checksums.remote(m) for a in self.pool.actors]  # noqa: E731
+            sums = self.oracle(
+                "parity_cross_mode", None, lambda r=refs, m=mode: self.get_oracle(r(), self.deadline, f"export {m}")
+            )
+            if sums is None:
+                return
+            self.record.cross_mode_checksums[mode] = sums[0]
+
+    def recover(self, after: int) -> None:
+        """After a failed sync: is the engine alive (/health, one completion), and does one clean sync of the
+        unchanged weights, with every fault undone, leave it holding the expected state? The answers go into
+        `record.recovery`; the clean sync into `record.syncs` (judged like every other sync). An engine that
+        no longer answers gets its log's tail recorded instead."""
+        rec = RecoveryRecord(after_sync=after)
+        self.record.recovery = rec
+        rec.health_status = self.checker.health()
+        if rec.health_status == 200 and self.prompts:
+            try:
+                self.checker.prompt_logprobs(self.prompts[0].input_ids, 1.0, self.prompts[0].image_url)
+                rec.completion_status = 200
+            except EngineRejected as e:
+                rec.completion_status = e.status
+        if rec.health_status != 200 or rec.completion_status not in (None, 200):
+            rec.engine_log_tail = self._engine_log_tail()
+            return
+        if self.fault is not None and self.fault.trainer is not None:
+            self.on_ranks("run_in_process", RESTORE_SEAMS, what="undo the fault before recovery", timeout=60)
+        index = self.record.syncs[-1].index + 1 if self.record.syncs else 0
+        clean = self.sync(index, perturbed=False)
+        clean.recovery = True
+        rec.clean_sync = index
+        rec.clean_sync_finished = not sync_failed(self.record, clean)
+
+    def engine_died(self, after: int) -> bool:
+        """After a rank raised in sync `after`: when the engine no longer answers /health, record that as the
+        failed sync's recovery (its status and log tail), so the verdict names the engine's death rather than
+        the broken transfer group it left behind in the trainer. Returns whether the engine died."""
+        status = self.checker.health()
+        if status == 200:
+            return False
+        self.record.recovery = RecoveryRecord(
+            after_sync=after, health_status=status, engine_log_tail=self._engine_log_tail()
+        )
+        return True
+
+    def _engine_log_tail(self) -> str:
+        try:
+            return str(ray.get(self.engine.log_tail.remote(), timeout=30))
+        except Exception as e:  # the actor itself may be gone
+            return f"(no log tail: {type(e).__name__}: {e})"

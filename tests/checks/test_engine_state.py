@@ -1,0 +1,38 @@
+"""The engine's state beyond its weights: the committed weight version and caches that outlive an update."""
+
+from __future__ import annotations
+
+from harness.checks import check_engine_caches, check_weight_version
+from harness.record import OracleFailure, RunRecord
+
+from .records import verdict_of
+
+
+def test_weight_version_not_committed_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[1].engine_weight_version = "1"  # still the version of sync 0
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        "sync 1: the engine reports weight version '1' after finishing version '2': its rollouts would be "
+        "attributed to another policy",
+    )
+
+
+def test_weight_version_not_read_is_skipped(record: RunRecord) -> None:
+    for s in record.syncs:
+        s.engine_weight_version = None
+    assert check_weight_version(record).skipped
+
+
+def test_stale_prefix_cache_is_parity_fail_naming_the_probe(record: RunRecord) -> None:
+    record.syncs[2].probe = {"token": 7, "engine": -2.25, "expected": -2.5}
+    verdict, message = verdict_of(record)
+    assert verdict == "PARITY_FAIL"
+    assert message.startswith("sync 2: the probe prompt served again after the sync generated token 7 with log-prob")
+    assert "(|diff| 0.25 > 0.0001)" in message and "prefix cache" in message
+
+
+def test_probe_within_budget_passes_and_its_oracle_failure_is_a_note(record: RunRecord) -> None:
+    assert check_engine_caches(record).ok
+    record.oracle_failures.append(OracleFailure(check="engine_caches", sync=1, reason="RuntimeError: no view"))
+    result = check_engine_caches(record)
+    assert result.skipped and result.reason == "oracle could not run after sync 1: RuntimeError: no view"
