@@ -321,6 +321,9 @@ def completion_bads(vocab: int) -> SearchStrategy[Bad]:
         "logprobs": logprobs,
         "multi_modal_data": st.just({"image": "data:image/png;base64,AAAA"}) | not_of("dict", "null"),
         "model": not_of("str", "null"),
+        # vLLM's id fields, which the harness's client sends to both engines: taken as booleans only.
+        "return_token_ids": not_of("bool", "null"),
+        "return_tokens_as_token_ids": not_of("bool", "null"),
     }
 
     @st.composite

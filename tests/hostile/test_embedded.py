@@ -231,7 +231,9 @@ def _machine(live: Live) -> type[RuleBasedStateMachine]:
     """Routes in any order: valid calls against a model of the session and pause flag, and malformed ones
     mixed in. Valid chunks re-send KNOWN, so the weights never change."""
     bads = st.one_of(*malformed(live.segments(), free_port(), live.vocab).values())
+    # As the harness's client asks: vLLM's two id fields are taken, any other unknown field is refused.
     prompt = {"prompt": [1, 2, 3, 4], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    prompt |= {"return_token_ids": True, "return_tokens_as_token_ids": True}
     baseline = live.checksums()
 
     class RoutesInAnyOrder(RuleBasedStateMachine):

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from reference_impl.engine.embedded.caches import EncoderCache, PrefixCache
 
@@ -109,8 +109,8 @@ class CompletionRequest(BaseModel):
     multi_modal_data: MultiModalData | None = None
     # vLLM's fields for ids in the answer; this engine has no tokenizer, so it always answers as if both
     # were true (`token_ids` present, tokens written "token_id:<id>").
-    return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
 
 
 class CompletionError(Exception):
