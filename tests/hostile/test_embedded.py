@@ -215,7 +215,7 @@ def test_malformed_bodies_are_refused_by_name(live: Live, group: str) -> None:
     assert live.post("/start_weight_update").status_code == 200
 
     @given(bad=strategy)
-    @settings(SETTINGS, max_examples=25)
+    @settings(SETTINGS, max_examples=20)
     def each(bad: Bad) -> None:
         refusal(bad.send(live.url), bad)
         live.alive()
@@ -317,7 +317,7 @@ def _machine(live: Live) -> type[RuleBasedStateMachine]:
 def test_routes_in_any_order(live: Live) -> None:
     live.load_known()
     machine = _machine(live)
-    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=15, stateful_step_count=15))
+    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=10, stateful_step_count=12))
 
 
 # ---------------------------------------------------------------- concurrency
