@@ -98,6 +98,7 @@ def _verdict(kind: str, bad: Bad, r: httpx.Response) -> str:
         scenario_id=f"{kind}/malformed",
         scenario=Scenario(model="qwen3", engine=kind, syncs=1),
         requested_export_mode="raw",
+        engine_capabilities=engine_kind(kind).capabilities,
     )
     record.http.append(call)
     return judge(record)[0]
