@@ -31,6 +31,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from vllm_env import require_vllm as _require_vllm
 from wsh_vllm_plugin.protocol import UpdateInfo
 
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
@@ -43,7 +44,6 @@ from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import EngineStartError
-from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.forward.hf import HfForward, fixed_prompts
 from reference_impl.forward.prompts import image_prompt
@@ -56,15 +56,6 @@ from reference_impl.transport.sync import run_sync
 
 SEED, ENGINE_SEED = 1234, 4321
 BIG_CHUNK = 64 << 20  # one chunk holds the whole tiny model
-
-
-def _require_vllm() -> None:
-    try:
-        vllm_python()
-    except EngineEnvMissing as e:
-        if os.environ.get("WSH_REQUIRE_VLLM") == "1":
-            pytest.fail(f"WSH_REQUIRE_VLLM=1 but {e}")
-        pytest.skip(f"no vLLM environment ({e})")
 
 
 @dataclass

@@ -93,6 +93,21 @@ class TpRanks:
         self.groups = [f.result() for f in futures]
         return self
 
+    @property
+    def rank(self) -> int:
+        """The first TP rank's rank in the transfer group (`rank_offset`)."""
+        return self.groups[0].rank
+
+    @property
+    def ranks(self) -> set[int]:
+        """Every TP rank's rank in the transfer group."""
+        return {g.rank for g in self.groups}
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the transfer group (the sender and every engine worker)."""
+        return self.groups[0].world_size
+
     def receive_chunk(self, src: int) -> torch.Tensor:
         """Every rank receives the chunk broadcast by `src` at once; returns rank 0's bytes (each rank keeps
         its own in `payloads`). Raises RuntimeError from gloo when `src` does not send in time."""
