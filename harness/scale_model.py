@@ -27,7 +27,7 @@ from typing import Any
 from harness.scale.params import param_count
 from harness.scale.presets import PRESETS, preset
 from harness.scale.published import ARCHITECTURES, FIGURES, checkpoint_engine_s, ours_s, workload
-from harness.scale.update_time import Design, Topology, predict
+from harness.scale.update_time import Design, Topology, predict, sender_held_bytes
 from reference_impl.models.registry import MODELS_DIR, available_models, load_model
 
 
@@ -74,6 +74,7 @@ def _predict(args: argparse.Namespace) -> None:
     for k, v in p.phases.items():
         print(f"  {k:9s} {v:9.3f} s")
     print(f"  {'total':9s} {p.total:9.3f} s  (bottleneck: {p.bottleneck})")
+    print(f"  the sender holds {sender_held_bytes(w, topo) / 1e9:.2f} GB when its chunk loop starts")
 
 
 def _published(_: argparse.Namespace) -> None:

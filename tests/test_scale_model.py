@@ -15,7 +15,7 @@ from safetensors import safe_open
 from harness.scale.check import compare
 from harness.scale.params import param_count
 from harness.scale.published import ARCHITECTURES, checkpoint_engine_s
-from harness.scale.update_time import Design, Links, Topology, Workload, predict
+from harness.scale.update_time import Design, Links, Topology, Workload, predict, sender_held_bytes
 from harness.scale_model import main
 from reference_impl.models.checkpoint import hf_config, make_checkpoint
 from reference_impl.models.registry import MODELS_DIR, load_model
@@ -129,6 +129,11 @@ def test_cpu_colocate_by_hand() -> None:
     # one host copy into the shared buffer, one into the engine's parameters: 8e9 / 10e9 each.
     assert (p.phases["transfer"], p.phases["load"]) == (pytest.approx(0.8), pytest.approx(0.8))
     assert p.phases["export"] == pytest.approx(0.8 + 400 * 1e-4)
+
+
+def test_sender_holds_its_stage_and_one_chunk() -> None:
+    assert sender_held_bytes(W, Topology(pp=4)) == 2_000_000_000 + 1_000_000_000
+    assert sender_held_bytes(Workload(bytes=10, tensors=1, chunk_bytes=1 << 30), Topology()) == 20
 
 
 def test_unknown_transfer_backend_is_refused() -> None:

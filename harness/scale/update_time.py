@@ -193,6 +193,12 @@ def predict(w: Workload, topo: Topology, links: Links, design: Design | None = N
     return Prediction(phases=phases, total=total)
 
 
+def sender_held_bytes(w: Workload, topo: Topology) -> int:
+    """Bytes the sender holds when its chunk loop starts: its stage's whole export (an export returns a
+    list, not a stream) plus one chunk's packing buffer. Device memory with raw export on GPU."""
+    return w.bytes // topo.pp + min(w.chunk_bytes, w.bytes)
+
+
 def with_links(links: Links, **changes: float) -> Links:
     """`links` with some numbers replaced (e.g. a measured TCP bandwidth)."""
     return replace(links, **changes)
