@@ -163,8 +163,9 @@ class ScenarioSession:
         """Every rank sets up its channel to the engine (the sender's /init_weight_transfer_engine). An
         engine that joined more than one transfer group stops the scenario: nothing sent after it would
         reach the engine."""
-        for calls in self.on_ranks("connect_engine", self.checker.base_url, self.sc.engine, self.sc.colocate,
-                                   what="connect engine"):
+        for calls in self.on_ranks(
+            "connect_engine", self.checker.base_url, self.sc.engine, self.sc.colocate, what="connect engine"
+        ):
             self.record.http.extend(calls)
         if not check_transfer_init(self.record).ok:
             self.record.notes.append("stopped after connect: the engine joined more than one transfer group")
@@ -195,6 +196,10 @@ class ScenarioSession:
                     self.on_ranks("run_in_process", RESTORE_SEAMS, what=f"disarm fault after sync {i}", timeout=60)
         except EngineRejected as e:  # the harness's own call (checksums, log-probs) got no 200: stop syncing
             self.record.notes.append(f"the syncs stopped: the harness's {e.route} got {e.status} from the engine")
+        except ScenarioFailed:
+            if not self.record.deadlock:  # a rank raised: an engine that died first is the cause to name
+                self.engine_died(after=len(self.record.syncs))
+            raise
         failed = [s.index for s in self.record.syncs if sync_failed(self.record, s)]
         if failed or len(self.record.syncs) < sc.syncs + 1:
             self.recover(after=failed[-1] if failed else len(self.record.syncs) - 1)
@@ -313,6 +318,18 @@ class ScenarioSession:
         clean.recovery = True
         rec.clean_sync = index
         rec.clean_sync_finished = not sync_failed(self.record, clean)
+
+    def engine_died(self, after: int) -> bool:
+        """After a rank raised in sync `after`: when the engine no longer answers /health, record that as the
+        failed sync's recovery (its status and log tail), so the verdict names the engine's death rather than
+        the broken transfer group it left behind in the trainer. Returns whether the engine died."""
+        status = self.checker.health()
+        if status == 200:
+            return False
+        self.record.recovery = RecoveryRecord(
+            after_sync=after, health_status=status, engine_log_tail=self._engine_log_tail()
+        )
+        return True
 
     def _engine_log_tail(self) -> str:
         try:

@@ -126,7 +126,7 @@ def _start(family_model: str, tmp: Path) -> tuple[subprocess.Popen, Path, Path]:
         [
             sys.executable,
             "-m",
-            "reference_impl.engine.embedded.server",
+            "reference_impl.engine.embedded",
             "--checkpoint",
             str(ckpt),
             "--seed",

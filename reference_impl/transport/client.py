@@ -170,6 +170,7 @@ class EngineClient:
             "temperature": temperature,
             "logprobs": 0,
             "return_token_ids": True,  # vLLM's field; the embedded engine always returns them
+            "return_tokens_as_token_ids": True,  # vLLM needs it to write logprobs without a tokenizer
         }
         if image_url is not None:
             body["multi_modal_data"] = {"image": image_url}

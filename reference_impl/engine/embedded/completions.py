@@ -9,7 +9,8 @@ offline `multi_modal_data` input; other fields are ignored with a warning on std
      "temperature": float > 0 (default 1.0),
      "prompt_logprobs": null | 0..20 (0: only each prompt token's own entry),
      "logprobs": null | 0..20 (the generated token's, when max_tokens is 1),
-     "multi_modal_data": {"image": "data:image/png;base64,..."} (Qwen3-VL models only)}
+     "multi_modal_data": {"image": "data:image/png;base64,..."} (Qwen3-VL models only),
+     "return_token_ids": bool, "return_tokens_as_token_ids": bool (accepted; always answered as true)}
 
 Response (vLLM's `CompletionResponse`; the engine has no tokenizer, so every decoded token is written
 `"token_id:<id>"` as vLLM's `--return-tokens-as-token-ids` does and `text` is "")::
@@ -99,6 +100,10 @@ class CompletionRequest(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     multi_modal_data: MultiModalData | None = None
+    # vLLM's fields for ids in the answer; this engine has no tokenizer, so it always answers as if both
+    # were true (`token_ids` present, tokens written "token_id:<id>").
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionError(Exception):

@@ -1,6 +1,6 @@
 """Start and stop the embedded engine server as a child process (what the engine's Ray actor owns).
 
-`EngineProcess.start()` runs `python -m reference_impl.engine.embedded.server` on 127.0.0.1 with port 0
+`EngineProcess.start()` runs `python -m reference_impl.engine.embedded` on 127.0.0.1 with port 0
 (the server writes the port it bound to a port file), waits until it answers GET /health, and returns
 its base URL. `stop()` ends it by its pid (`engine.process.ServerProcess`). The server also watches
 its launcher (`--exit-with-parent`): a killed launcher never leaves a server behind.
@@ -41,7 +41,7 @@ class EngineProcess(ServerProcess):
         argv = [
             sys.executable,
             "-m",
-            "reference_impl.engine.embedded.server",
+            "reference_impl.engine.embedded",
             "--checkpoint",
             self.checkpoint,
             "--seed",

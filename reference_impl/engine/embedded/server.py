@@ -1,6 +1,6 @@
 """The embedded rollout engine: vLLM's RLHF weight-update routes over a transformers model.
 
-Run: `python -m reference_impl.engine.embedded.server --checkpoint DIR --seed N --host 127.0.0.1
+Run: `python -m reference_impl.engine.embedded --checkpoint DIR --seed N --host 127.0.0.1
 --port 0 --port-file FILE [--fault MODULE:FUNCTION]`. With port 0 it binds a free port and writes the port
 it serves on to FILE (atomically) once it accepts requests. `--fault MODULE:FUNCTION` loads a fault hook
 at start (the harness's mutation tests: `harness.faults.engine`): the function is called once, before
@@ -511,4 +511,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(
+        "run the engine as `python -m reference_impl.engine.embedded` (this module must be imported under its "
+        "own name, so that fault hooks replace what the app calls)"
+    )
