@@ -156,7 +156,7 @@ def test_check_against_a_run_table(tmp_path: Path) -> None:
         ("qwen3/tp1-pp1/noncolocate/raw", 1, 1, 0.0100, 0.02),
         ("qwen3/tp1-pp2/noncolocate/raw", 1, 2, 0.0060, 0.05),
     ]
-    lines = ["scenario,model,tp,ep,pp,colocate,mode,bytes_per_sync,steady_s,gather_s,convert_s,verdict"]
+    lines = ["scenario,model,tp,ep,pp,colocate,export_mode,bytes_per_sync,steady_s,gather_s,convert_s,verdict"]
     for sid, tp, pp, convert, steady in rows:
         lines.append(f"{sid},qwen3,{tp},1,{pp},False,raw,1117440,{steady},0.0,{convert},PASS")
         start = {"route": "/start_weight_update", "status": 200, "ms": 3.0}

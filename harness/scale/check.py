@@ -56,6 +56,7 @@ def _rows(run: Path) -> list[dict[str, Any]]:
     for row in df.to_dict("records"):
         if row["verdict"] != "PASS" or not isinstance(row["steady_s"], float) or math.isnan(row["steady_s"]):
             continue
+        row["mode"] = row.get("export_mode", row.get("mode"))  # `mode` in tables written before the rename
         rec = _record(run, row["scenario"])
         sc = rec["scenario"]
         count = param_count(load_model(row["model"]).config)
