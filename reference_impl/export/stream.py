@@ -5,7 +5,7 @@ the seconds spent per phase:
 - raw: every rank walks its parameters (global names), all TP ranks all-gather each sharded one,
   and TP rank 0 of each PP stage converts and owns its stage's tensors by the family's raw rule table
   (`models/families/<model_type>.py`, applied by `models.raw_rules.convert`).
-- bridge: Megatron-Bridge's `export_hf_weights(model, cpu=True, conversion_tasks=...)` on every rank,
+- bridge: Megatron-Bridge's `export_hf_weights(model, conversion_tasks=...)` on every rank,
   with the conversion tasks of the rank's own PP stage (`export/bridge.py`: the library gathers TP
   shards and EP experts inside the stage and broadcasts nothing across stages); the stage leader
   (TP 0, DP 0) owns its stage's tensors. Its gather and convert are one call: the time is recorded as
