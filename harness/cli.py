@@ -1,13 +1,20 @@
 """`python -m harness ...`: run a scenario matrix and write its results.
 
     python -m harness run --matrix cpu [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
+                          [--baseline DIR]
     python -m harness list --matrix cpu [--filter EXPR]
     python -m harness faults [--filter EXPR] [--results-dir DIR] [--run-id ID]
+    python -m harness report --run results/<run-id> --baseline results/baselines/cpu [--threshold 1.25]
+    python -m harness soak [--scenario ID]... [--syncs N] [--results-dir DIR] [--run-id ID]
 
 `run` exits 0 when every scenario's verdict is the one it expects (PASS unless it says `expect:`),
-1 otherwise, 2 on bad arguments. `faults` runs every registered fault injection (`harness/faults.py`)
+1 otherwise, 2 on bad arguments; with `--baseline DIR` it also writes the regression report at the end
+and exits 1 when that finds a regression. `report` (`harness.report`) exits 1 on a regression.
+`faults` runs every registered fault injection (`harness/faults.py`)
 and writes `faults.md` / `faults.csv` (fault, scenario, expected, got, caught); it exits 0 when every
-fault was caught with its expected verdict.
+fault was caught with its expected verdict. `soak` runs scenarios for many syncs and judges the growth of
+their processes' resources (`harness.soak`). Every command samples resources after each sync
+(`harness.soak.sample_resources`); runs of fewer than 10 syncs are too short for that check to judge.
 """
 
 from __future__ import annotations
@@ -16,14 +23,19 @@ import argparse
 import signal
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.checks import expectation_met
 from harness.record import RunRecord
 from harness.scenario import Scenario, expand, load_matrix, select
+from harness.soak import add_arguments as add_soak_arguments
+from harness.soak import cmd_soak, sample_resources
 from harness.validate import validate
+
+if TYPE_CHECKING:
+    from harness.runner import SyncHook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,22 +52,21 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex",
         )
-    for name in ("run", "faults"):
+    soak = sub.add_parser("soak", help="one scenario for many syncs; resource growth per 100 syncs")
+    add_soak_arguments(soak)
+    for name in ("run", "faults", "soak"):
         p = sub.choices[name]
         p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
         p.add_argument("--run-id", default=None, help="folder name under --results-dir (default: a timestamp)")
         p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    sub.choices["run"].add_argument(
+        "--baseline", type=Path, default=None, help="a results folder to compare with at the end (report.md)"
+    )
+    rep = sub.add_parser("report", help="compare a run with a baseline: report.md, report.csv, plots/regression.png")
+    rep.add_argument("--run", type=Path, required=True, help="the run's folder, results/<run-id>")
+    rep.add_argument("--baseline", type=Path, required=True, help="the baseline's folder, e.g. results/baselines/cpu")
+    rep.add_argument("--threshold", type=float, default=1.25, help="the smallest time ratio ever flagged (1.25)")
     return ap
-
-
-def _write_outputs(records: list[RunRecord], out: Path, run_id: str, env: dict, order: list[str]) -> None:
-    from harness.plots import plot_steady_update_time
-    from harness.results import summarize, write_summary
-
-    rank = {sid: i for i, sid in enumerate(order)}
-    df = summarize(sorted(records, key=lambda r: rank.get(r.scenario_id, len(rank))))  # matrix order
-    write_summary(df, out, run_id=run_id, env=env)
-    plot_steady_update_time(df, out / "plots" / "steady_update_time.png")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -72,25 +83,21 @@ def run_scenarios(
     run_id: str | None,
     ray_address: str | None,
     after_each: Callable[[list[RunRecord], Path], None] | None = None,
+    after_sync: SyncHook | None = sample_resources,
 ) -> tuple[list[RunRecord], Path]:
-    """Run `scenarios` in order into `results_dir/<run_id>/`; records, summaries and plots are written as
-    each scenario ends (and `after_each(records, out)` is called). Every process started is stopped on
-    the way out, Ctrl-C included."""
+    """Run `scenarios` in order into `results_dir/<run_id>/` (`harness.matrix_run.MatrixRun`); records,
+    summaries and plots are written as each scenario ends (and `after_each(records, out)` is called); the
+    runner calls `after_sync` after every sync (default: resource samples into the record). Every process
+    started is stopped on the way out, Ctrl-C included."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harness.placement import ensure_ray, order_for_reuse, shutdown_ray
-    from harness.results import write_env
-    from harness.runner import Runner
+    from harness.matrix_run import MatrixRun
+    from harness.placement import order_for_reuse
 
     console = Console(stderr=True)
-    run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
-    out = results_dir / run_id
-    out.mkdir(parents=True, exist_ok=True)
-    env = write_env(out)
-    records: list[RunRecord] = []
+    run = MatrixRun(scenarios, results_dir, run_id, ray_address, after_each=after_each, after_sync=after_sync)
     t0 = time.perf_counter()
-    runner: Runner | None = None
     try:
         with Progress(
             TextColumn("{task.description}"),
@@ -99,38 +106,18 @@ def run_scenarios(
             TimeElapsedColumn(),
             console=console,
         ) as progress:
-            task = progress.add_task("starting Ray", total=len(scenarios))
+            task = progress.add_task("starting", total=len(scenarios))
             problems = {sc.id: validate(sc) for sc in scenarios}  # once per scenario, before anything starts
-            if any(problem is None for problem in problems.values()):
-                ensure_ray(ray_address)
-            pending = Counter(sc.group_key for sc in scenarios if sc.group_key)
-
-            def on_record(rec: RunRecord) -> None:
-                records.append(rec)
-                key = rec.scenario.group_key
-                if key and runner is not None:
-                    pending[key] -= 1
-                    if pending[key] == 0:  # the whole group has run: compare its members
-                        members = [r for r in records if r.scenario.group_key == key]
-                        updated = {r.scenario_id: r for r in runner.finish_group(members)}
-                        records[:] = [updated.get(r.scenario_id, r) for r in records]
-                        rec = updated[rec.scenario_id]
-                _write_outputs(records, out, run_id, env, [sc.id for sc in scenarios])
-                if after_each is not None:
-                    after_each(records, out)
+            for sc in order_for_reuse(scenarios):
+                progress.update(task, description=sc.id)
+                rec = run.run(sc, problems[sc.id], validated=True)
                 style = "green" if expectation_met(rec, rec.verdict) else "red"
                 progress.console.print(f"[{style}]{rec.verdict:14s}[/] {rec.scenario_id}")
                 progress.advance(task)
-
-            runner = Runner(out_dir=out, run_id=run_id, on_record=on_record)
-            for sc in order_for_reuse(scenarios):
-                progress.update(task, description=sc.id)
-                runner.run_scenario(sc, problems[sc.id], validated=True)
     finally:
-        if runner is not None:
-            runner.close()
-        shutdown_ray()
+        run.close()
     wall = time.perf_counter() - t0
+    records, out = run.records, run.out
     bad = [r for r in records if not expectation_met(r, r.verdict)]
     console.print(f"{len(records)} scenarios in {wall:.0f} s, {len(bad)} unexpected; results in {out}")
     console.print(f"summary: {out / 'summary.md'}")
@@ -143,8 +130,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not scenarios:
         print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}", file=sys.stderr)
         return 2
-    records, _ = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address)
-    return 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
+    if args.baseline is not None and not (args.baseline / "summary.csv").exists():
+        print(f"--baseline {args.baseline} has no summary.csv: pass a results folder", file=sys.stderr)
+        return 2
+    records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address)
+    status = 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
+    if args.baseline is not None:
+        status = max(status, _report(out, args.baseline))
+    return status
+
+
+def _report(run_dir: Path, baseline: Path) -> int:
+    from harness.report import write_report
+
+    status, md = write_report(run_dir, baseline)
+    print(f"report: {md} ({'regressions found' if status else 'no regression'})")
+    return status
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Compare a run's tables with a baseline's; write report.md / report.csv / plots/regression.png."""
+    from harness.report import write_report
+
+    status, md = write_report(args.run, args.baseline, args.threshold)
+    print(md.read_text())
+    return status
 
 
 def cmd_faults(args: argparse.Namespace) -> int:
@@ -172,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate_like_interrupt)
     args = _parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "list": cmd_list, "faults": cmd_faults}[args.cmd](args)
+        commands = {"run": cmd_run, "list": cmd_list, "faults": cmd_faults, "report": cmd_report, "soak": cmd_soak}
+        return commands[args.cmd](args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,27 +1,40 @@
-"""Where a scenario's processes run: Ray, the trainer pools and the engine actor.
+"""Where a scenario's processes run: Ray, the trainer pools and the engine actors.
 
-Placement (non-colocate): one placement group per trainer world, one bundle per trainer rank, and a
-separate bundle for the engine actor, which owns the engine server process. On a GPU host each bundle
-also holds one GPU; a colocated engine shares the sender's bundle and GPU (half each). Trainer actors
-(one per rank, `reference_impl.worker.TrainerWorker`) are reused across scenarios of the same world
-size.
+Placement: one placement group per trainer world, one bundle per trainer rank; trainer actors (one per
+rank, `reference_impl.worker.TrainerWorker`) are reused across scenarios of the same world size. Each
+engine replica has an engine actor that owns its server process: non-colocate, an actor of its own (on a
+GPU host with one GPU per engine TP rank); colocated, in the sender's bundle (half its GPU on a GPU host).
+
+Nodes: on a Ray cluster whose nodes offer the custom resources `wsh_trainer_node` / `wsh_engine_node`
+(`TRAINER_NODE`, `ENGINE_NODE`), the trainer ranks go where the first is and the engines where the second
+is (each asks for a sliver of it). On a cluster of more than one node the engines must be reachable from
+the trainer's node: an engine server then binds to its own node's address, and only with the run's bearer
+token (`wsh_vllm_plugin.auth`), and the transfer group's store is hosted at the sender's node address;
+on one node everything stays on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import ServerProcess, free_port
 
 SETUP_TIMEOUT_S = 900.0
+TRAINER_NODE = "wsh_trainer_node"  # a node offering this custom resource hosts the trainer ranks
+ENGINE_NODE = "wsh_engine_node"  # a node offering this custom resource hosts the engines
+NODE_SLICE = 0.001  # what one actor or bundle asks of a node resource (any number of them fit)
+LOOPBACK = "127.0.0.1"
 FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
 
 
@@ -44,6 +57,16 @@ def use_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
 
 
+def node_resource(name: str) -> dict[str, float]:
+    """{name: NODE_SLICE} when the cluster offers the custom resource `name`, else {} (anywhere)."""
+    return {name: NODE_SLICE} if ray.is_initialized() and ray.cluster_resources().get(name, 0) > 0 else {}
+
+
+def multi_node() -> bool:
+    """Whether the Ray cluster has more than one live node (engines must then be reachable across nodes)."""
+    return ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) > 1
+
+
 def order_for_reuse(scenarios: list[Scenario]) -> list[Scenario]:
     """Scenarios grouped by trainer world size (stable within a group), so each pool is made once."""
     first_seen: dict[int, int] = {}
@@ -53,9 +76,33 @@ def order_for_reuse(scenarios: list[Scenario]) -> list[Scenario]:
 
 
 def shutdown_ray() -> None:
-    """Stop the Ray instance this driver started (its worker processes end with it)."""
-    if ray.is_initialized():
-        ray.shutdown()
+    """Stop the Ray instance this driver started (its worker processes end with it). Also after an
+    interrupted `ray.init`: Ray's processes may already run before Ray counts as initialized, and
+    `ray.shutdown` ends whatever the driver has started (it does nothing when nothing was)."""
+    ray.shutdown()
+
+
+def descendants() -> list[psutil.Process]:
+    """This process's descendants (once Ray runs: its node processes, their workers, the engine servers
+    those start); empty when they cannot be read."""
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def end_leftovers(started: list[psutil.Process], grace_s: float = 10.0) -> list[int]:
+    """Give the processes in `started` (what this driver started) `grace_s` seconds to end on their own,
+    then SIGKILL those still running; returns their pids. `psutil.Process` objects compare by pid and start
+    time, so a pid reused by an unrelated process meanwhile is never touched."""
+    _, alive = psutil.wait_procs(started, timeout=grace_s)
+    killed = []
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+                killed.append(proc.pid)
+    return killed
 
 
 @ray.remote(num_cpus=0.5)
@@ -74,15 +121,22 @@ class EngineActor:
         dtype: str,
         fault_hook: str | None = None,
         colocate: bool = False,
+        tp: int = 1,
+        reachable: bool = False,
+        token: str | None = None,
     ) -> str:
         """Start the scenario's engine (an engine kind of `reference_impl.engine`) for a colocated or a
-        separate sender (`colocate`) and return its base URL.
+        separate sender (`colocate`) with `tp` TP ranks and return its base URL. `reachable`: other nodes must
+        reach it, so it binds to this node's address (with `token`, which every route then asks for); else to
+        127.0.0.1.
 
         Raises:
             EngineStartError: the server exited or did not answer /health within its kind's start timeout.
+            ValueError: `reachable` without a token.
         """
         kind = engine_kind(engine)
-        self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook, colocate)
+        host = ray.util.get_node_ip_address() if reachable else LOOPBACK
+        self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook, colocate, tp=tp, host=host, token=token)
         return self.proc.start(kind.start_timeout_s)
 
     def pid(self) -> int | None:
@@ -96,10 +150,18 @@ class EngineActor:
         if self.proc is not None:
             self.proc.stop()
 
+    def exit_status(self, tail_chars: int = 3000) -> tuple[int | None, str]:
+        """(the server's exit status, None while it runs or before it started; the last `tail_chars`
+        characters of its log once it has ended, else "")."""
+        popen = self.proc.proc if self.proc is not None else None
+        if popen is None or popen.poll() is None:
+            return None, ""
+        return popen.returncode, self.proc.log_tail(tail_chars) if self.proc is not None else ""
+
 
 @dataclass
 class TrainerPool:
-    """Trainer actors of one world size, in one placement group (bundle i = rank i, last = engine)."""
+    """Trainer actors of one world size, in one placement group (bundle i = rank i)."""
 
     world_size: int
     pg: PlacementGroup
@@ -108,15 +170,16 @@ class TrainerPool:
 
     @classmethod
     def create(cls, world_size: int) -> TrainerPool:
-        """Place `world_size` trainer ranks plus an engine bundle and start the rank actors."""
+        """Place `world_size` trainer ranks (on the trainer node, when the cluster names one) and start the rank
+        actors."""
         from reference_impl.worker import TrainerWorker
 
-        # Bundle r = trainer rank r; the last bundle is the engine's when not colocated. Bundles have 2
-        # CPUs so a colocated engine (fractional share) fits beside rank 0.
+        # Bundle r = trainer rank r. Bundles have 2 CPUs so a colocated engine (fractional share) fits beside
+        # rank 0.
         gpus = use_gpus()
-        # On a GPU host every bundle also holds one GPU: rank r's, and the engine's own when not colocated.
-        bundle = {"CPU": 2, "GPU": 1} if gpus else {"CPU": 2}
-        pg = placement_group([bundle] * (world_size + 1), strategy="PACK")
+        # On a GPU host every bundle also holds one GPU: rank r's (half of bundle 0's for a colocated engine).
+        bundle = ({"CPU": 2, "GPU": 1} if gpus else {"CPU": 2}) | node_resource(TRAINER_NODE)
+        pg = placement_group([bundle] * world_size, strategy="PACK")
         ray.get(pg.ready(), timeout=120)
         port = free_port()
         # Half a GPU per rank leaves the other half of bundle 0's GPU to a colocated engine.
@@ -130,25 +193,50 @@ class TrainerPool:
         pids = ray.get([a.pid.remote() for a in actors], timeout=SETUP_TIMEOUT_S)
         return cls(world_size=world_size, pg=pg, actors=actors, pids=pids)
 
-    def engine_strategy(self, colocate: bool) -> PlacementGroupSchedulingStrategy:
-        """Scheduling for the engine actor: the sender's bundle when colocated (trainer and engine share
-        its devices), else a bundle of its own."""
-        bundle = 0 if colocate else self.world_size
-        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+    def engine_options(self, colocate: bool, tp: int = 1) -> dict[str, Any]:
+        """Ray options of one engine actor (its server process inherits its devices): colocated, the sender's
+        bundle and the other half of its GPU; else an actor of its own on the engine node (when the cluster
+        names one) with one GPU per engine TP rank on a GPU host."""
+        gpus = use_gpus()
+        if colocate:
+            return {
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
+                "num_gpus": 0.5 if gpus else 0.0,
+            }
+        return {"num_gpus": float(tp) if gpus else 0.0, "resources": node_resource(ENGINE_NODE)}
 
-    @staticmethod
-    def engine_gpus(colocate: bool) -> float:
-        """GPUs the engine actor asks for (its server process inherits them): the other half of the
-        sender's GPU when colocated, a whole one otherwise; 0 on a CPU host."""
-        if not use_gpus():
-            return 0.0
-        return 0.5 if colocate else 1.0
+    def sender_address(self) -> str:
+        """The address engines reach the sender (rank 0) at: its node's address on a cluster of several
+        nodes, 127.0.0.1 on one."""
+        if not multi_node():
+            return LOOPBACK
+        from ray.util import placement_group_table
+
+        node_id = placement_group_table(self.pg)["bundles_to_node_id"][0]
+        node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+        return str(node["NodeManagerAddress"])
 
     def kill(self) -> None:
-        """End every rank process and free the placement group."""
+        """End every rank process and free the placement group, then unlink the shared-memory segments the
+        ranks held that are still there: a killed sender never unlinks its own (`harness.shm`)."""
+        ranks = self._local_processes()
+        held = set().union(*(shm.held_by(p.pid) for p in ranks))
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
         remove_placement_group(self.pg)
+        if held:
+            psutil.wait_procs(ranks, timeout=10)
+            shm.unlink(held)
+
+    def _local_processes(self) -> list[psutil.Process]:
+        """The rank processes that run on this host (a Ray worker of `TrainerWorker` with that pid)."""
+        out = []
+        for pid in self.pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                if "TrainerWorker" in " ".join(proc.cmdline()):
+                    out.append(proc)
+        return out
 
 

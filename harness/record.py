@@ -20,22 +20,29 @@ from pydantic import BaseModel, Field
 
 from harness.scenario import Scenario
 from reference_impl.engine.base import Capabilities
-from reference_impl.transport.observed import ChunkRecord, HttpCall, SyncReport, TensorLayout
+from reference_impl.transport.observed import ChunkRecord, EngineAccount, HttpCall, SyncReport, TensorLayout
 
 __all__ = [
     "PHASES",
     "VERDICTS",
     "ChunkRecord",
+    "EngineSync",
     "ErrorRecord",
     "HttpCall",
     "OracleFailure",
+    "ProcessSample",
     "RecoveryRecord",
+    "ResourceSample",
     "RunRecord",
     "SyncRecord",
     "TensorLayout",
+    "TransferGroupRecord",
 ]
 
 PHASES: tuple[str, ...] = ("gather", "convert", "transfer", "load")
+
+# The parts of one scenario's wall time (`RunRecord.wall` keys, summary columns of the same names).
+WALL_PARTS: tuple[str, ...] = ("setup_s", "syncs_s", "checks_s", "teardown_s")
 
 VERDICTS: tuple[str, ...] = (
     "PASS",
@@ -47,6 +54,7 @@ VERDICTS: tuple[str, ...] = (
     "PARITY_FAIL",
     "DEADLOCK",
     "CRASH",
+    "RESOURCE_LEAK",
 )
 
 
@@ -80,6 +88,62 @@ class RecoveryRecord(BaseModel):
     engine_log_tail: str = ""  # when the engine no longer answers
     clean_sync: int | None = None  # the recovery sync's index in `syncs`
     clean_sync_finished: bool = False  # it ran start -> updates -> finish with every call answered 200
+    engine: int = 0  # the engine replica whose liveness answers are these (the first one that failed, if any)
+
+
+class TransferGroupRecord(BaseModel):
+    """The transfer group as the sender set it up: where the engines met it and the rank each engine was
+    given (`reference_impl.transport.group`; several engine replicas and engine TP in one group)."""
+
+    master_address: str  # the sender's node address the engines were sent (127.0.0.1 on one node)
+    world_size: int  # ranks in the group: the sender plus every engine worker
+    rank_offsets: list[int] = Field(default_factory=list)  # per engine, as sent in its init_info
+    engine_ranks: list[int] = Field(default_factory=list)  # per engine: its workers in the group (its TP)
+    engine_urls: list[str] = Field(default_factory=list)  # per engine: its base URL
+    token_required: bool = False  # every engine route asked for the run's bearer token
+
+
+class EngineSync(EngineAccount):
+    """One engine replica in one sync (records with several engines): the sender's account of it
+    (`observed.EngineAccount`) and what the harness measured on it after the sync, field for field as
+    `SyncRecord` holds them for a single engine."""
+
+    engine_checksums: dict[str, str] = Field(default_factory=dict)
+    engine_tp_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
+    engine_weight_version: str | None = None
+    probe: dict[str, Any] = Field(default_factory=dict)
+    logprobs: dict[str, Any] = Field(default_factory=dict)
+    logprobs_expected: dict[str, Any] = Field(default_factory=dict)
+    engine_logprobs: list[list[float]] = Field(default_factory=list)
+
+
+class ProcessSample(BaseModel):
+    """One process of a scenario (a trainer rank, the engine server) measured once, with its descendants
+    (e.g. a Python resource tracker, vLLM's engine core): the sums over that process tree."""
+
+    pid: int
+    alive: bool = True  # False: the process was gone when sampled (the other fields are 0)
+    procs: int = 0  # processes in the tree (the process itself and its descendants)
+    rss_bytes: int = 0  # resident set size (psutil `memory_info().rss`), bytes
+    threads: int = 0  # OS threads (psutil `num_threads()`)
+    fds: int = 0  # open file descriptors (psutil `num_fds()`)
+    shm: list[str] = Field(default_factory=list)  # /dev/shm segments the tree maps or holds open, by name
+
+
+class ResourceSample(BaseModel):
+    """What the scenario's processes and the host's `/dev/shm` held right after one sync (and its
+    log-prob comparison) ended; taken by the runner's per-sync hook (`harness.soak.sample_resources`)."""
+
+    sync: int  # the sync just finished (0-based; the re-sync is index `syncs`)
+    t: float  # unix seconds
+    processes: dict[str, ProcessSample] = Field(default_factory=dict)  # "rank0", ..., "engine"
+    # The scenario's segments: those its processes held at this or an earlier sample that are still in
+    # /dev/shm (a segment closed but never unlinked stays counted), and their bytes.
+    shm_segments: int = 0
+    shm_bytes: int = 0
+    # Every segment in the host's /dev/shm and their bytes (other programs' too: reported, not judged).
+    host_shm_segments: int = 0
+    host_shm_bytes: int = 0
 
 
 class SyncRecord(SyncReport):
@@ -107,6 +171,40 @@ class SyncRecord(SyncReport):
     logprobs: dict[str, Any] = Field(default_factory=dict)
     logprobs_expected: dict[str, Any] = Field(default_factory=dict)
     engine_logprobs: list[list[float]] = Field(default_factory=list)  # per fixed prompt, after this sync
+    # An engine with TP ranks and per-tensor reports: each rank's shards after this sync (TP rank -> vLLM name
+    # -> checksum), and what vLLM's partition of the expected state gives each rank (`oracles.tp_shards`).
+    engine_tp_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
+    expected_tp_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
+    # Several engine replicas: each one's part of this sync (the fields above are then all engines together
+    # for the sender's account, and engine 0's for what the harness measured). Empty with one engine.
+    engines: list[EngineSync] = Field(default_factory=list)  # type: ignore[assignment]
+
+    def engine_view(self, engine: int) -> SyncRecord:
+        """This sync as engine replica `engine` saw it: the sender's account of that engine and what the
+        harness measured on it in the fields a single-engine record uses (itself when the sync has no
+        per-engine part)."""
+        if not self.engines:
+            return self
+        e = self.engines[engine]
+        got = set(e.chunks_received)
+        return self.model_copy(
+            update={
+                "chunks": [c.model_copy(update={"received": c.index in got}) for c in self.chunks],
+                "chunks_received": len(e.chunks_received),
+                "names_accepted": list(e.names_accepted),
+                "names_rejected": dict(e.names_rejected),
+                "engine_update_counts": dict(e.engine_update_counts),
+                "finished": e.finished,
+                "engine_checksums": dict(e.engine_checksums),
+                "engine_tp_checksums": {r: dict(v) for r, v in e.engine_tp_checksums.items()},
+                "engine_weight_version": e.engine_weight_version,
+                "probe": dict(e.probe),
+                "logprobs": dict(e.logprobs),
+                "logprobs_expected": dict(e.logprobs_expected),
+                "engine_logprobs": [list(p) for p in e.engine_logprobs],
+                "engines": [],
+            }
+        )
 
 
 class RunRecord(BaseModel):
@@ -142,9 +240,32 @@ class RunRecord(BaseModel):
     # The same for the trainer's Megatron forward vs the engine: `logprob_budget` plus the model family's
     # known, sourced gap (`ModelFamily.trainer_logprob_gap`), when it has one.
     trainer_logprob_budget: dict[str, float] = Field(default_factory=dict)
+    # Where the scenario's wall time went, seconds (`WALL_PARTS`): setup (checkpoint, processes, engine start,
+    # trainer build, connect), syncs (syncs and trainer steps, the recovery's included), checks (the
+    # harness's own reads of the engine, probes, log-prob views, oracles, judging), teardown (stops).
+    wall: dict[str, float] = Field(default_factory=dict)
+    resources: list[ResourceSample] = Field(default_factory=list)  # one per sync when sampled (soak)
     verdict: str = ""
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
+    transfer_group: TransferGroupRecord | None = None  # non-colocate: the group the sender set up
+
+    @property
+    def engine_count(self) -> int:
+        """Engine replicas this record speaks of (the scenario's `engines`)."""
+        return self.scenario.engines
+
+    def engine_view(self, engine: int) -> RunRecord:
+        """The record as engine replica `engine` saw it: its calls only (`HttpCall.engine`) and every sync's
+        `SyncRecord.engine_view`, with one engine (what every check reads). Itself with one engine."""
+        if self.engine_count <= 1:
+            return self
+        return self.model_copy(
+            update={
+                "http": [c for c in self.http if c.engine == engine],
+                "syncs": [s.engine_view(engine) for s in self.syncs],
+            }
+        )
 
     def save(self, path: Path) -> None:
         """Write the record as JSON (atomically: temp file then rename)."""

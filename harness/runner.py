@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -21,14 +22,16 @@ from pathlib import Path
 
 import ray
 
+from harness import shm
 from harness.checks import group_differences, judged
 from harness.faults import FAULTS
-from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool
+from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
-from harness.session import ScenarioFailed, ScenarioSession, error_from, oracle_into
+from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
 from harness.stacks import dump_stacks
 from harness.validate import validate
+from harness.watch import EngineWatch
 from reference_impl.engine import engine_kind
 from reference_impl.forward.hf import fixed_prompts
 from reference_impl.forward.prompts import probe_prompt
@@ -39,14 +42,31 @@ from reference_impl.transport.observed import HttpCall, TensorLayout
 from reference_impl.worker import TrainerSetup
 
 
+def wall_split(marks: dict[str, float], checks_s: float) -> dict[str, float]:
+    """A scenario's wall time in parts (`harness.record.WALL_PARTS`), seconds, from `time.perf_counter`
+    marks "start", "syncs" (absent when setup failed), "teardown" and "end", and the time the session spent
+    in checks while it synced (`ScenarioSession.checks_s`), which is taken out of the syncs' part."""
+    syncs_at = marks.get("syncs", marks["teardown"])
+    return {
+        "setup_s": syncs_at - marks["start"],
+        "syncs_s": max(0.0, marks["teardown"] - syncs_at - checks_s),
+        "checks_s": checks_s,
+        "teardown_s": marks["end"] - marks["teardown"],
+    }
+
+
 @dataclass
 class Runner:
-    """Runs scenarios one after another into `out_dir` (records/, logs/)."""
+    """Runs scenarios one after another into `out_dir` (records/, logs/). `token` is the run's bearer token:
+    every engine server asks for it on every route (`wsh_vllm_plugin.auth`), and only the harness and the
+    sender have it; it is made here, once per run, and never written anywhere."""
 
     out_dir: Path
     run_id: str
     on_record: Callable[[RunRecord], None] | None = None
+    after_sync: SyncHook | None = None
     pools: dict[int, TrainerPool] = field(default_factory=dict)
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def pool(self, world_size: int) -> TrainerPool:
         """The reusable pool for `world_size`. Only one pool lives at a time: idle rank processes still
@@ -88,9 +108,11 @@ class Runner:
         record.engine_capabilities = kind.capabilities
         if kind.note:
             record.notes.append(kind.note)
-        engine = None
-        checker: EngineClient | None = None
+        engines: list[object] = []
+        checkers: list[EngineClient] = []
+        session: ScenarioSession | None = None
         healthy = False
+        marks = {"start": time.perf_counter()}
         pids: dict[str, int | None] = {}
         try:
             spec = load_model(sc.model)
@@ -102,35 +124,52 @@ class Runner:
             ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
             deadline = sc.deadline_s or 120.0 + ckpt_bytes / 20e6
             pool = self.pool(sc.world_size)
-            log_path = self.out_dir / "logs" / (sc.id.replace("/", "__") + ".engine.log")
             fault = FAULTS[sc.fault] if sc.fault else None
-            engine = EngineActor.options(
-                scheduling_strategy=pool.engine_strategy(sc.colocate), num_gpus=pool.engine_gpus(sc.colocate)
-            ).remote()
+            options = pool.engine_options(sc.colocate, sc.engine_tp)
+            engines = [EngineActor.options(**options).remote() for _ in range(sc.engines)]
             trace = self.trace_dir(sc.id)
             shutil.rmtree(trace, ignore_errors=True)
             setup = TrainerSetup(sc.model, str(ckpt), sc.dtype, sc.tp, sc.pp, sc.ep, sc.etp, trace_dir=str(trace))
             setup_refs = [a.setup.remote(setup) for a in pool.actors]
             hook = fault.hook if fault is not None else None
-            start = engine.start.remote(
-                sc.engine, str(ckpt), sc.engine_seed, str(log_path), sc.dtype, hook, sc.colocate
-            )
-            session = ScenarioSession(sc, record, kind, pool, engine, deadline, trace, ckpt, fault)
-            url = session.get([start], kind.start_timeout_s, "engine start")[0]
-            checker = session.checker = EngineClient(url, parse_rejections=kind.parse_rejections)
+            reachable = multi_node()  # engines another node must reach bind to their node's address
+            starts = [  # every replica from dummy weights of its own seed
+                e.start.remote(
+                    sc.engine, str(ckpt), sc.engine_seed + i, str(self.engine_log(sc.id, i)), sc.dtype, hook,
+                    sc.colocate, sc.engine_tp, reachable, self.token,
+                )
+                for i, e in enumerate(engines)
+            ]
+            session = ScenarioSession(sc, record, kind, pool, engines, deadline, trace, ckpt, fault)
+            urls = session.get(starts, kind.start_timeout_s, "engine start")
+            checkers = session.checkers = [
+                EngineClient(
+                    url,
+                    parse_rejections=kind.parse_rejections,
+                    engine=i,
+                    token=self.token,
+                    image_prompts_via_chat=kind.capabilities.image_prompts_via_chat,
+                )
+                for i, url in enumerate(urls)
+            ]
+            session.checker = checkers[0]
             pids = {f"rank{r}": pid for r, pid in enumerate(pool.pids)}
-            pids["engine"] = ray.get(engine.pid.remote(), timeout=30)
+            for i, e in enumerate(engines):
+                pids[engine_label(i)] = ray.get(e.pid.remote(), timeout=30)
+            session.pids, session.after_sync = pids, self.after_sync
+            session.watches = [EngineWatch(e, pids[engine_label(i)], trace) for i, e in enumerate(engines)]
             session.get(setup_refs, SETUP_TIMEOUT_S, "trainer setup")
             if fault is not None and fault.trainer is not None and sc.fault_sync is None:
                 session.on_ranks("run_in_process", fault.trainer, what="apply fault", timeout=60)
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
             if kind.capabilities.per_tensor_reports:
-                record.engine_shards = checker.shards()
-            session.connect()
+                record.engine_shards = checkers[0].shards()
+            session.connect(pool.sender_address(), self.token)
             if sc.logprobs:
                 config = json.loads((ckpt / "config.json").read_text())
                 session.prompts = fixed_prompts(config)
                 session.probe = probe_prompt(config)
+            marks["syncs"] = time.perf_counter()
             session.run_syncs()
             session.cross_export()
             healthy = True
@@ -140,19 +179,30 @@ class Runner:
         except Exception as e:
             record.errors.append(error_from(e, None, "runner"))
         finally:
-            if checker is not None:  # the harness's own calls (checksums, log-probs), also on failure
+            marks["teardown"] = time.perf_counter()
+            for checker in checkers:  # the harness's own calls (checksums, log-probs), also on failure
                 record.http.extend(checker.calls)
                 checker.close()
             if not healthy:
                 self._recover_calls(record)
-            if engine is not None:
-                with contextlib.suppress(Exception):
-                    ray.get(engine.stop.remote(), timeout=30)
-                ray.kill(engine, no_restart=True)
-                kind.reap(pids.get("engine"))
+                for engine_watch in session.watches if session is not None else []:  # a dead engine first
+                    engine_watch.name_the_engine(record.errors, "the scenario")
+            stops = [e.stop.remote() for e in engines]  # type: ignore[attr-defined]
+            with contextlib.suppress(Exception):
+                ray.get(stops, timeout=30)
+            for i, e in enumerate(engines):
+                ray.kill(e, no_restart=True)
+                kind.reap(pids.get(engine_label(i)))
             if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
                 self.drop_pool(sc.world_size)
+                shm.unlink(shm.held_in(record.resources))  # what its dead ranks left in /dev/shm
+            marks["end"] = time.perf_counter()
+            record.wall = wall_split(marks, session.checks_s if session is not None else 0.0)
         return self._finish(record)
+
+    def engine_log(self, scenario_id: str, engine: int) -> Path:
+        """Where engine replica `engine`'s server log goes (`<scenario>.engine.log`, `<scenario>.engine1.log`, ...)."""
+        return self.out_dir / "logs" / (scenario_id.replace("/", "__") + f".{engine_label(engine)}.log")
 
     def trace_dir(self, scenario_id: str) -> Path:
         """Where a scenario's ranks keep their progress lines and call logs."""
@@ -161,11 +211,11 @@ class Runner:
     def _recover_calls(self, record: RunRecord) -> None:
         """Add the calls the ranks logged (`rank<r>.calls.jsonl`) that never came back to the runner (a sync
         that hung or raised): nothing recorded is lost when a scenario fails."""
-        seen = {(c.rank, c.t, c.route, c.sync, c.chunk) for c in record.http}
+        seen = {(c.rank, c.engine, c.t, c.route, c.sync, c.chunk) for c in record.http}
         for log in sorted(self.trace_dir(record.scenario_id).glob("*.calls.jsonl")):
             for line in log.read_text().splitlines():
                 call = HttpCall.model_validate_json(line)
-                if (call.rank, call.t, call.route, call.sync, call.chunk) not in seen:
+                if (call.rank, call.engine, call.t, call.route, call.sync, call.chunk) not in seen:
                     record.http.append(call)
         record.http.sort(key=lambda c: c.t)
 
@@ -190,8 +240,17 @@ class Runner:
 
     def _finish(self, record: RunRecord) -> RunRecord:
         record.ended_at = time.time()
+        t0 = time.perf_counter()
         record = judged(record)
+        if record.wall:
+            record.wall["checks_s"] += time.perf_counter() - t0
         record.save(self.record_path(record.scenario_id))
         if self.on_record:
             self.on_record(record)
         return record
+
+
+def engine_label(engine: int) -> str:
+    """How engine replica `engine` is named in stacks, logs and process tables: "engine" for the first (the
+    only one of most scenarios), "engine1", "engine2", ... for the others."""
+    return "engine" if engine == 0 else f"engine{engine}"

@@ -3,8 +3,9 @@
 A matrix file (`scenarios/<name>.yaml`) is a list of entries. An entry is one scenario, or several
 when some of its fields are lists (`tp: [1, 2]` expands to one scenario per value; the product over
 all list-valued axes). Every scenario gets a stable id that reads like a path:
-`[<engine>/]<model>/tp<T>-pp<P>[-ep<E>]/<noncolocate|colocate>/<raw|bridge>[/<suffix>]` (the engine
-only when it is not the embedded one, e.g. `vllm/qwen3/tp2-pp1/noncolocate/raw`).
+`[<engine>/]<model>/tp<T>-pp<P>[-ep<E>]/<noncolocate|colocate>[-engines<N>][-engine-tp<T>]/<raw|bridge>[/<suffix>]`
+(the engine only when it is not the embedded one, e.g. `vllm/qwen3/tp2-pp1/noncolocate/raw`; the engine
+replicas and the engine's own TP only when > 1, e.g. `qwen3/tp1-pp1/noncolocate-engines2/raw`).
 
 This module is data only; `harness.validate` judges whether a scenario can run (before any process
 starts: a scenario that cannot run gets a sentence that says what to change, recorded as CONFIG_ERROR
@@ -26,7 +27,7 @@ from reference_impl.trainer.layout import world_size_for
 
 SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 
-AXES = ("model", "tp", "pp", "ep", "colocate", "export_mode", "chunk_bytes", "engine")
+AXES = ("model", "tp", "pp", "ep", "colocate", "export_mode", "chunk_bytes", "engine", "engines", "engine_tp")
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB
 
 
@@ -43,6 +44,9 @@ class Scenario(BaseModel):
     colocate: bool = False
     export_mode: str = "raw"  # raw | bridge
     engine: str = DEFAULT_ENGINE  # an engine kind of `reference_impl.engine.ENGINES`
+    # Rollout engine replicas of that kind, all fed by one transfer group (`harness.validate` checks both).
+    engines: int = 1
+    engine_tp: int = 1  # each engine's own tensor parallelism: its ranks in the transfer group
     syncs: int = Field(default=5, ge=1)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     dtype: str = "float32"
@@ -67,6 +71,9 @@ class Scenario(BaseModel):
         """Stable id, e.g. `qwen3-vl/tp2-pp2/noncolocate/bridge`."""
         layout = f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
         placement = "colocate" if self.colocate else "noncolocate"
+        placement += (f"-engines{self.engines}" if self.engines != 1 else "") + (
+            f"-engine-tp{self.engine_tp}" if self.engine_tp != 1 else ""
+        )
         parts = [self.model, layout, placement, self.export_mode]
         if self.engine != DEFAULT_ENGINE:  # another engine leads: `vllm/qwen3/tp2-pp1/noncolocate/raw`
             parts.insert(0, self.engine)
@@ -83,6 +90,11 @@ class Scenario(BaseModel):
     def world_size(self) -> int:
         """Trainer ranks: PP x lcm(TP, EP x ETP) (`reference_impl.trainer.layout.world_size_for`)."""
         return world_size_for(self.tp, self.pp, self.ep, self.etp)
+
+    @property
+    def engine_ranks(self) -> list[int]:
+        """Transfer-group ranks of each engine replica (its TP workers): `[engine_tp] * engines`."""
+        return [self.engine_tp] * self.engines
 
     def temperature(self, honours_temperature: bool) -> float:
         """The temperature log-probs are compared at: `logprob_temperature`, else 0.7 on an engine whose

@@ -9,9 +9,12 @@ last phase (`transport.progress`) and raises `ScenarioFailed`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,9 +24,19 @@ import ray
 from harness.checks import LOGPROB_BUDGETS, check_transfer_init, logprob_parity
 from harness.faults import Fault
 from harness.oracles.expected import ExpectedState
+from harness.oracles.tp_shards import expected_tp_checksums
 from harness.placement import TrainerPool
-from harness.record import ErrorRecord, OracleFailure, RecoveryRecord, RunRecord, SyncRecord
+from harness.record import (
+    EngineSync,
+    ErrorRecord,
+    OracleFailure,
+    RecoveryRecord,
+    RunRecord,
+    SyncRecord,
+    TransferGroupRecord,
+)
 from harness.scenario import Scenario
+from harness.watch import EngineExited, EngineWatch, wait_watched
 from reference_impl.engine.base import EngineKind
 from reference_impl.forward.hf import FORWARD_NAME as HF_FORWARD
 from reference_impl.forward.hf import HfForward, Prompt
@@ -34,7 +47,22 @@ from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.progress import read_progress
 
 RESTORE_SEAMS = "reference_impl.seams:restore_all"  # undoes a fault armed for one sync
+# What the harness measures on an engine after a sync (`SyncRecord` and `EngineSync` fields alike).
+ENGINE_MEASURED = (
+    "engine_checksums",
+    "engine_tp_checksums",
+    "engine_weight_version",
+    "probe",
+    "logprobs",
+    "logprobs_expected",
+    "engine_logprobs",
+)
 PROBE_TEMPERATURE = 1.0  # a generated token's log-prob: vLLM reports it from the raw logits
+
+
+# Called after every sync (and its log-prob comparison) with the record, the sync's index and the scenario's
+# processes (label -> pid: "rank0", ..., "engine"); e.g. `harness.soak.sample_resources`.
+SyncHook = Callable[[RunRecord, int, dict[str, int | None]], None]
 
 
 class ScenarioFailed(Exception):
@@ -94,35 +122,66 @@ def sync_failed(record: RunRecord, sync: SyncRecord) -> bool:
 
 @dataclass
 class ScenarioSession:
-    """The live scenario (see the module doc). `deadline` is seconds per remote step."""
+    """The live scenario (see the module doc). `deadline` is seconds per remote step. With several engine
+    replicas every engine is asked everything the harness asks one engine, each through its own client
+    (`checkers[i]`), and what it answers goes into its part of the sync (`SyncRecord.engines[i]`)."""
 
     sc: Scenario
     record: RunRecord
     kind: EngineKind
     pool: TrainerPool
-    engine: Any  # the EngineActor handle
+    engines: list[Any]  # the EngineActor handles, one per engine replica
     deadline: float
     trace_dir: Path
     checkpoint: Path
     fault: Fault | None = None
-    checker: EngineClient = None  # type: ignore[assignment]  # the harness's own client, once the engine is up
+    checker: EngineClient = None  # type: ignore[assignment]  # the harness's own client of engine 0
+    checkers: list[EngineClient] = field(default_factory=list)  # one per engine replica, once they are up
     prompts: list[Prompt] = field(default_factory=list)
     expected: ExpectedState | None = None
     hf_view: HfForward | None = None  # the transformers forward over the expected state, built on first use
     hf_view_state: int = -1  # the expected state's step the view holds
     probe: list[int] = field(default_factory=list)  # a prompt served before and after every sync
+    checks_s: float = 0.0  # seconds spent in the harness's own reads, probes, log-prob views and oracles
+    watches: list[EngineWatch] = field(default_factory=list)  # one per engine once their servers run
+    pids: dict[str, int | None] = field(default_factory=dict)  # "rank0", ..., "engine", "engine1", ...
+    after_sync: SyncHook | None = None  # an observer after every sync (resource samples); never a verdict
 
     # ------------------------------------------------------------------ remote calls and oracles
 
-    def get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
-        """ray.get every ref; errors and timeouts are recorded, then ScenarioFailed is raised."""
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Count the time of the block as checks (`RunRecord.wall["checks_s"]`), not as syncs."""
+        t0 = time.perf_counter()
         try:
-            return ray.get(refs, timeout=timeout)
+            yield
+        finally:
+            self.checks_s += time.perf_counter() - t0
+
+    def watch(self, what: str) -> ErrorRecord | None:
+        """The `ErrorRecord` of the first engine server found gone (`harness.watch.EngineWatch`), else None."""
+        for engine_watch in self.watches:
+            error = engine_watch(what)
+            if error is not None:
+                return error
+        return None
+
+    def get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
+        """ray.get every ref (`harness.watch.wait_watched`); errors, timeouts and an engine gone meanwhile
+        are recorded, then ScenarioFailed is raised."""
+        try:
+            return wait_watched(refs, timeout, what, self.watch if self.watches else None)
         except ray.exceptions.GetTimeoutError:
             self.deadline_passed(what, timeout)
             raise ScenarioFailed(what) from None
+        except EngineExited as e:
+            self.record.errors.insert(0, e.error)
+            raise ScenarioFailed(what) from None
         except ray.exceptions.RayError as e:
-            for i, ref in enumerate(refs):  # which rank failed: the first ref whose get raises
+            # Which rank failed: the first finished ref whose get raises (one still running has not).
+            for i, ref in enumerate(refs):
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue
                 try:
                     ray.get(ref, timeout=1)
                 except Exception as inner:
@@ -134,11 +193,15 @@ class ScenarioSession:
 
     def get_oracle(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         """ray.get for an oracle's remote call: a timeout is a DEADLOCK as in `get`; an exception in the
-        actor is raised as it is (for `oracle` to record), not recorded as the rank's crash."""
+        actor is raised as it is (for `oracle` to record), not recorded as the rank's crash; an engine gone
+        meanwhile is recorded and ends the scenario as in `get`."""
         try:
-            return ray.get(refs, timeout=timeout)
+            return wait_watched(refs, timeout, what, self.watch if self.watches else None)
         except ray.exceptions.GetTimeoutError:
             self.deadline_passed(what, timeout)
+            raise ScenarioFailed(what) from None
+        except EngineExited as e:
+            self.record.errors.insert(0, e.error)
             raise ScenarioFailed(what) from None
 
     def oracle(self, check: str, sync: int | None, fn: Callable[[], Any]) -> Any:
@@ -159,14 +222,35 @@ class ScenarioSession:
 
     # ------------------------------------------------------------------ the scenario's steps
 
-    def connect(self) -> None:
-        """Every rank sets up its channel to the engine (the sender's /init_weight_transfer_engine). An
-        engine that joined more than one transfer group stops the scenario: nothing sent after it would
-        reach the engine."""
-        for calls in self.on_ranks("connect_engine", self.checker.base_url, self.sc.engine, self.sc.colocate,
-                                   what="connect engine"):
+    def connect(self, master_address: str = "127.0.0.1", token: str | None = None) -> None:
+        """Every rank sets up its channel to the engines (the sender's /init_weight_transfer_engine to each, one
+        transfer group of the sender and every engine worker, its store at `master_address`; `token` goes with
+        every call). The group as the sender set it up goes into the record. An engine that joined more than
+        one transfer group stops the scenario: nothing sent after it would reach the engine."""
+        urls = [c.base_url for c in self.checkers]
+        for calls in self.on_ranks(
+            "connect_engine",
+            urls,
+            self.sc.engine,
+            self.sc.colocate,
+            120.0,
+            self.sc.engine_ranks,
+            master_address,
+            token,
+            what="connect engine",
+        ):
             self.record.http.extend(calls)
-        if not check_transfer_init(self.record).ok:
+        infos = self.on_ranks("transfer_group", what="transfer group", timeout=60)[0]
+        if infos:
+            self.record.transfer_group = TransferGroupRecord(
+                master_address=infos[0]["master_address"],
+                world_size=infos[0]["world_size"],
+                rank_offsets=[i["rank_offset"] for i in infos],
+                engine_ranks=self.sc.engine_ranks,
+                engine_urls=urls,
+                token_required=token is not None,
+            )
+        if not all(check_transfer_init(self.record.engine_view(i)).ok for i in range(len(self.checkers))):
             self.record.notes.append("stopped after connect: the engine joined more than one transfer group")
             raise ScenarioFailed("connect engine")
 
@@ -181,7 +265,8 @@ class ScenarioSession:
             gap = model_family(load_model(sc.model).model_type).trainer_logprob_gap
             self.record.logprob_budget = dict(budget)
             self.record.trainer_logprob_budget = {k: v + gap for k, v in budget.items()}
-        self.expected = self.oracle("parity_expected", None, lambda: ExpectedState(self.checkpoint, sc.seed))
+        with self.checking():
+            self.expected = self.oracle("parity_expected", None, lambda: ExpectedState(self.checkpoint, sc.seed))
         try:
             for i in range(sc.syncs + 1):
                 if 0 < i < sc.syncs:
@@ -195,6 +280,10 @@ class ScenarioSession:
                     self.on_ranks("run_in_process", RESTORE_SEAMS, what=f"disarm fault after sync {i}", timeout=60)
         except EngineRejected as e:  # the harness's own call (checksums, log-probs) got no 200: stop syncing
             self.record.notes.append(f"the syncs stopped: the harness's {e.route} got {e.status} from the engine")
+        except ScenarioFailed:
+            if not self.record.deadlock:  # a rank raised: an engine that died first is the cause to name
+                self.engine_died(after=len(self.record.syncs))
+            raise
         failed = [s.index for s in self.record.syncs if sync_failed(self.record, s)]
         if failed or len(self.record.syncs) < sc.syncs + 1:
             self.recover(after=failed[-1] if failed else len(self.record.syncs) - 1)
@@ -209,12 +298,14 @@ class ScenarioSession:
         return True
 
     def sync(self, index: int, perturbed: bool = True) -> SyncRecord:
-        """One sync on every rank, merged into the record, then the engine's report, its weight version,
-        the probe through its caches and the log-probs. Before the sync the probe is served once (so an
-        engine with a prefix cache holds it under the old weights)."""
+        """One sync on every rank, merged into the record, then each engine's report, its weight version, the
+        probe through its caches and its log-probs. Before the sync the probe is served once by every engine
+        (so an engine with a prefix cache holds it under the old weights)."""
         sc = self.sc
         if self.probe:
-            self.checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
+            with self.checking():
+                for checker in self.checkers:
+                    checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
         refs = [a.sync.remote(index, index, sc.export_mode, sc.chunk_bytes) for a in self.pool.actors]
         expected = self.expected
         sums = self.oracle("parity_expected", index, expected.checksums) if expected is not None else None
@@ -222,50 +313,88 @@ class ScenarioSession:
         sync.perturbed = perturbed
         sync.expected_checksums = sums or {}
         self.record.syncs.append(sync)  # before the engine is asked anything more: nothing of it is lost
-        if self.kind.capabilities.per_tensor_reports:
-            sync.engine_checksums = self.checker.checksums()
-        if sync.finished:
-            sync.engine_weight_version = self.checker.weight_version(sync=index)
-        if self.probe:
-            self.measure_probe(sync)
-        if self.prompts:
-            self.measure_logprobs(sync)
+        with self.checking():
+            self._measure(sync, index)
+            if self.after_sync is not None:
+                self.oracle("resources", index, functools.partial(self.after_sync, self.record, index, self.pids))
         return sync
 
-    def measure_logprobs(self, sync: SyncRecord) -> None:
-        """The engine's prompt log-probs on the fixed prompts after this sync, against two views:
-        the trainer's own (its Megatron forward on every rank, `sync.logprobs`) and a transformers forward
-        over the expected state (`sync.logprobs_expected`, in this process). Both are oracles: when one
+    def _measure(self, sync: SyncRecord, index: int) -> None:
+        """Each engine's report, weight version, probe and log-probs after sync `index`."""
+        sc, expected = self.sc, self.expected
+        if sc.engine_tp > 1 and self.kind.capabilities.per_tensor_reports and expected is not None:
+            sync.expected_tp_checksums = self.oracle("engine_tp_shards", index, self._expected_tp_checksums) or {}
+        parts = self.engine_parts(sync)
+        for checker, part in zip(self.checkers, parts, strict=True):
+            if self.kind.capabilities.per_tensor_reports:
+                report = checker.checksum_report()
+                part.engine_checksums = report["checksums"]
+                part.engine_tp_checksums = report.get("tp_checksums", {})
+            if part.finished:
+                part.engine_weight_version = checker.weight_version(sync=index)
+            if self.probe:
+                self.measure_probe(checker, part, index)
+        if self.prompts:
+            self.measure_logprobs(sync, parts)
+        if parts[0] is not sync:  # several engines: engine 0's measurements also where one engine's go
+            for name in ENGINE_MEASURED:
+                setattr(sync, name, getattr(parts[0], name))
+
+    def engine_parts(self, sync: SyncRecord) -> list[SyncRecord | EngineSync]:
+        """Where each engine's measurements of `sync` go: the sync itself with one engine, else its per-engine
+        parts (made here from the sender's accounts; an engine the sender gave no account of gets an empty
+        one)."""
+        if len(self.checkers) == 1:
+            return [sync]
+        accounts = {e.engine: e for e in sync.engines}
+        sync.engines = [accounts.get(i) or EngineSync(engine=i) for i in range(len(self.checkers))]
+        return list(sync.engines)
+
+    def _expected_tp_checksums(self) -> dict[str, dict[str, str]]:
+        assert self.expected is not None
+        config = json.loads((self.checkpoint / "config.json").read_text())
+        return expected_tp_checksums(self.expected.tensors, config, self.sc.engine_tp)
+
+    def measure_logprobs(self, sync: SyncRecord, parts: list[SyncRecord | EngineSync]) -> None:
+        """Every engine's prompt log-probs on the fixed prompts after this sync, against two views: the
+        trainer's own (its Megatron forward on every rank, computed once, into `logprobs`) and a transformers
+        forward over the expected state (`logprobs_expected`, in this process). Both are oracles: when one
         cannot run, that is recorded for its check, never raised."""
         temperature = self.sc.temperature(self.kind.capabilities.prompt_logprobs_honour_temperature)
-        engine = [
-            self.checker.prompt_logprobs(p.input_ids, temperature, p.image_url, sync=sync.index) for p in self.prompts
-        ]
-        sync.engine_logprobs = engine
+        for checker, part in zip(self.checkers, parts, strict=True):
+            part.engine_logprobs = [
+                checker.prompt_logprobs(
+                    p.input_ids, temperature, p.image_url, sync=sync.index, chat_content=p.chat_content
+                )
+                for p in self.prompts
+            ]
         what = f"trainer log-probs after sync {sync.index}"
         refs = lambda: [a.trainer_logprobs.remote(temperature) for a in self.pool.actors]  # noqa: E731
         trainer = self.oracle("logprob_parity", sync.index, lambda: self.get_oracle(refs(), self.deadline, what)[0])
-        if trainer is not None:
-            parity = self.oracle("logprob_parity", sync.index, lambda: logprob_parity(trainer["prompts"], engine))
-            if parity is not None:
-                sync.logprobs = parity | {"forward": trainer["forward"], "temperature": temperature}
         view = self.oracle("logprob_expected", sync.index, lambda: self._expected_view(temperature))
-        if view is not None:
-            parity = self.oracle("logprob_expected", sync.index, lambda: logprob_parity(view, engine))
-            if parity is not None:
-                sync.logprobs_expected = parity | {"forward": HF_FORWARD, "temperature": temperature}
+        versus = trainer["prompts"] if trainer is not None else None
+        for part in parts:
+            engine = part.engine_logprobs
+            if trainer is not None:
+                parity = self.oracle("logprob_parity", sync.index, lambda e=engine: logprob_parity(versus, e))
+                if parity is not None:
+                    part.logprobs = parity | {"forward": trainer["forward"], "temperature": temperature}
+            if view is not None:
+                parity = self.oracle("logprob_expected", sync.index, lambda e=engine: logprob_parity(view, e))
+                if parity is not None:
+                    part.logprobs_expected = parity | {"forward": HF_FORWARD, "temperature": temperature}
 
-    def measure_probe(self, sync: SyncRecord) -> None:
-        """Serve the probe prompt again after the sync (no prompt log-probs: the engine may answer from its
+    def measure_probe(self, checker: EngineClient, part: SyncRecord | EngineSync, index: int) -> None:
+        """Serve the probe prompt again after sync `index` (no prompt log-probs: the engine may answer from its
         prefix cache) and put its generated token's log-prob beside that token's log-prob under the
-        expected state (`sync.probe`): a cache that outlived the update answers with the old weights."""
-        token, engine = self.checker.generate(self.probe, PROBE_TEMPERATURE, sync=sync.index)
+        expected state (`part.probe`): a cache that outlived the update answers with the old weights."""
+        token, engine = checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
         sequence = Prompt([*self.probe, token])
         expected = self.oracle(
-            "engine_caches", sync.index, lambda: self._expected_view(PROBE_TEMPERATURE, [sequence])[0][-1]
+            "engine_caches", index, lambda: self._expected_view(PROBE_TEMPERATURE, [sequence])[0][-1]
         )
         if expected is not None:
-            sync.probe = {"token": token, "engine": engine, "expected": expected}
+            part.probe = {"token": token, "engine": engine, "expected": expected}
 
     def _expected_view(self, temperature: float, prompts: list[Prompt] | None = None) -> list[list[float]]:
         """Log-probs of the fixed prompts from a transformers model holding the expected state."""
@@ -280,6 +409,10 @@ class ScenarioSession:
 
     def cross_export(self) -> None:
         """Both export modes of the last state (a second export path: an oracle of the parity check)."""
+        with self.checking():
+            self._cross_export()
+
+    def _cross_export(self) -> None:
         for mode in ("raw", "bridge"):
             refs = lambda m=mode: [a.export_checksums.remote(m) for a in self.pool.actors]  # noqa: E731
             sums = self.oracle(
@@ -290,22 +423,26 @@ class ScenarioSession:
             self.record.cross_mode_checksums[mode] = sums[0]
 
     def recover(self, after: int) -> None:
-        """After a failed sync: is the engine alive (/health, one completion), and does one clean sync of the
-        unchanged weights, with every fault undone, leave it holding the expected state? The answers go into
-        `record.recovery`; the clean sync into `record.syncs` (judged like every other sync). An engine that
-        no longer answers gets its log's tail recorded instead."""
+        """After a failed sync: is every engine alive (/health, one completion), and does one clean sync of the
+        unchanged weights, with every fault undone, leave them holding the expected state? The answers go into
+        `record.recovery` (the first engine that failed, else engine 0); the clean sync into `record.syncs`
+        (judged like every other sync). An engine that no longer answers gets its log's tail recorded
+        instead."""
         rec = RecoveryRecord(after_sync=after)
         self.record.recovery = rec
-        rec.health_status = self.checker.health()
-        if rec.health_status == 200 and self.prompts:
-            try:
-                self.checker.prompt_logprobs(self.prompts[0].input_ids, 1.0, self.prompts[0].image_url)
-                rec.completion_status = 200
-            except EngineRejected as e:
-                rec.completion_status = e.status
-        if rec.health_status != 200 or rec.completion_status not in (None, 200):
-            rec.engine_log_tail = self._engine_log_tail()
-            return
+        for i, checker in enumerate(self.checkers):
+            rec.engine, rec.health_status, rec.completion_status = i, checker.health(), None
+            if rec.health_status == 200 and self.prompts:
+                try:
+                    first = self.prompts[0]
+                    checker.prompt_logprobs(first.input_ids, 1.0, first.image_url, chat_content=first.chat_content)
+                    rec.completion_status = 200
+                except EngineRejected as e:
+                    rec.completion_status = e.status
+            if rec.health_status != 200 or rec.completion_status not in (None, 200):
+                rec.engine_log_tail = self._engine_log_tail(i)
+                return
+        rec.engine = 0
         if self.fault is not None and self.fault.trainer is not None:
             self.on_ranks("run_in_process", RESTORE_SEAMS, what="undo the fault before recovery", timeout=60)
         index = self.record.syncs[-1].index + 1 if self.record.syncs else 0
@@ -314,8 +451,22 @@ class ScenarioSession:
         rec.clean_sync = index
         rec.clean_sync_finished = not sync_failed(self.record, clean)
 
-    def _engine_log_tail(self) -> str:
+    def engine_died(self, after: int) -> bool:
+        """After a rank raised in sync `after`: when some engine no longer answers /health, record that as the
+        failed sync's recovery (its status and log tail), so the verdict names the engine's death rather than
+        the broken transfer group it left behind in the trainer. Returns whether an engine died."""
+        for i, checker in enumerate(self.checkers):
+            status = checker.health()
+            if status != 200:
+                tail = self._engine_log_tail(i)
+                self.record.recovery = RecoveryRecord(
+                    after_sync=after, health_status=status, engine_log_tail=tail, engine=i
+                )
+                return True
+        return False
+
+    def _engine_log_tail(self, engine: int = 0) -> str:
         try:
-            return str(ray.get(self.engine.log_tail.remote(), timeout=30))
+            return str(ray.get(self.engines[engine].log_tail.remote(), timeout=30))
         except Exception as e:  # the actor itself may be gone
             return f"(no log tail: {type(e).__name__}: {e})"

@@ -12,6 +12,7 @@ from harness.scenario import Scenario
 from reference_impl.engine import ENGINES, EngineRequest, engine_kind
 from reference_impl.export import MODES
 from reference_impl.models.registry import ModelEntryError, ModelSpec, load_model
+from reference_impl.models.vllm_tp import padded_vocab
 
 DTYPES = ("float32", "bfloat16")
 
@@ -28,16 +29,71 @@ def validate(sc: Scenario) -> str | None:
         return f"dtype {sc.dtype!r} is not supported: use {' or '.join(DTYPES)}"
     if min(sc.tp, sc.pp, sc.ep, sc.etp) < 1:
         return "tp, pp, ep and etp must be >= 1"
+    problem = _engines_problem(sc)
+    if problem:
+        return problem
     if sc.chunk_bytes < 1:
         return f"chunk_bytes must be >= 1 (got {sc.chunk_bytes})"
     try:
         spec = load_model(sc.model)
     except ModelEntryError as e:
         return str(e)
-    problem = _weights_problem(sc, spec) or _layout_problem(sc, spec) or _fault_problem(sc)
+    problem = (
+        _weights_problem(sc, spec) or _layout_problem(sc, spec) or _engine_tp_problem(sc, spec) or _fault_problem(sc)
+    )
     if problem:
         return problem
-    return engine.validate(EngineRequest(spec, sc.dtype, sc.colocate, sc.logprobs, sc.logprob_temperature))
+    return engine.validate(
+        EngineRequest(spec, sc.dtype, sc.colocate, sc.logprobs, sc.logprob_temperature, sc.engines, sc.engine_tp)
+    )
+
+
+def _engines_problem(sc: Scenario) -> str | None:
+    """`engines` (replicas fed by one transfer group) and `engine_tp` (each one's TP) are whole numbers >= 1,
+    and a colocated engine is one engine of TP 1 (it shares the sender's devices and takes chunks by handle,
+    with no transfer group to hold more ranks)."""
+    for field, value, what in (
+        ("engines", sc.engines, "the number of rollout engine replicas fed by one transfer group"),
+        ("engine_tp", sc.engine_tp, "each engine's tensor parallelism (its ranks in the transfer group)"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{field} must be a whole number >= 1 ({what}); got {value!r}"
+    if sc.colocate and (sc.engines > 1 or sc.engine_tp > 1):
+        return (
+            f"colocate shares the sender's devices with one engine of TP 1 (chunks by handle, no transfer group), "
+            f"but engines is {sc.engines} and engine_tp {sc.engine_tp}: set colocate: false, or engines: 1 and "
+            "engine_tp: 1"
+        )
+    return None
+
+
+def _engine_tp_problem(sc: Scenario, spec: ModelSpec) -> str | None:
+    """The engine's TP fits the model by vLLM's partition rules: `QKVParallelLinear` divides the query heads
+    by TP and either divides the KV heads by TP or replicates each KV head over TP / KV ranks
+    (`vllm/model_executor/layers/linear.py`, `divide` asserts exact division); `MergedColumnParallelLinear`
+    divides the MLP's intermediate size by TP. The vocabulary is padded, so any TP fits it
+    (`VocabParallelEmbedding`, `vocab_parallel_embedding.py`)."""
+    if sc.engine_tp == 1:
+        return None
+    f = spec.model_config()
+    t = sc.engine_tp
+    if f.num_heads % t:
+        return f"engine_tp {t} does not divide {sc.model}'s {f.num_heads} attention heads: pick an engine_tp that does"
+    if f.num_kv_heads % t and t % f.num_kv_heads:
+        return (
+            f"engine_tp {t} neither divides {sc.model}'s {f.num_kv_heads} KV heads nor is a multiple of them (vLLM "
+            "replicates KV heads only when TP is a multiple of their count): pick another engine_tp"
+        )
+    sizes = (("MLP intermediate size", f.ffn_hidden_size), ("expert intermediate size", f.moe_ffn_hidden_size))
+    for what, size in sizes:
+        if size and size % t:
+            return f"engine_tp {t} does not divide {sc.model}'s {what} {size}: pick an engine_tp that does"
+    if padded_vocab(f.vocab_size) % t:
+        return (
+            f"engine_tp {t} does not divide {sc.model}'s vocabulary padded to {padded_vocab(f.vocab_size)} rows "
+            "(vLLM pads it to a multiple of 64): pick an engine_tp that does"
+        )
+    return None
 
 
 def _weights_problem(sc: Scenario, spec: ModelSpec) -> str | None:

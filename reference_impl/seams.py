@@ -19,6 +19,7 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 | `plan_chunks` | the chunk (bucket) plan every rank computes |
 | `update_info` | one chunk's `update_info` body |
 | `send_chunk` | the sender hands one chunk to its channel |
+| `rank_offsets` | each engine replica's rank offset in the transfer group |
 | `reset_engine_caches` | after a finished update, the sender resets the engine's prefix and encoder caches |
 | `hand_off` / `collect` | non-sender ranks hand their tensors to the sender / the sender collects them |
 | `colocate_pack` | the colocate producer packs a chunk into its shared buffer |
@@ -33,6 +34,7 @@ Engine side (replaced inside the embedded engine's process by a fault hook it lo
 | `engine_load` | the loader copies one validated chunk into the engine's parameters |
 | `engine_commit_version` | /finish_weight_update commits the new weight version |
 | `engine_session_start` | the loader's per-session reset at /start_weight_update |
+| `engine_tp_pieces` | which piece of a checkpoint tensor each of the engine's TP ranks keeps (vLLM's partition) |
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "update_info": ("reference_impl.transport.sync", "update_info"),
     "send_chunk": ("reference_impl.transport.sync", "send_chunk"),
     "reset_engine_caches": ("reference_impl.transport.sync", "reset_engine_caches"),
+    "rank_offsets": ("reference_impl.transport.group", "rank_offsets"),
     "hand_off": ("reference_impl.transport.sync", "hand_off"),
     "collect": ("reference_impl.transport.sync", "collect"),
     "colocate_pack": ("reference_impl.transport.colocate", "pack"),
@@ -60,6 +63,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "engine_load": ("reference_impl.engine.embedded.loader", "EngineLoader.load"),
     "engine_commit_version": ("reference_impl.engine.embedded.server", "EngineState.commit_version"),
     "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),
+    "engine_tp_pieces": ("reference_impl.models.vllm_tp", "pieces"),
 }
 
 

@@ -15,7 +15,7 @@ import importlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,10 @@ from reference_impl.trainer.params import iter_global_params
 from reference_impl.transport import sync
 from reference_impl.transport.channels import connect_channel
 from reference_impl.transport.client import EngineClient
+from reference_impl.transport.noncolocate import LOOPBACK
 from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.progress import Progress
+from reference_impl.transport.replicas import ReplicaClient
 from reference_impl.transport.sync import SENDER, Channel
 
 
@@ -72,7 +74,7 @@ class TrainerWorker:
         init_distributed(rank, world_size, master_addr, master_port)
         self.model: TrainerModel | None = None
         self.layout: RankLayout | None = None
-        self.client: EngineClient | None = None
+        self.client: EngineClient | ReplicaClient | None = None
         self.channel: Channel | None = None
         self.checkpoint = ""
         self.trace_dir: Path | None = None
@@ -99,30 +101,59 @@ class TrainerWorker:
         return {"rank": self.rank, "build_s": time.perf_counter() - t0, "layout": asdict(self.layout)}
 
     def connect_engine(
-        self, base_url: str, engine: str, colocate: bool = False, timeout_s: float = 120.0
+        self,
+        base_url: str | Sequence[str],
+        engine: str,
+        colocate: bool = False,
+        timeout_s: float = 120.0,
+        engine_ranks: Sequence[int] | None = None,
+        master_address: str = LOOPBACK,
+        token: str | None = None,
     ) -> list[HttpCall]:
-        """Sender only: set up the channel to the engine (of kind `engine`, `reference_impl.engine`) through
+        """Sender only: set up the channel to the engines (of kind `engine`, `reference_impl.engine`) through
         /init_weight_transfer_engine, in the wire format and backend the engine kind names for this
         placement and host (`EngineKind.transfer`, `transport.channels`).
 
-        Non-colocate: a transfer group (gloo on CPU, NCCL on GPU); the HTTP call blocks until the engine
-        joined, so it runs in a thread while this rank joins as rank 0. Colocate: a buffer passed by
-        handle; the engine has nothing to join. Returns the HTTP calls made.
+        `base_url`: one engine's base URL, or one per engine replica (then every update route is fanned out
+        to all of them, `transport.replicas`). `engine_ranks`: each engine's workers in the transfer group
+        (its TP; default 1 each). `master_address`: where the engines reach the sender's transfer-group store
+        (this rank's node address; 127.0.0.1 when everything runs on one node). `token`: the run's bearer
+        token for every engine call (None: no Authorization header).
+
+        Non-colocate: one transfer group of the sender and every engine worker (gloo on CPU, NCCL on GPU);
+        the HTTP calls block until the engines joined, so they run in threads while this rank joins as rank
+        0. Colocate (one engine): a buffer passed by handle; the engine has nothing to join. Returns the HTTP
+        calls made.
         """
         if not talks_to_engine(self.rank, self.layout):
             return []
         kind = engine_kind(engine)  # e.g. whether a failed chunk ends the session (see transport.client)
-        self.client = EngineClient(
-            base_url,
-            session_ends_on_error=kind.capabilities.session_ends_on_error,
-            parse_rejections=kind.parse_rejections,
-            rank=self.rank,
-            call_log=self.trace_dir / f"rank{self.rank}.calls.jsonl" if self.trace_dir else None,
-        )
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        clients = [
+            EngineClient(
+                url,
+                session_ends_on_error=kind.capabilities.session_ends_on_error,
+                parse_rejections=kind.parse_rejections,
+                rank=self.rank,
+                call_log=self.trace_dir / f"rank{self.rank}.calls.jsonl" if self.trace_dir else None,
+                engine=i,
+                token=token,
+            )
+            for i, url in enumerate(urls)
+        ]
+        self.client = clients[0] if len(clients) == 1 else ReplicaClient(clients)
         self.progress.at("connect: /init_weight_transfer_engine in flight")
         transfer = kind.transfer(colocate, torch.cuda.is_available())
-        self.channel = connect_channel(self.client, transfer.wire, transfer.backend, timeout_s)
+        ranks = list(engine_ranks) if engine_ranks is not None else [1] * len(urls)
+        self.channel = connect_channel(self.client, transfer.wire, transfer.backend, timeout_s, ranks, master_address)
         return self._drain_calls()
+
+    def transfer_group(self) -> list[dict[str, Any]]:
+        """Sender, non-colocate: the `init_info` each engine was sent to join the transfer group, as dicts
+        (its rank offset, the group's world size, the master address: the harness's `InitInfo`, or vLLM's
+        init_info body as sent); [] on every other rank."""
+        infos = getattr(self.channel, "init_infos", [])
+        return [dict(info) if isinstance(info, dict) else asdict(info) for info in infos]
 
     def _drain_calls(self) -> list[HttpCall]:
         if self.client is None:
@@ -155,6 +186,8 @@ class TrainerWorker:
         res.phases = {**phases, **{k: v + phases.get(k, 0.0) for k, v in res.phases.items()}}
         res.total_s += t_export
         res.export_mode = ex.export_mode  # the mode that ran (a check compares it with the one requested)
+        if isinstance(self.client, ReplicaClient):  # the sender's account of every engine replica
+            res.engines = self.client.accounts(index)
         return res, self._drain_calls()
 
     def trainer_logprobs(self, temperature: float) -> dict[str, Any]:

@@ -15,10 +15,11 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
     from harness.placement import ensure_ray
     from harness.runner import Runner
+    from harness.soak import sample_resources
 
     ensure_ray()
     out: Path = tmp_path_factory.mktemp("e2e")
-    r = Runner(out_dir=out, run_id="tests")
+    r = Runner(out_dir=out, run_id="tests", after_sync=sample_resources)  # as `python -m harness` samples
     yield r
     r.close()
     ray.shutdown()

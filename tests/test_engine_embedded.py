@@ -126,7 +126,7 @@ def _start(family_model: str, tmp: Path) -> tuple[subprocess.Popen, Path, Path]:
         [
             sys.executable,
             "-m",
-            "reference_impl.engine.embedded.server",
+            "reference_impl.engine.embedded",
             "--checkpoint",
             str(ckpt),
             "--seed",
@@ -672,6 +672,24 @@ def test_session_errors(engines: dict[str, Engine]) -> None:
     assert "master_address" in r.json()["detail"]["error"]
 
 
+def test_refused_update_info_is_received_first_under_gloo(engines: dict[str, Engine]) -> None:
+    """Inside a session, an update_info the protocol refuses (a name twice) is still received (and dropped)
+    before the 400, as the sender broadcasts while the call is in flight: the next chunk then arrives in
+    step and loads exactly."""
+    eng = engines["qwen3"]
+    assert eng.post("/start_weight_update", {}).status_code == 200
+    twice = torch.full((64,), 7.0)
+    r = eng.send_chunk(["model.norm.weight"] * 2, ["float32"] * 2, [[64], [64]], protocol.pack([twice, twice]))
+    assert r.status_code == 400, r.text
+    assert r.json()["detail"]["kinds"] == {"body.update_info.names.1": "request"}
+    assert "appears twice" in r.json()["detail"]["error"]
+    _valid_update(eng, 2.5)
+    fin = eng.post("/finish_weight_update", {}).json()
+    assert fin["update_counts"]["model.norm.weight"] == 1 and sum(fin["update_counts"].values()) == 1
+    norm = eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"]["model.norm.weight"]
+    assert norm == tensor_checksum(torch.full((64,), 2.5))
+
+
 def test_misc_routes(engines: dict[str, Engine]) -> None:
     eng = engines["qwen3"]
     assert httpx.get(f"{eng.url}/get_world_size").json() == {"world_size": 1}
@@ -819,11 +837,12 @@ def test_shm_full_sync_matches_checkpoint(
     assert torch.equal(shm_buffer.tensor(n).clone(), protocol.pack(last))  # and unmodified
 
 
+NO_SUCH_SEGMENT = protocol.SHM_NAME_PREFIX + "0123456789abcdef"  # a producer's name, but nobody made it
 SHM_BAD = {
     # case: (handle edits, words the error must contain)
     "missing_handle": ({"drop": True}, ["chunk 5", "no handle"]),
     "nbytes_too_small": ({"nbytes": 60}, ["chunk 5", "bytes", "256"]),
-    "no_such_segment": ({"name": "wsh_no_such_segment"}, ["chunk 5", "cannot be opened", "wsh_no_such_segment"]),
+    "no_such_segment": ({"name": NO_SUCH_SEGMENT}, ["chunk 5", "cannot be opened", NO_SUCH_SEGMENT]),
     "kind_mismatch": ({"kind": "cuda_ipc"}, ["chunk 5", "cuda_ipc", "shm"]),
 }
 
@@ -852,7 +871,8 @@ def test_shm_bad_handle_is_400_bytes(
 
 def test_shm_init_and_backend_mismatch(shm_engines: dict[str, EngineProcess], engines: dict[str, Engine]) -> None:
     url = shm_engines[CLEAN].url
-    r = _post(url, "/init_weight_transfer_engine", {"init_info": {"backend": "nccl"}})
+    nccl = {"backend": "nccl", "master_address": "127.0.0.1", "master_port": 1}  # every rule but CUDA holds
+    r = _post(url, "/init_weight_transfer_engine", {"init_info": nccl})
     assert r.status_code == 400
     assert r.json()["detail"]["kinds"] == {"body.init_info.backend": "request"}
     if not torch.cuda.is_available():

@@ -25,6 +25,7 @@ def test_capabilities_say_what_each_engine_reports() -> None:
     assert vllm.session_ends_on_error and not embedded.session_ends_on_error
     assert embedded.prompt_logprobs_honour_temperature and not vllm.prompt_logprobs_honour_temperature
     assert embedded.colocate and embedded.fault_hooks and not vllm.fault_hooks
+    assert vllm.image_prompts_via_chat and not embedded.image_prompts_via_chat
     assert DEFAULT_ENGINE in ENGINES
 
 
@@ -47,3 +48,41 @@ def test_no_engine_name_is_compared_outside_the_engine_package() -> None:
                 if names & set(consts):
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders
+
+
+def test_vllm_tp_workers_get_cpu_groups_of_their_own() -> None:
+    from reference_impl.engine.vllm.launcher import cpu_threads_bind
+
+    assert cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert cpu_threads_bind(2, [4, 5, 6, 7, 8]) == "4,5|6,7"
+    assert cpu_threads_bind(4, [0, 1]) == "nobind"
+def test_vllm_starts_vl_checkpoints_with_their_tokenizer_and_a_profile_image_of_the_prompts_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An adapter decision: a text checkpoint starts without tokenizer (token-id prompts), a VL one with its
+    tokenizer and processors (the chat route) and vLLM's start-up encoder profile on one image of the fixed
+    prompt's size (256 x 288 for the Qwen3-VL sizes) and no video."""
+    import json
+
+    from reference_impl.engine.vllm import launcher
+    from reference_impl.models.checkpoint import make_checkpoint
+
+    monkeypatch.setattr(launcher, "vllm_python", lambda: Path("/venv/bin/python"))
+    vllm = engine_kind("vllm")
+    text = vllm.server(str(make_checkpoint(load_model("qwen3"), 1234)), 1, "/tmp/x.log", "float32")
+    vl = vllm.server(str(make_checkpoint(load_model("qwen3-vl"), 1234)), 1, "/tmp/x.log", "float32")
+    assert "--skip-tokenizer-init" in text.command(1) and "--limit-mm-per-prompt" not in text.command(1)
+    argv = vl.command(1)
+    assert "--skip-tokenizer-init" not in argv
+    limits = json.loads(argv[argv.index("--limit-mm-per-prompt") + 1])
+    assert limits == {"image": {"count": 1, "width": 288, "height": 256}, "video": 0}
+    assert "--no-mm-device-do-normalize" in argv  # dummy weights would leave a random on-device normalizer
+
+
+@pytest.mark.parametrize("model", ["qwen3-vl", "qwen3-moe", "qwen3-vl-moe"])
+def test_vllm_takes_vl_and_moe_models(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    from reference_impl.engine.vllm import env
+
+    monkeypatch.setattr(env, "vllm_python", lambda: Path("/venv/bin/python"))
+    request = EngineRequest(load_model(model), "float32", colocate=False, logprobs=True, logprob_temperature=1.0)
+    assert engine_kind("vllm").validate(request) is None

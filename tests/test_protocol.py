@@ -102,3 +102,85 @@ def test_one_chunk_over_the_transfer_group() -> None:
     assert received.dtype == torch.uint8 and torch.equal(received, payload)
     a, b = protocol.unpack(received, [torch.float32, torch.int64], [[2, 3], [1]])
     assert torch.equal(a, tensors[0]) and torch.equal(b, tensors[1])
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"backend": "gloo", "master_address": "h", "master_port": 1, "nccl_id": 3}, "nccl_id", "unknown field"),
+        ({"backend": "gloo", "master_address": "h", "master_port": "29500"}, "master_port", "int | null, got str"),
+        ({"backend": "gloo", "master_address": "h", "master_port": True}, "master_port", "got bool"),
+        ({"backend": "gloo", "master_address": "h", "master_port": 0}, "master_port", "1..65535"),
+        ({"backend": "gloo", "master_address": "h", "master_port": 65536}, "master_port", "1..65535"),
+        ({"backend": "gloo", "master_address": "h b", "master_port": 1}, "master_address", "host name"),
+        ({"backend": "gloo", "master_address": "", "master_port": 1}, "master_address", "host name"),
+        (
+            {"backend": "gloo", "master_address": "h", "master_port": 1, "world_size": 1, "rank_offset": 0},
+            "world_size",
+            "2..65536",
+        ),
+        ({"backend": "gloo", "master_address": "h", "master_port": 1, "world_size": 2.0}, "world_size", "got float"),
+        ({"backend": "shm", "timeout_s": 0}, "timeout_s", "(0, 86400.0]"),
+        ({"backend": "shm", "timeout_s": 1e300}, "timeout_s", "(0, 86400.0]"),
+        ({"backend": "shm", "timeout_s": 10**400}, "timeout_s", "finite number"),
+        ({"backend": "gloo"}, "master_address", "Field required"),
+        ({"backend": "nccl"}, "master_address", "Field required for backend 'nccl'"),
+        ({"backend": "ipc"}, "backend", "one of 'gloo' | 'nccl' | 'shm' | 'cuda_ipc'"),
+        ([], "", "JSON object"),
+    ],
+)
+def test_init_info_from_json_refuses_by_field(body: object, field: str, words: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        InitInfo.from_json(body)
+    assert e.value.field == field and words in str(e.value), str(e.value)
+
+
+def test_init_info_from_json_takes_what_the_sender_sends() -> None:
+    info = InitInfo(master_address="127.0.0.1", master_port=29500, timeout_s=7.5)
+    assert InitInfo.from_json(json.loads(json.dumps(asdict(info)))) == info
+    assert (
+        InitInfo.from_json({"backend": "gloo", "master_address": "::1", "master_port": 1, "timeout_s": 3}).timeout_s
+        == 3
+    )
+    assert InitInfo.from_json({"backend": "shm"}) == InitInfo(backend="shm")
+
+
+CHUNK = {"names": ["a", "b"], "dtype_names": ["float32", "int64"], "shapes": [[2], [3, 1]]}
+
+
+@pytest.mark.parametrize(
+    ("edits", "field", "words"),
+    [
+        ({"names": ["a", "a"]}, "names.1", "appears twice"),
+        ({"names": [], "dtype_names": [], "shapes": []}, "names", "no tensor"),
+        ({"names": ["a", "b\x00c"]}, "names.1", "control character '\\x00'"),
+        ({"names": ["", "b"]}, "names.0", "1..1024 characters"),
+        ({"names": ["a", "b" * 1025]}, "names.1", "1..1024 characters"),
+        ({"names": ["a", 7]}, "names.1", "must be str"),
+        ({"names": "ab"}, "names", "must be list[str]"),
+        ({"shapes": [[2], [-3, 1]]}, "shapes.1.0", "must lie in 0.."),
+        ({"shapes": [[2], [2**63, 1]]}, "shapes.1.0", "must lie in 0.."),
+        ({"shapes": [[2], [3.0, 1]]}, "shapes.1.0", "must be int"),
+        ({"shapes": [[2]]}, "names", "2 names, 2 dtype_names, 1 shapes"),
+        ({"packed": "true"}, "packed", "must be bool"),
+        ({"src": -1}, "src", "must lie in 0.."),
+        ({"chunk_index": -1}, "chunk_index", "must lie in 0.."),
+        ({"handle": "wsh_chunk_00"}, "handle", "must be dict"),
+        ({"bucket": 3}, "bucket", "unknown field 'bucket' in update_info"),
+        ({"names": None}, "names", "must be list[str], got NoneType"),
+    ],
+)
+def test_update_info_from_json_refuses_by_field(edits: dict, field: str, words: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        UpdateInfo.from_json({**CHUNK, **edits})
+    assert e.value.field == field and words in str(e.value), str(e.value)
+
+
+def test_update_info_from_json_requires_the_lists_and_takes_the_senders_body() -> None:
+    for key in ("names", "dtype_names", "shapes"):
+        with pytest.raises(ProtocolError) as e:
+            UpdateInfo.from_json({k: v for k, v in CHUNK.items() if k != key})
+        assert (e.value.field, e.value.required) == (key, True)
+    info = UpdateInfo(**CHUNK, chunk_index=3)
+    assert UpdateInfo.from_json(json.loads(json.dumps(asdict(info)))) == info
+    assert protocol.chunk_nbytes(CHUNK["dtype_names"], CHUNK["shapes"]) == 2 * 4 + 3 * 8

@@ -18,6 +18,7 @@ from harness.results import (
     http_200_summary,
     markdown_table,
     summarize,
+    summary_table_rows,
     write_env,
     write_summary,
 )
@@ -254,3 +255,45 @@ def test_steady_plot_keeps_engines_apart(records: list[RunRecord]) -> None:
     assert len(table) == 2
     by_engine = {key[-1]: row["raw"] for key, row in table.iterrows()}
     assert by_engine == {"embedded": pytest.approx(0.6), "vllm": pytest.approx(1.8)}
+
+
+def test_wall_split_takes_checks_out_of_the_syncs() -> None:
+    from harness.runner import wall_split
+
+    marks = {"start": 100.0, "syncs": 130.0, "teardown": 190.0, "end": 195.5}
+    assert wall_split(marks, checks_s=20.0) == {"setup_s": 30.0, "syncs_s": 40.0, "checks_s": 20.0, "teardown_s": 5.5}
+    # setup failed: no "syncs" mark, everything before teardown is setup
+    assert wall_split({"start": 0.0, "teardown": 12.0, "end": 13.0}, 0.0) == {
+        "setup_s": 12.0,
+        "syncs_s": 0.0,
+        "checks_s": 0.0,
+        "teardown_s": 1.0,
+    }
+
+
+def test_where_the_time_went(tmp_path: Path, records: list[RunRecord]) -> None:
+    records[0].wall = {"setup_s": 10.0, "syncs_s": 2.0, "checks_s": 3.0, "teardown_s": 1.0}
+    records[1].wall = {"setup_s": 40.0, "syncs_s": 5.0, "checks_s": 6.0, "teardown_s": 2.0}
+    df = summarize(records)
+    assert df["setup_s"].tolist() == [10.0, 40.0]
+    md = write_summary(df, tmp_path)["md"].read_text()
+    section = md.split("## Where the time went", 1)[1].split("## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    totals = [c.strip() for c in lines[2].strip("| ").split("|")][1:]
+    assert totals == ["50.0", "7.0", "9.0", "3.0", "69.0"]  # 10+40, 2+5, 3+6, 1+2 and their sum
+    assert records[1].scenario_id in lines[3] and "53.0" in lines[3]  # the slowest scenario first
+
+
+def test_engine_replicas_and_engine_tp_keep_their_own_rows(records: list[RunRecord]) -> None:
+    """A two-engine row and an engine-TP-2 row beside the one-engine row of the same layout: the side-by-side
+    table pairs each with its own kind on the other engine, and summary.md tells them apart."""
+    raw = records[0]
+    variants = [raw]
+    for update in ({"engines": 2}, {"engine_tp": 2}):
+        sc = raw.scenario.model_copy(update=update)
+        variants.append(raw.model_copy(update={"scenario": sc, "scenario_id": sc.id}))
+    df = summarize(variants + [as_vllm(r) for r in variants])
+    pairs = engine_comparison(df)
+    assert sorted(zip(pairs["engines"], pairs["engine_tp"], strict=True)) == [(1, 1), (1, 2), (2, 1)]
+    cells = {row[5] for row in summary_table_rows(df)}
+    assert cells == {"no", "no · 2 engines", "no · engine TP 2"}

@@ -61,6 +61,36 @@ def test_impossible_scenarios_say_what_to_change(fields: dict, says: str) -> Non
     assert problem is not None and says in problem
 
 
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"engines": 0}, "engines must be a whole number >= 1"),
+        ({"engine_tp": 0}, "engine_tp must be a whole number >= 1"),
+        ({"engines": 2, "colocate": True}, "set colocate: false, or engines: 1 and engine_tp: 1"),
+        ({"engine_tp": 2, "colocate": True}, "set colocate: false"),
+        ({"engine_tp": 8}, "engine_tp 8 does not divide qwen3's 4 attention heads"),
+        ({"engine_tp": 3}, "engine_tp 3 does not divide qwen3's 4 attention heads"),
+        ({"model": "qwen3-moe", "engine_tp": 2}, "engine embedded holds vLLM's TP layout of qwen3 models only"),
+        ({"model": "qwen3-vl", "engine_tp": 2}, "set engine_tp: 1"),
+    ],
+)
+def test_engine_replicas_and_engine_tp_say_what_to_change(fields: dict, says: str) -> None:
+    problem = validate(Scenario(**{"model": "qwen3", **fields}))
+    assert problem is not None and says in problem, problem
+
+
+def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
+    assert Scenario(model="qwen3").id == "qwen3/tp1-pp1/noncolocate/raw"
+    assert Scenario(model="qwen3", engines=2).id == "qwen3/tp1-pp1/noncolocate-engines2/raw"
+    both = Scenario(model="qwen3", engine="vllm", engines=2, engine_tp=2)
+    assert both.id == "vllm/qwen3/tp1-pp1/noncolocate-engines2-engine-tp2/raw"
+    assert both.engine_ranks == [2, 2]
+    assert validate(Scenario(model="qwen3", engines=2, engine_tp=2)) is None
+    assert validate(Scenario(model="qwen3-untied", engine_tp=4)) is None  # KV heads replicated over 2 ranks each
+    out = expand({"model": "qwen3", "engines": [1, 2], "engine_tp": [1, 2]})
+    assert sorted((s.engines, s.engine_tp) for s in out) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
 def test_filters() -> None:
     scenarios = load_matrix("cpu")
     assert {s.id for s in select(scenarios, "model=qwen3 tp=2 pp=2 colocate=false")} == {
@@ -93,11 +123,26 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     scenarios = select(load_matrix("cpu_vllm"), "!tag:full-size")
     vllm = {s.id.removeprefix("vllm/") for s in scenarios if s.engine == "vllm"}
     embedded = {s.id for s in scenarios if s.engine == "embedded"}
-    assert (
-        vllm
-        == embedded
-        == {f"qwen3/tp{tp}-pp{pp}/noncolocate/{mode}" for tp in (1, 2) for pp in (1, 2) for mode in ("raw", "bridge")}
-    )
+    dense = {
+        f"{model}/tp{tp}-pp{pp}/noncolocate/{mode}"
+        for model in ("qwen3", "qwen3-vl")
+        for tp in (1, 2)
+        for pp in (1, 2)
+        for mode in ("raw", "bridge")
+    }
+    moe = {
+        f"{model}/tp1-pp1{'-ep2' if ep == 2 else ''}/noncolocate/{mode}"
+        for model in ("qwen3-moe", "qwen3-vl-moe")
+        for ep in (1, 2)
+        for mode in ("raw", "bridge")
+    }
+    parallel_ids = {"qwen3/tp1-pp1/noncolocate-engine-tp2/raw", "qwen3/tp1-pp1/noncolocate-engines2/raw"}
+    assert vllm == embedded == dense | moe | parallel_ids
+    parallel = select(scenarios, "tag:engine-parallel")
+    assert {(s.engine, s.engines, s.engine_tp) for s in parallel} == {
+        (engine, n, tp) for engine in ("vllm", "embedded") for n, tp in ((1, 2), (2, 1))
+    }
+    assert all(validate(s) is None for s in parallel if s.engine == "embedded")
     # vLLM computes prompt log-probs at 1.0; the embedded rows are pinned to it so the two compare.
     assert all(s.temperature(honours_temperature=True) == 1.0 for s in scenarios)
     assert Scenario(model="qwen3").temperature(honours_temperature=True) == 0.7
@@ -108,8 +153,6 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     ("fields", "says"),
     [
         ({"model": "qwen3", "colocate": True}, "set colocate: false"),
-        ({"model": "qwen3-vl"}, "chat route"),
-        ({"model": "qwen3-moe"}, "mixture-of-experts"),
         ({"model": "qwen3", "logprob_temperature": 0.7}, "temperature 1.0"),
         ({"model": "qwen3", "logprobs": False}, "logprobs: true"),
         ({"model": "qwen3", "fault": "ok_without_transfer"}, "use engine: embedded"),
@@ -117,11 +160,6 @@ def test_cpu_vllm_matrix_pairs_every_vllm_row_with_an_embedded_one() -> None:
     ],
 )
 def test_vllm_scenarios_that_cannot_run_here_say_why(fields: dict, says: str) -> None:
-    if says == "mixture-of-experts":
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("a limit of vLLM on CPU hosts; this host has CUDA")
     sc = Scenario(**{"engine": "vllm", **fields})
     problem = validate(sc)
     assert problem is not None and says in problem, problem

@@ -34,6 +34,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from vllm_env import require_vllm as _require_vllm
 from wsh_vllm_plugin.protocol import UpdateInfo
 
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
@@ -46,13 +47,13 @@ from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import EngineStartError
-from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.forward.hf import HfForward, fixed_prompts
+from reference_impl.forward.prompts import image_prompt
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.channels import connect_channel
-from reference_impl.transport.client import EngineClient, EngineRejected
+from reference_impl.transport.client import EngineClient, EngineRejected, PromptMismatch
 from reference_impl.transport.observed import SyncReport
 from reference_impl.transport.sync import Channel, run_sync
 from reference_impl.transport.vllm_packed import connect_packed_gloo
@@ -60,15 +61,6 @@ from reference_impl.transport.vllm_packed import connect_packed_gloo
 SEED, ENGINE_SEED = 1234, 4321
 BIG_CHUNK = 64 << 20  # one chunk holds the whole tiny model
 PACKED_BUFFER = 256 << 10  # vLLM's packed buffers: a chunk of BIG_CHUNK is many of them
-
-
-def _require_vllm() -> None:
-    try:
-        vllm_python()
-    except EngineEnvMissing as e:
-        if os.environ.get("WSH_REQUIRE_VLLM") == "1":
-            pytest.fail(f"WSH_REQUIRE_VLLM=1 but {e}")
-        pytest.skip(f"no vLLM environment ({e})")
 
 
 @dataclass
@@ -80,6 +72,7 @@ class Connected:
     client: EngineClient
     channel: Channel
     checkpoint: Path
+    model: str = "qwen3"
 
     def sync(self, named: list[tuple[str, torch.Tensor]], index: int, chunk_bytes: int = BIG_CHUNK) -> RunRecord:
         """Send `named` through run_sync; the record of that one sync (the harness's calls included)."""
@@ -104,7 +97,7 @@ class Connected:
     def record(self, per_rank: list[tuple[SyncReport, list[HttpCall]]], index: int) -> RunRecord:
         rec = RunRecord(
             scenario_id=f"{self.kind}/same-verdicts",
-            scenario=Scenario(model="qwen3", engine=self.kind, syncs=1),
+            scenario=Scenario(model=self.model, engine=self.kind, syncs=1),
             requested_export_mode="raw",
             checkpoint_checksums={n: tensor_checksum(t) for n, t in checkpoint_tensors(self.checkpoint).items()},
             engine_capabilities=engine_kind(self.kind).capabilities,
@@ -123,29 +116,29 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _connect(kind: str, proc: Any, url: str, ckpt: Path) -> Connected:
+def _connect(kind: str, proc: Any, url: str, ckpt: Path, model: str) -> Connected:
     caps = engine_kind(kind).capabilities
     client = EngineClient(
         url,
         timeout_s=300,
         session_ends_on_error=caps.session_ends_on_error,
         parse_rejections=engine_kind(kind).parse_rejections,
+        image_prompts_via_chat=caps.image_prompts_via_chat,
     )
     transfer = engine_kind(kind).transfer(colocate=False, cuda=False)
     if transfer.wire == "vllm_packed":
         channel: Channel = connect_packed_gloo(client, buffer_size_bytes=PACKED_BUFFER)
     else:
         channel = connect_channel(client, transfer.wire, transfer.backend)
-    return Connected(kind, proc, client, channel, ckpt)
+    return Connected(kind, proc, client, channel, ckpt, model)
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Connected]]:
-    """vLLM and the embedded engine on the same checkpoint, started together, stopped by pid."""
+def _both_engines(model: str, logs: Path) -> Iterator[dict[str, Connected]]:
+    """vLLM (from its adapter, as the runner starts it) and the embedded engine on the same checkpoint of
+    `model`, started together, each joined to this process; stopped by pid."""
     _require_vllm()
-    ckpt = make_checkpoint(load_model("qwen3"), SEED)
-    logs = tmp_path_factory.mktemp("engines")
-    vllm = VllmEngineProcess(str(ckpt), ENGINE_SEED, str(logs / "vllm.log"))
+    ckpt = make_checkpoint(load_model(model), SEED)
+    vllm = engine_kind("vllm").server(str(ckpt), ENGINE_SEED, str(logs / "vllm.log"), "float32")
     embedded = EngineProcess(str(ckpt), ENGINE_SEED, str(logs / "embedded.log"))
     urls: dict[str, str] = {}
     started = threading.Thread(target=lambda: urls.update(vllm=vllm.start()))
@@ -154,8 +147,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Conn
         urls["embedded"] = embedded.start()
         started.join()
         if "vllm" not in urls:
-            pytest.fail(f"vLLM did not start; log: {(logs / 'vllm.log').read_text()[-3000:]}")
-        out = {k: _connect(k, p, urls[k], ckpt) for k, p in (("vllm", vllm), ("embedded", embedded))}
+            pytest.fail(f"vLLM did not start; log: {vllm.log_tail(3000)}")
+        out = {k: _connect(k, p, urls[k], ckpt, model) for k, p in (("vllm", vllm), ("embedded", embedded))}
         yield out
         for conn in out.values():
             conn.channel.close()
@@ -164,6 +157,19 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Conn
         started.join()
         vllm.stop()
         embedded.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Connected]]:
+    """vLLM and the embedded engine on the tiny Qwen3 checkpoint."""
+    yield from _both_engines("qwen3", tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="module")
+def vl_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Connected]]:
+    """vLLM and the embedded engine on the tiny Qwen3-VL checkpoint (vLLM with its tokenizer and processors:
+    the image prompt goes through its chat route)."""
+    yield from _both_engines("qwen3-vl", tmp_path_factory.mktemp("vl-engines"))
 
 
 def _verdict(rec: RunRecord) -> tuple[str, str]:
@@ -176,16 +182,19 @@ def _full(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
     return list(checkpoint_tensors(ckpt).items())
 
 
-def _measure_logprobs(conn: Connected, rec: RunRecord) -> None:
+def _measure_logprobs(conn: Connected, rec: RunRecord, state: dict[str, torch.Tensor] | None = None) -> None:
     """Put the log-prob comparison into the record's sync as the runner does: the engine's prompt
-    log-probs on the fixed prompts at temperature 1.0 against a transformers forward over the
-    checkpoint (what the clean sync sent), with the fp32 budget."""
+    log-probs on the fixed prompts at temperature 1.0 (an image prompt through the engine's image route)
+    against a transformers forward over `state` (what the clean sync sent; default the checkpoint), with
+    the fp32 budget."""
     config = json.loads((conn.checkpoint / "config.json").read_text())
     ref = HfForward(conn.checkpoint)
-    ref.load(checkpoint_tensors(conn.checkpoint))
+    ref.load(state if state is not None else checkpoint_tensors(conn.checkpoint))
     prompts = fixed_prompts(config)
     trainer = [ref.logprobs(p, 1.0)[0].tolist() for p in prompts]
-    engine = [conn.client.prompt_logprobs(p.input_ids, 1.0) for p in prompts]
+    engine = [
+        conn.client.prompt_logprobs(p.input_ids, 1.0, p.image_url, chat_content=p.chat_content) for p in prompts
+    ]
     rec.syncs[0].engine_logprobs = engine
     rec.syncs[0].logprobs = logprob_parity(trainer, engine) | {"temperature": 1.0}
     rec.logprob_budget = dict(LOGPROB_BUDGETS["float32"])
@@ -314,6 +323,84 @@ def test_vllm_serves_the_checkpoint_after_the_bad_inputs(engines: dict[str, Conn
     assert httpx.get(engines["vllm"].client.base_url + "/health", timeout=10).status_code == 200
 
 
+def test_unknown_vision_name_is_name_error_on_both(vl_engines: dict[str, Connected]) -> None:
+    bad = "model.visual.blocks.0.attn.no_such.weight"
+
+    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+        return [*_full(ckpt), (bad, torch.ones(64))]
+
+    records = _sent_in_order(vl_engines, named, 1)
+    for kind, rec in records.items():
+        verdict, message = _verdict(rec)
+        assert verdict == "NAME_ERROR", (kind, verdict, message)
+        assert f"'{bad}'" in message, (kind, message)
+        call = next(c for c in rec.http if c.status != 200)
+        assert [(r.name, r.kind) for r in call.rejections] == [(bad, "name")], (kind, call)
+    vllm_call = next(c for c in records["vllm"].http if c.status != 200)
+    assert vllm_call.status == 500 and "visual.blocks.0.attn.no_such" in (vllm_call.error or "")
+
+
+def test_wrong_vision_shape_is_http_error_on_both(vl_engines: dict[str, Connected]) -> None:
+    target = "model.visual.blocks.1.norm1.weight"
+
+    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t[:-1].clone() if n == target else t) for n, t in _full(ckpt)]
+
+    records = _sent_in_order(vl_engines, named, 2)
+    for kind, rec in records.items():
+        verdict, message = _verdict(rec)
+        assert verdict == "HTTP_ERROR", (kind, verdict, message)
+        assert "/update_weights" in message, (kind, message)
+    calls = {kind: next(c for c in rec.http if c.status != 200) for kind, rec in records.items()}
+    assert [(r.name, r.kind) for r in calls["embedded"].rejections] == [(target, "shape")]
+    width = checkpoint_tensors(vl_engines["vllm"].checkpoint)[target].shape[0]
+    assert [(r.name, r.kind) for r in calls["vllm"].rejections] == [("/update_weights", "other")]
+    assert f"torch.Size([{width - 1}])" in calls["vllm"].rejections[0].reason
+
+
+def test_vllm_chat_route_makes_the_fixed_image_prompts_ids(vl_engines: dict[str, Connected]) -> None:
+    """The checkpoint's chat template, tokenizer and processor make exactly the fixed image prompt's ids
+    (image placeholder expanded), and vLLM answers a log-prob for every prompt position, image pads
+    included; a chat message that stands for other ids is refused by the client."""
+    conn = vl_engines["vllm"]
+    config = json.loads((conn.checkpoint / "config.json").read_text())
+    prompt = image_prompt(config)
+    body = {
+        "messages": [{"role": "user", "content": prompt.chat_content}],
+        "max_tokens": 1,
+        "prompt_logprobs": 0,
+        "return_token_ids": True,
+        "add_generation_prompt": False,
+    }
+    answer = conn.client._post("/v1/chat/completions", body)
+    assert answer["prompt_token_ids"] == prompt.input_ids
+    assert prompt.input_ids.count(config["image_token_id"]) == prompt.num_image_tokens > 1
+    entries = answer["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt.input_ids)
+    assert all(str(tok) in entries[i] for i, tok in enumerate(prompt.input_ids) if i > 0)
+    other = [dict(part) for part in prompt.chat_content]
+    other[0]["text"] = "t7 " + other[0]["text"]
+    with pytest.raises(PromptMismatch, match="first difference at position 0"):
+        conn.client.prompt_logprobs(prompt.input_ids, 1.0, prompt.image_url, chat_content=other)
+
+
+def test_vl_logprobs_on_vllm_follow_every_sync(vl_engines: dict[str, Connected]) -> None:
+    """A clean sync of the Qwen3-VL checkpoint in several chunks, then one of changed weights: after each,
+    both engines' log-probs (text prompts, and the image prompt through each engine's image route) equal a
+    transformers forward over what was sent within the fp32 budget; the second shows that the engine's
+    vision path follows the new weights (nothing computed from the old ones is reused)."""
+    for kind, conn in vl_engines.items():
+        ckpt = checkpoint_tensors(conn.checkpoint)
+        changed = {n: t * 1.25 if n.startswith("model.visual.") else t for n, t in ckpt.items()}
+        for index, state in ((11, ckpt), (12, changed)):
+            rec = conn.sync(list(state.items()), index, chunk_bytes=1 << 20)
+            _measure_logprobs(conn, rec, state)
+            verdict, message = _verdict(rec)
+            assert verdict == "PASS", (kind, index, verdict, message)
+            assert rec.syncs[0].chunks_planned > 1
+            assert rec.syncs[0].logprobs["max_abs"] < 1e-4, (kind, index, rec.syncs[0].logprobs)
+
+
 def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
     """One whole scenario on real vLLM: TP 2 x PP 2 trainer, bridge export, several chunks, log-probs
     after every sync compared with the trainer's forward over what it sent."""
@@ -328,9 +415,29 @@ def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
     assert coverage["ok"] and not coverage["skipped"]
 
 
-# Trainer-side faults that a dense non-colocate Qwen3 scenario shows, each run against real vLLM and
+def test_vllm_moe_scenario_through_the_runner(runner: Runner) -> None:
+    """Qwen3-VL-MoE (fused experts in the released layout, vision tower, image prompt on the chat route) at
+    EP 2 on real vLLM's CPU MoE kernels: every sync after the first reloads prepacked experts, so the
+    log-probs of syncs 1 and 2 (changed weights) show that the experts reach vLLM's kernel."""
+    _require_vllm()
+    sc = Scenario(model="qwen3-vl-moe", ep=2, engine="vllm", syncs=2, chunk_bytes=1 << 20, logprob_temperature=1.0)
+    assert validate(sc) is None
+    rec = runner.run_scenario(sc)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    assert len(rec.syncs) == 3 and all(s.logprobs["max_abs"] < 1e-4 for s in rec.syncs)
+    assert all(len(s.engine_logprobs) == 3 for s in rec.syncs)  # two text prompts and the image prompt
+
+
+# Trainer-side faults that a non-colocate Qwen3 or Qwen3-VL scenario shows, each run against real vLLM and
 # against the embedded engine in the same test: both verdicts must be the fault's.
-VLLM_FAULTS = ("tied_lm_head_sent", "wrong_dtype", "drop_last_chunk", "gqa_split_wrong", "pp_barrier_in_chunk_loop")
+VLLM_FAULTS = (
+    "tied_lm_head_sent",
+    "wrong_dtype",
+    "drop_last_chunk",
+    "gqa_split_wrong",
+    "pp_barrier_in_chunk_loop",
+    "legacy_vision_names",
+)
 
 
 @pytest.mark.parametrize("name", VLLM_FAULTS)
@@ -376,3 +483,34 @@ def test_vllm_that_cannot_start_is_a_start_error_naming_why(tmp_path: Path) -> N
         proc.stop()
     assert "vLLM exited with" in str(err.value) and "--no-such-flag" in str(err.value)
     assert proc.proc is not None and proc.proc.returncode not in (0, None)
+
+
+def test_vllm_with_two_tp_workers_takes_every_chunk_and_asks_for_the_token(tmp_path: Path) -> None:
+    """vLLM with `--tensor-parallel-size 2` on CPU (each worker its own CPU group) and the run's bearer token:
+    every route without the token is a 401; both workers join the transfer group (ranks 1 and 2 of 3) and take
+    every chunk of a sync in many chunks; its log-probs then equal a transformers forward over the checkpoint."""
+    _require_vllm()
+    token = "token-of-this-test"
+    ckpt = make_checkpoint(load_model("qwen3"), SEED)
+    log = tmp_path / "vllm-tp2.log"
+    proc = VllmEngineProcess(str(ckpt), ENGINE_SEED, str(log), tp=2, token=token)
+    url = proc.start(engine_kind("vllm").start_timeout_s)
+    try:
+        for method, route in (("GET", "/health"), ("POST", "/update_weights"), ("POST", "/v1/completions"),
+                              ("POST", "/init_weight_transfer_engine"), ("GET", "/weight_info")):
+            assert httpx.request(method, url + route, json={}, timeout=30).status_code == 401, route
+        client = EngineClient(url, timeout_s=300, session_ends_on_error=True,
+                              parse_rejections=engine_kind("vllm").parse_rejections, token=token)
+        channel = connect_packed_gloo(client, engine_ranks=[2], buffer_size_bytes=PACKED_BUFFER)
+        conn = Connected("vllm", proc, client, channel, ckpt)
+        rec = conn.sync(_full(ckpt), 0, chunk_bytes=20_000)
+        _measure_logprobs(conn, rec)
+        verdict, message = _verdict(rec)
+        assert verdict == "PASS", message
+        assert rec.syncs[0].chunks_planned > 10 and rec.syncs[0].logprobs["max_abs"] < 1e-4
+        joined = re.findall(r"gloo weight transfer: joined \S+ as rank (\d+) of (\d+)", log.read_text())
+        assert sorted(joined) == [("1", "3"), ("2", "3")], joined
+        conn.channel.close()
+        client.close()
+    finally:
+        proc.stop()

@@ -7,7 +7,7 @@ that would dominate the softmax if they were not dropped.
 
 from __future__ import annotations
 
-import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -77,14 +77,9 @@ def test_bad_inputs_are_refused(kwargs: dict, match: str) -> None:
         vocab_parallel_logprobs(**{**args, "group": None, **kwargs})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shard_rank(rank: int, world: int, port: int, v_padded: int, temperature: float, out: mp.Queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         logits, targets = full_logits(v_padded)
         v_local = v_padded // world
@@ -105,7 +100,8 @@ def _shard_rank(rank: int, world: int, port: int, v_padded: int, temperature: fl
 def test_sharded_over_gloo_matches_the_full_vocabulary(world: int, v_padded: int) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # its port, held: no race
+    port = store.port
     procs = [ctx.Process(target=_shard_rank, args=(r, world, port, v_padded, 0.7, out)) for r in range(world)]
     for p in procs:
         p.start()

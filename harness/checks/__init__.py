@@ -6,13 +6,15 @@ by the update client with the engine kind's parser (`EngineKind.parse_rejections
 answers one question and, when it fails, says which sync / chunk / tensor / route was the *first* to go
 wrong and by how much. By concern: `transfer` (config, deadlock, crash, HTTP status, chunks, syncs ran),
 `names` (names, coverage), `parity` (checksums, export modes, groups), `logprobs` (log-prob parity and
-re-sync), `verdict` (the order of verdicts and `judge`); `base` holds `CheckResult` and message words.
+re-sync), `engine_state` (weight version, caches), `engine_tp` (each engine TP rank's shards), `verdict`
+(the order of verdicts and `judge`); `base` holds `CheckResult` and message words.
 """
 
 from __future__ import annotations
 
 from harness.checks.base import CheckResult
 from harness.checks.engine_state import check_engine_caches, check_weight_version
+from harness.checks.engine_tp import check_engine_tp_shards
 from harness.checks.logprobs import (
     LOGPROB_BUDGETS,
     check_logprobs,
@@ -63,6 +65,7 @@ __all__ = [
     "check_crash",
     "check_deadlock",
     "check_engine_caches",
+    "check_engine_tp_shards",
     "check_group",
     "check_http_status",
     "check_logprobs",

@@ -92,19 +92,20 @@ def check_recovery(record: RunRecord) -> CheckResult:
     if rec is None:
         return skipped(name, "CRASH", "no sync failed (or the run stopped before the liveness probe)")
     after = f"after the failed sync {rec.after_sync}"
+    who = f"engine {rec.engine}" if record.engine_count > 1 else "the engine"  # several replicas: which one
     tail = first_line(rec.engine_log_tail.strip().splitlines()[-1]) if rec.engine_log_tail.strip() else ""
     last = f"; its log ends: {excerpt(tail)}" if tail else ""
     if rec.health_status != 200:
-        return failed(name, "CRASH", f"the engine died {after}: GET /health got {status_text(rec.health_status)}{last}")
+        return failed(name, "CRASH", f"{who} died {after}: GET /health got {status_text(rec.health_status)}{last}")
     if rec.completion_status not in (None, 200):
         return failed(
             name,
             "CRASH",
-            f"the engine {after} answers /health but not a completion ({status_text(rec.completion_status)}){last}",
+            f"{who} {after} answers /health but not a completion ({status_text(rec.completion_status)}){last}",
         )
     if rec.clean_sync is not None and not rec.clean_sync_finished:
-        why = f"the engine survived {after} but the clean sync {rec.clean_sync} did not run to its end"
-        return failed(name, "HTTP_ERROR", why)
+        why = f"{'the engines' if record.engine_count > 1 else 'the engine'} survived {after} but the clean sync "
+        return failed(name, "HTTP_ERROR", f"{why}{rec.clean_sync} did not run to its end")
     return passed(name, "CRASH")
 
 

@@ -1,9 +1,18 @@
 """One verdict from all checks: `judge` runs every check of `CHECKS` and picks the most severe failure::
 
     CONFIG_ERROR > DEADLOCK > CRASH > NAME_ERROR > HTTP_ERROR > CHUNK_MISMATCH > COVERAGE_GAP
-    > PARITY_FAIL > PASS
+    > PARITY_FAIL > RESOURCE_LEAK > PASS
 
 NAME_ERROR outranks HTTP_ERROR because an engine that cannot place a name answers non-200 too.
+
+Several engine replicas (`engines` > 1): every check judges every engine, each on the record as that
+engine saw it (`RunRecord.engine_view`: its calls, the sender's account of it, what the harness measured
+on it). A check that fails alike for every engine (the run, the trainer, the sender) says so once; one
+that fails differently names the first engine that failed ("engine 1: ...") and which others did.
+
+RESOURCE_LEAK comes last: every other failure can cause growth (a rejected chunk held by its exception's
+traceback, a crashed rank's buffers), none is explained by a leak, and a leak is judged only over syncs
+that ran, so a run that failed otherwise is named by that failure.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 from harness.checks.base import CheckResult
 from harness.checks.engine_state import check_engine_caches, check_weight_version
+from harness.checks.engine_tp import check_engine_tp_shards
 from harness.checks.logprobs import check_logprobs, check_logprobs_expected, check_resync_unchanged
 from harness.checks.names import check_coverage, check_names
 from harness.checks.parity import (
@@ -23,6 +33,7 @@ from harness.checks.parity import (
     check_requested_mode,
     check_sent_layout,
 )
+from harness.checks.resources import check_resources
 from harness.checks.transfer import (
     check_chunks,
     check_config,
@@ -45,6 +56,7 @@ PRIORITY: tuple[str, ...] = (
     "CHUNK_MISMATCH",
     "COVERAGE_GAP",
     "PARITY_FAIL",
+    "RESOURCE_LEAK",
     "PASS",
 )
 
@@ -71,6 +83,8 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_resync_unchanged,
     check_weight_version,
     check_engine_caches,
+    check_engine_tp_shards,
+    check_resources,
 )
 
 
@@ -86,9 +100,31 @@ def first_failure(results: Iterable[CheckResult], verdict: str) -> CheckResult |
 
 
 def judge(record: RunRecord) -> tuple[str, list[CheckResult]]:
-    """Run every check on the record; return the overall verdict and all results."""
-    results = [check(record) for check in CHECKS]
+    """Run every check on the record (on every engine's view of it, `judge_engines`); return the overall
+    verdict and all results."""
+    if record.engine_count <= 1:
+        results = [check(record) for check in CHECKS]
+    else:
+        views = [record.engine_view(i) for i in range(record.engine_count)]
+        results = [judge_engines(check, views) for check in CHECKS]
     return overall_verdict(results), results
+
+
+def judge_engines(check: Callable[[RunRecord], CheckResult], views: list[RunRecord]) -> CheckResult:
+    """One check over every engine replica's view (`views[i]` = `RunRecord.engine_view(i)`): engine 0's
+    result when no engine fails it; the failure itself when every failing engine fails it alike and all
+    engines fail it; otherwise the first failing engine's failure, prefixed "engine i: ", with the other
+    failing engines named at the end."""
+    results = [check(view) for view in views]
+    failing = [(i, r) for i, r in enumerate(results) if r.failed]
+    if not failing:
+        return results[0]
+    first_engine, first = failing[0]
+    if len(failing) == len(results) and len({r.message for _, r in failing}) == 1:
+        return first
+    others = [i for i, _ in failing[1:]]
+    also = f" (also failing on engine{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
+    return first.model_copy(update={"message": f"engine {first_engine}: {first.message}{also}"})
 
 
 def judged(record: RunRecord) -> RunRecord:

@@ -45,6 +45,8 @@ class Fault:
 
 
 _SMALL = {"syncs": 2, "chunk_bytes": 65536}
+# Long enough for the resource check to fit a slope after its warm-up half (`checks.resources`).
+_SOAK = {"syncs": 12, "chunk_bytes": 65536}
 
 FAULTS: dict[str, Fault] = {
     f.name: f
@@ -214,11 +216,46 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.encoder_cache_survives_update,
         ),
         Fault(
+            "duplicate_rank_offsets",
+            "two engine replicas sent the same rank offset in one transfer group",
+            "DEADLOCK",
+            {"model": "qwen3", "engines": 2, "deadline_s": 30, **_SMALL},
+            trainer=trainer.duplicate_rank_offsets,
+        ),
+        Fault(
+            "tp_row_split_as_column",
+            "the engine's TP ranks split o_proj / down_proj by output rows instead of input columns",
+            "PARITY_FAIL",
+            {"model": "qwen3", "engine_tp": 2, **_SMALL},
+            engine=engine.tp_row_split_as_column,
+        ),
+        Fault(
             "weight_version_not_committed",
             "the engine loads the weights but /finish_weight_update never commits the new version",
             "PARITY_FAIL",
             {"model": "qwen3", **_SMALL},
             engine=engine.weight_version_not_committed,
+        ),
+        Fault(
+            "shm_segment_per_sync",
+            "colocate: a new shared-memory segment per sync, the previous one closed but never unlinked",
+            "RESOURCE_LEAK",
+            {"model": "qwen3", "colocate": True, **_SOAK},
+            trainer=trainer.shm_segment_per_sync,
+        ),
+        Fault(
+            "sender_keeps_packed_bytes",
+            "the sender keeps a packed copy of every chunk it sent",
+            "RESOURCE_LEAK",
+            {"model": "qwen3", **_SOAK},
+            trainer=trainer.sender_keeps_packed_bytes,
+        ),
+        Fault(
+            "engine_keeps_received_chunks",
+            "the engine keeps a copy of every chunk it loaded",
+            "RESOURCE_LEAK",
+            {"model": "qwen3", "colocate": True, **_SOAK},
+            engine=engine.engine_keeps_received_chunks,
         ),
     ]
 }

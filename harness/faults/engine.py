@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from reference_impl import seams
+from reference_impl.models.vllm_tp import Piece
 
 
 def finalize_per_chunk() -> None:
@@ -83,3 +84,33 @@ def weight_version_not_committed() -> None:
     """/finish_weight_update loads the weights but never commits the new version: the engine keeps
     reporting (and tagging its rollouts with) the version it started with."""
     seams.replace("engine_commit_version", lambda orig: lambda self, version: None)
+
+
+def tp_row_split_as_column() -> None:
+    """The engine's TP ranks split the row-parallel layers (`o_proj`, `down_proj`) along their output rows
+    instead of their input columns: each rank keeps a wrong piece, though the pieces still tile the tensor
+    (a vLLM worker would then compute its partial sums from the wrong half of the matrix)."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def pieces(kind, shard, shape, rank, tp, dims):  # type: ignore[no-untyped-def]
+            if kind != "row":
+                return orig(kind, shard, shape, rank, tp, dims)
+            rows = shape[0] // tp
+            return Piece(dim=0, src_start=rank * rows, size=rows, dst_offset=0, shard_shape=(rows, shape[1]))
+
+        return pieces
+
+    seams.replace("engine_tp_pieces", make)
+def engine_keeps_received_chunks() -> None:
+    """The engine keeps a copy of every chunk it loaded (a received-chunk list that is never cleared after
+    /finish_weight_update): the engine's memory grows by the model's bytes per sync."""
+    kept: list[list[torch.Tensor]] = []
+
+    def at_load(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load(self, names, dtype_names, shapes, tensors):  # type: ignore[no-untyped-def]
+            orig(self, names, dtype_names, shapes, tensors)
+            kept.append([t.clone() for t in tensors])
+
+        return load
+
+    seams.replace("engine_load", at_load)

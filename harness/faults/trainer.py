@@ -7,6 +7,7 @@ discards those processes after the scenario.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -309,3 +310,47 @@ def encoder_cache_survives_update() -> None:
         return reset_engine_caches
 
     seams.replace("reset_engine_caches", make)
+
+
+def duplicate_rank_offsets() -> None:
+    """Every engine replica is given the first engine's rank offset in the transfer group (offsets counted
+    per engine instead of across engines): two engines claim the same ranks, the last ranks stay empty, and
+    the group never forms."""
+    seams.replace("rank_offsets", lambda orig: lambda engine_ranks: [orig(engine_ranks)[0]] * len(engine_ranks))
+
+
+def shm_segment_per_sync() -> None:
+    """Colocate on CPU: the sender opens a fresh shared-memory segment at the first chunk of every sync and
+    closes the previous one without unlinking it (close is not unlink): one segment of the buffer's size
+    stays in /dev/shm per sync, until the process ends and its resource tracker removes them."""
+    from reference_impl.transport.handles import SharedMemoryBuffer
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def send_chunk(channel, client, tensors, info, sync):  # type: ignore[no-untyped-def]
+            old = getattr(channel, "buffer", None)
+            if info.chunk_index == 0 and isinstance(old, SharedMemoryBuffer):
+                channel.buffer = SharedMemoryBuffer(old.capacity)
+                with contextlib.suppress(BufferError):
+                    old.shm.close()  # the bug: never old.shm.unlink()
+            return orig(channel, client, tensors, info, sync)
+
+        return send_chunk
+
+    seams.replace("send_chunk", make)
+
+
+def sender_keeps_packed_bytes() -> None:
+    """The sender keeps a packed copy of every chunk it ever sent (a "last sent" cache that is appended to
+    and never pruned): the sender's memory grows by the model's bytes per sync."""
+    from wsh_vllm_plugin.protocol import pack
+
+    kept: list[torch.Tensor] = []
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def send_chunk(channel, client, tensors, info, sync):  # type: ignore[no-untyped-def]
+            kept.append(pack(tensors))
+            return orig(channel, client, tensors, info, sync)
+
+        return send_chunk
+
+    seams.replace("send_chunk", make)

@@ -32,6 +32,10 @@ class Capabilities(BaseModel):
         prompt_logprobs_honour_temperature: prompt log-probs are computed at the request's
             temperature (vLLM computes them before any sampling processor, i.e. at 1.0).
         colocate: can take chunks by handle from a trainer on the same devices.
+        image_prompts_via_chat: a prompt with an image goes to `/v1/chat/completions` as one chat message
+            (text parts and an `image_url` part, rendered by the checkpoint's chat template: vLLM's only
+            image route); otherwise to `/v1/completions` as token ids with `multi_modal_data` (the
+            embedded engine's extension).
         tensor_parallel: can run with TP > 1 on the engine side.
         replicas: several engines of this kind can be fed by one transfer group.
         fault_hooks: loads a fault hook (`--fault MODULE:FUNCTION`) at start, for mutation tests.
@@ -43,6 +47,7 @@ class Capabilities(BaseModel):
     session_ends_on_error: bool
     prompt_logprobs_honour_temperature: bool
     colocate: bool
+    image_prompts_via_chat: bool = False
     tensor_parallel: bool = False
     replicas: bool = False
     fault_hooks: bool = False
@@ -77,6 +82,8 @@ class EngineRequest:
         colocate: the engine shares the sender's devices (chunks by handle).
         logprobs: log-prob parity after every sync is asked for.
         logprob_temperature: the temperature the scenario fixes for the comparison, None for the engine's.
+        engines: replicas of this kind fed by one transfer group.
+        engine_tp: each replica's tensor parallelism (its ranks in the transfer group).
     """
 
     model: ModelSpec
@@ -84,6 +91,8 @@ class EngineRequest:
     colocate: bool
     logprobs: bool
     logprob_temperature: float | None
+    engines: int = 1
+    engine_tp: int = 1
 
 
 class EngineKind(ABC):
@@ -97,10 +106,14 @@ class EngineKind(ABC):
     def validate(self, request: EngineRequest) -> str | None:
         """None when this engine can run `request` on this host, else one sentence saying what to change.
 
-        The default checks the capabilities (colocate); adapters add their own limits.
+        The default checks the capabilities (colocate, tensor_parallel, replicas); adapters add their own limits.
         """
         if request.colocate and not self.capabilities.colocate:
             return f"engine {self.name} runs non-colocate only: set colocate: false, or use another engine for colocate"
+        if request.engine_tp > 1 and not self.capabilities.tensor_parallel:
+            return f"engine {self.name} runs with TP 1 only: set engine_tp: 1"
+        if request.engines > 1 and not self.capabilities.replicas:
+            return f"engine {self.name} cannot be fed as several replicas by one transfer group: set engines: 1"
         return None
 
     def transfer(self, colocate: bool, cuda: bool) -> Transfer:
@@ -122,9 +135,15 @@ class EngineKind(ABC):
         dtype: str,
         fault_hook: str | None = None,
         colocate: bool = False,
+        *,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> ServerProcess:
         """The (not yet started) server process for `checkpoint` with dummy weights of `seed`, for a
-        colocated (`colocate`) or separate sender."""
+        colocated (`colocate`) or separate sender, with `tp` TP ranks in the transfer group, bound to `host`
+        (127.0.0.1 unless another node must reach it), every route asking for `token` when one is given
+        (`wsh_vllm_plugin.auth`)."""
 
     @abstractmethod
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:

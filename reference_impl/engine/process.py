@@ -22,15 +22,17 @@ from pathlib import Path
 
 import httpx
 
+LOOPBACK = "127.0.0.1"
+
 
 class EngineStartError(RuntimeError):
     """The engine process exited or did not answer /health in time (message holds its log tail)."""
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
+def free_port(host: str = LOOPBACK) -> int:
+    """A free TCP port on `host` (127.0.0.1 by default)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -41,9 +43,11 @@ def wait_for_health(
     log_tail: Callable[[], str],
     what: str = "engine",
     poll_s: float = 0.1,
+    headers: dict[str, str] | None = None,
 ) -> str:
     """Poll GET `<base_url()>/health` until it answers 200; returns that base URL. `base_url()` may
-    return None while the address is not known yet (e.g. before a port file is written).
+    return None while the address is not known yet (e.g. before a port file is written). `headers` go
+    with every poll (the run's bearer token, `wsh_vllm_plugin.auth`).
 
     Raises:
         EngineStartError: `proc` exited, or no 200 within `timeout_s` seconds (the caller stops it).
@@ -55,7 +59,7 @@ def wait_for_health(
         url = base_url()
         if url is not None:
             try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                if httpx.get(url + "/health", timeout=5, headers=headers).status_code == 200:
                     return url
             except httpx.HTTPError:
                 pass
@@ -73,10 +77,28 @@ class ServerProcess(ABC):
     what = "engine"
     poll_s = 0.1  # seconds between /health polls
 
-    def __init__(self, log_path: str | None, log_suffix: str = ".engine.log") -> None:
+    def __init__(
+        self, log_path: str | None, log_suffix: str = ".engine.log", host: str = LOOPBACK, token: str | None = None
+    ) -> None:
+        """`host`: the address the server binds to (127.0.0.1 unless another node must reach it, and then only
+        with a `token`). `token`: the run's bearer token every route asks for (`wsh_vllm_plugin.auth`; given to
+        the server in its environment), None for none.
+
+        Raises:
+            ValueError: a `host` other than 127.0.0.1 without a token.
+        """
+        if host != LOOPBACK and not token:
+            raise ValueError(f"an engine server bound to {host} (reachable from other hosts) needs a bearer token")
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(suffix=log_suffix)[1])
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.host, self.token = host, token
+
+    def token_env(self) -> dict[str, str]:
+        """What the server's environment carries for the bearer-token check ({} without a token)."""
+        from wsh_vllm_plugin.auth import TOKEN_ENV
+
+        return {TOKEN_ENV: self.token} if self.token else {}
 
     @abstractmethod
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
@@ -96,7 +118,8 @@ class ServerProcess(ABC):
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
             )
         try:
-            self.url = wait_for_health(self.proc, url, timeout_s, self.log_tail, self.what, self.poll_s)
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+            self.url = wait_for_health(self.proc, url, timeout_s, self.log_tail, self.what, self.poll_s, headers)
         except EngineStartError:
             self.stop()
             raise

@@ -5,9 +5,11 @@ the seconds spent per phase:
 - raw: every rank walks its parameters (global names), all TP ranks all-gather each sharded one,
   and TP rank 0 of each PP stage converts and owns its stage's tensors by the family's raw rule table
   (`models/families/<model_type>.py`, applied by `models.raw_rules.convert`).
-- bridge: Megatron-Bridge's `export_hf_weights(model, cpu=True)` on every rank (it gathers TP and
-  collects across PP stages itself, yielding every name on every rank); global rank 0 owns them all.
-  Its gather and convert are one call: the time is recorded as `convert`, `gather` is 0.
+- bridge: Megatron-Bridge's `export_hf_weights(model, conversion_tasks=...)` on every rank,
+  with the conversion tasks of the rank's own PP stage (`export/bridge.py`: the library gathers TP
+  shards and EP experts inside the stage and broadcasts nothing across stages); the stage leader
+  (TP 0, DP 0) owns its stage's tensors. Its gather and convert are one call: the time is recorded as
+  `convert`, `gather` is 0.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from reference_impl.export import MODES
+from reference_impl.export.bridge import export_bridge
 from reference_impl.models.families import model_family
 from reference_impl.models.raw_rules import ConvertConfig, FamilyTable, convert
 from reference_impl.models.registry import ModelSpec
@@ -112,16 +115,6 @@ def export_raw(
         out = table.post(out, config)
         t_convert += time.perf_counter() - t0
     return out, {"gather": t_gather, "convert": t_convert}
-
-
-def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[NamedTensors, dict[str, float]]:
-    """This rank's named HF tensors via Megatron-Bridge (all on global rank 0), and phase seconds."""
-    t0 = time.perf_counter()
-    named: NamedTensors = []
-    for name, tensor in model.bridge.export_hf_weights(model.chunks, cpu=True, show_progress=False):
-        if layout.rank == 0:
-            named.append((name, tensor.detach().contiguous()))
-    return named, {"gather": 0.0, "convert": time.perf_counter() - t0}
 
 
 @dataclass

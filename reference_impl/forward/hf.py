@@ -49,6 +49,8 @@ class Prompt:
     pixel_values: torch.Tensor | None = None  # [N, C * temporal * patch * patch]
     image_grid_thw: torch.Tensor | None = None  # [1, 3]
     image_url: str | None = None  # the same image as a data URL, for the engine
+    # the prompt as one chat message's OpenAI content parts (for engines whose image route is chat)
+    chat_content: list[dict[str, Any]] | None = None
 
 
 def fixed_prompts(config: dict[str, Any]) -> list[Prompt]:
@@ -59,7 +61,7 @@ def fixed_prompts(config: dict[str, Any]) -> list[Prompt]:
     out = [Prompt(ids) for ids in prompts.text_prompts(config)]
     if "vision_config" in config:
         ip = prompts.image_prompt(config)
-        out.append(Prompt(list(ip.input_ids), ip.pixel_values, ip.image_grid_thw, ip.image_url))
+        out.append(Prompt(list(ip.input_ids), ip.pixel_values, ip.image_grid_thw, ip.image_url, ip.chat_content))
     return out
 
 

@@ -8,10 +8,17 @@ stream is stable across numpy versions and platforms.
 Image prompts (Qwen3-VL families) use transformers' PIL/numpy `Qwen2VLImageProcessorPil` (the
 torchvision-backed `Qwen2VLImageProcessor` needs torchvision), configured as the released Qwen3-VL
 `preprocessor_config.json` is (mean/std 0.5, min/max pixels 65536 / 16777216, patch, temporal patch
-and merge sizes from `vision_config`); see `image_processor_kwargs`. The synthetic image is sized so
+and merge sizes from `vision_config`); see `image_processor_kwargs`, the same values the scaled-down
+checkpoints' own `preprocessor_config.json` holds (`models.tokenizer`). The synthetic image is sized so
 that this processor does not resize it: both sides a multiple of patch_size * merge_size and at least
 min_pixels in area. The image also travels as a PNG data URL, the way vLLM's OpenAI routes receive one;
 the engine decodes it (`decode_image_url`) and recomputes pixel values (`process_image`).
+
+Token ids are drawn from the ordinary ids of the config (neither a `*_token_id` of the config nor, for a
+VL config, a special token of its checkpoint's tokenizer, `models.tokenizer.special_tokens`), so an image
+prompt can also be written as a chat message (`ImagePrompt.chat_content`: text parts in the tokenizer's
+ordinary-token text, and the image as an `image_url` part) that the checkpoint's chat template and
+tokenizer turn back into exactly `ImagePrompt.input_ids` (before the image placeholder's expansion).
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from reference_impl.models import tokenizer
+
 # The released Qwen3-VL preprocessor_config.json values not read from the model config.
-QWEN3_VL_IMAGE_MEAN = (0.5, 0.5, 0.5)
-QWEN3_VL_IMAGE_STD = (0.5, 0.5, 0.5)
-QWEN3_VL_MIN_PIXELS = 65536
-QWEN3_VL_MAX_PIXELS = 16777216
+QWEN3_VL_IMAGE_MEAN = tokenizer.IMAGE_MEAN
+QWEN3_VL_IMAGE_STD = tokenizer.IMAGE_STD
+QWEN3_VL_MIN_PIXELS = tokenizer.MIN_PIXELS
+QWEN3_VL_MAX_PIXELS = tokenizer.MAX_PIXELS
 
 _IMAGE_SEED_SALT = 0x1A6E  # keeps the image's random stream apart from the text tokens'
 _DATA_URL_PREFIX = "data:image/png;base64,"
@@ -59,7 +68,10 @@ def special_token_ids(config: dict[str, Any]) -> set[int]:
 
 
 def _ordinary_ids(config: dict[str, Any]) -> np.ndarray:
-    allowed = np.setdiff1d(np.arange(vocab_size(config), dtype=np.int64), np.array(sorted(special_token_ids(config))))
+    special = special_token_ids(config)
+    if "vision_config" in config and "image_token_id" in config:  # its checkpoint's tokenizer adds <|im_start|>
+        special |= set(tokenizer.special_tokens(config))
+    allowed = np.setdiff1d(np.arange(vocab_size(config), dtype=np.int64), np.array(sorted(special)))
     if allowed.size == 0:
         raise ValueError("the config's vocabulary holds only special token ids")
     return allowed
@@ -92,18 +104,14 @@ def _vision(config: dict[str, Any]) -> dict[str, Any]:
 def image_processor_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments of the image processor both sides use (the released Qwen3-VL values).
 
-    A checkpoint served by vLLM should carry the same values in its `preprocessor_config.json`.
+    The scaled-down checkpoints carry the same values in their `preprocessor_config.json`
+    (`models.tokenizer.image_processor_kwargs`, which this is).
+
+    Raises:
+        ValueError: not a Qwen3-VL config.
     """
-    vc = _vision(config)
-    return {
-        "patch_size": int(vc["patch_size"]),
-        "temporal_patch_size": int(vc["temporal_patch_size"]),
-        "merge_size": int(vc["spatial_merge_size"]),
-        "min_pixels": QWEN3_VL_MIN_PIXELS,
-        "max_pixels": QWEN3_VL_MAX_PIXELS,
-        "image_mean": list(QWEN3_VL_IMAGE_MEAN),
-        "image_std": list(QWEN3_VL_IMAGE_STD),
-    }
+    _vision(config)
+    return tokenizer.image_processor_kwargs(config)
 
 
 def image_size(config: dict[str, Any]) -> tuple[int, int]:
@@ -177,6 +185,8 @@ class ImagePrompt:
         image_grid_thw: [1, 3] int64 (t, h, w) in patches.
         image_token_id: the config's image token id.
         merge_size: vision_config.spatial_merge_size.
+        text_before: the ordinary ids before vision_start.
+        text_after: the ordinary ids after vision_end.
     """
 
     input_ids: list[int]
@@ -187,6 +197,22 @@ class ImagePrompt:
     image_grid_thw: Tensor
     image_token_id: int
     merge_size: int
+    text_before: tuple[int, ...] = ()
+    text_after: tuple[int, ...] = ()
+
+    @property
+    def chat_content(self) -> list[dict[str, Any]]:
+        """The prompt as the content of one OpenAI chat message: the text before the image, the image as an
+        `image_url` part (the PNG data URL), the text after it. Rendered by a scaled-down checkpoint's chat
+        template and tokenized by its tokenizer (`models.tokenizer`), it is `collapsed_input_ids`; the
+        engine's processor then expands the image placeholder into `input_ids`."""
+        parts: list[dict[str, Any]] = []
+        if self.text_before:
+            parts.append({"type": "text", "text": tokenizer.ordinary_text(list(self.text_before))})
+        parts.append({"type": "image_url", "image_url": {"url": self.image_url}})
+        if self.text_after:
+            parts.append({"type": "text", "text": tokenizer.ordinary_text(list(self.text_after))})
+        return parts
 
     @property
     def num_image_tokens(self) -> int:
@@ -256,6 +282,8 @@ def image_prompt(config: dict[str, Any], seed: int = 0, text_before: int = 4, te
         image_grid_thw=grid,
         image_token_id=img_id,
         merge_size=merge,
+        text_before=tuple(int(x) for x in text[:text_before]),
+        text_after=tuple(int(x) for x in text[text_before:]),
     )
 
 

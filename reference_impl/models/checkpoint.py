@@ -18,6 +18,7 @@ import torch
 
 from reference_impl.models.families import model_family
 from reference_impl.models.registry import REPO_ROOT, ModelSpec
+from reference_impl.models.tokenizer import write_processor_files
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,8 +28,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("WSH_CACHE", REPO_ROOT / ".cache"))
 
 
-# Bumped whenever the maker writes different bytes for the same inputs (v2: released VL-MoE layout).
-MAKER_VERSION = 2
+# Bumped whenever the maker writes different bytes or files for the same inputs (v2: released VL-MoE layout;
+# v3: VL checkpoints carry a tokenizer, chat template and image/video processor configs).
+MAKER_VERSION = 3
 
 
 def config_hash(config: dict[str, Any], seed: int, dtype: str) -> str:
@@ -109,9 +111,11 @@ def to_released_expert_layout(folder: Path) -> None:
 def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Path | None = None) -> Path:
     """Write (once) and return the folder of the seeded checkpoint of `spec`.
 
-    The folder holds `config.json` and `model.safetensors` (or shards) as `save_pretrained` writes them.
-    Concurrent callers are safe: the checkpoint is written to a temp folder and renamed. An entry with
-    `hf_repo` returns the released checkpoint's folder instead (`hf_cache.find_snapshot`).
+    The folder holds `config.json` and `model.safetensors` (or shards) as `save_pretrained` writes them;
+    a VL family's checkpoint also its tokenizer, chat template and image/video processor configs
+    (`tokenizer.write_processor_files`: what vLLM's chat route needs for the image prompt). Concurrent
+    callers are safe: the checkpoint is written to a temp folder and renamed. An entry with `hf_repo` returns
+    the released checkpoint's folder instead (`hf_cache.find_snapshot`).
 
     Raises:
         hf_cache.WeightsMissing: `hf_repo` entry without a local copy of its weights.
@@ -128,8 +132,11 @@ def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Pa
     shutil.rmtree(tmp, ignore_errors=True)
     model = build_hf_model(spec, dtype, seed)
     model.save_pretrained(tmp, max_shard_size="20GB")
-    if model_family(spec.model_type).released_fused_experts:
+    family = model_family(spec.model_type)
+    if family.released_fused_experts:
         to_released_expert_layout(tmp)
+    if family.is_vl:
+        write_processor_files(spec.config, tmp)
     (tmp / "wsh_source.json").write_text(json.dumps({"model": spec.name, "seed": seed, "dtype": dtype}))
     try:
         tmp.rename(out)

@@ -8,7 +8,7 @@ Calls (Megatron-Bridge 0.6.2): `AutoBridge.from_hf_pretrained(path, torch_dtype=
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,9 @@ class TrainerModel:
     chunks: list[torch.nn.Module]  # one per virtual stage (always one here)
     config: Any  # the provider (a TransformerConfig)
     model_type: str
+    # What an export mode builds once per model and reuses on every sync (the bridge mode's conversion
+    # tasks of this rank's PP stage, `export.bridge.stage_tasks`); it lives and dies with the model.
+    export_cache: dict[str, Any] = field(default_factory=dict)
 
 
 def build_model(

@@ -7,6 +7,12 @@ answer to a non-200 becomes data here, once: the client is built with its engine
 (`EngineKind.parse_rejections`), which turns the whole body into `Rejection`s before the
 stored body is cut to 4000 characters.
 
+Prompt log-probs (`prompt_logprobs`) go to `/v1/completions` as token ids; a prompt with an image goes
+there too with `multi_modal_data` (the embedded engine's extension), or, for a client built with
+`image_prompts_via_chat=True` (the engine kind's capability; vLLM takes images only on its chat route), to
+`/v1/chat/completions` as one chat message whose ids the engine makes with the checkpoint's chat template
+and tokenizer: the answer's `prompt_token_ids` must then be the prompt's ids exactly (`PromptMismatch`).
+
 The client also tracks whether the engine holds an open update session (`session_open`), so that a
 sender never broadcasts a chunk nobody will receive: both engines refuse /update_weights without a
 session before taking any bytes, and vLLM's worker also ends the session when a chunk fails
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from wsh_vllm_plugin.auth import bearer_header
 from wsh_vllm_plugin.protocol import InitInfo, UpdateInfo
 
 from reference_impl.transport.observed import HttpCall, Rejection
@@ -49,6 +56,11 @@ class EngineRejected(RuntimeError):
         return self.call.rejections
 
 
+class PromptMismatch(ValueError):
+    """The engine made other token ids from a chat message than the prompt it stands for (its chat template
+    or tokenizer disagrees with the fixed prompt): its log-probs would be of another prompt."""
+
+
 class EngineClient:
     """Client of one engine's weight-update routes (base_url like http://127.0.0.1:PORT)."""
 
@@ -61,19 +73,28 @@ class EngineClient:
         parse_rejections: RejectionParser,
         rank: int | None = None,
         call_log: str | Path | None = None,
+        engine: int = 0,
+        token: str | None = None,
+        image_prompts_via_chat: bool = False,
     ) -> None:
         """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM).
-        `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`)."""
+        `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`). `engine`: which
+        engine replica this client calls (recorded on every call). `token`: the run's bearer token, sent as
+        `Authorization: Bearer <token>` on every call (`wsh_vllm_plugin.auth`); None sends none.
+        `image_prompts_via_chat`: image prompts go to the chat route (`Capabilities.image_prompts_via_chat`)."""
         self.base_url, self.timeout_s = base_url, timeout_s
         self.rank = rank  # the trainer rank making the calls (None: the harness itself)
+        self.engine = engine
+        self.headers = bearer_header(token) if token else {}
         # Every call is also appended to `call_log` as it completes (one JSON line), so the calls of a
         # sync that never returns (a hang, a crash) are not lost with it.
         self.call_log = Path(call_log) if call_log else None
         if self.call_log is not None:
             self.call_log.parent.mkdir(parents=True, exist_ok=True)
         self.session_ends_on_error = session_ends_on_error
+        self.image_prompts_via_chat = image_prompts_via_chat
         self.parse_rejections = parse_rejections
-        self.http = httpx.Client(base_url=base_url, timeout=timeout_s)
+        self.http = self._new_http()
         self.calls: list[HttpCall] = []
         self.session_open = False
         self.session_closed_by = ""  # why the last session ended early (for the record)
@@ -98,7 +119,9 @@ class EngineClient:
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"
         ms = (time.perf_counter() - t0) * 1e3
-        call = HttpCall(route=route, status=status, t=t_sent, ms=ms, sync=sync, chunk=chunk, rank=self.rank)
+        call = HttpCall(
+            route=route, status=status, t=t_sent, ms=ms, sync=sync, chunk=chunk, rank=self.rank, engine=self.engine
+        )
         if status != 200:  # parsed whole, stored cut short
             call.rejections = self.parse_rejections(route, status, text, sent_names)
             call.error = text[:MAX_STORED_BODY]
@@ -110,9 +133,12 @@ class EngineClient:
             # vLLM's server closes the connection after an error answer; start a fresh pool so the next
             # call does not land on the closed keep-alive connection.
             self.http.close()
-            self.http = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
+            self.http = self._new_http()
             raise EngineRejected(call, text)
         return json.loads(text) if text else {}
+
+    def _new_http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=self.timeout_s, headers=self.headers)
 
     def init_transfer(self, init_info: InitInfo | dict[str, Any]) -> Any:
         """POST /init_weight_transfer_engine {"init_info": ...}: every `InitInfo` field, or a body already in
@@ -144,7 +170,12 @@ class EngineClient:
             raise
 
     def finish(self, sync: int, weight_version: int) -> Any:
-        """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it)."""
+        """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it). The sender then drops
+        the engine's caches (`transport.sync.reset_engine_caches`).
+
+        Raises:
+            EngineRejected: a non-200 answer.
+        """
         self.session_open, self.session_closed_by = False, ""
         return self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
 
@@ -175,6 +206,7 @@ class EngineClient:
             "temperature": temperature,
             "logprobs": 0,
             "return_token_ids": True,  # vLLM's field; the embedded engine always returns them
+            "return_tokens_as_token_ids": True,  # vLLM needs it to write logprobs without a tokenizer
         }
         if image_url is not None:
             body["multi_modal_data"] = {"image": image_url}
@@ -191,23 +223,83 @@ class EngineClient:
 
     def checksums(self) -> dict[str, str]:
         """POST /weight_checker {"action": "checksum"} -> HF name -> checksum."""
-        return self._post("/weight_checker", {"action": "checksum"})["checksums"]
+        return self.checksum_report()["checksums"]
+
+    def checksum_report(self) -> dict[str, Any]:
+        """POST /weight_checker {"action": "checksum"}: the whole answer ({"checksums": HF name -> checksum,
+        "weight_version", and from an engine with TP ranks "tp_checksums": TP rank -> vLLM name -> checksum})."""
+        return dict(self._post("/weight_checker", {"action": "checksum"}))
 
     def shards(self) -> list[str]:
         """POST /weight_checker {"action": "shards"} -> every engine parameter shard."""
         return self._post("/weight_checker", {"action": "shards"})["shards"]
 
     def prompt_logprobs(
-        self, prompt: list[int], temperature: float, image_url: str | None = None, sync: int | None = None
+        self,
+        prompt: list[int],
+        temperature: float,
+        image_url: str | None = None,
+        sync: int | None = None,
+        chat_content: list[dict[str, Any]] | None = None,
     ) -> list[float]:
-        """POST /v1/completions with `prompt_logprobs`: the log-prob of each prompt token t >= 1 given the
-        tokens before it, at `temperature` (vLLM's prompt_logprobs entries, the first one None)."""
+        """The log-prob of each prompt token t >= 1 given the tokens before it, at `temperature` (vLLM's
+        `prompt_logprobs` entries, the first one None): POST /v1/completions with `prompt_logprobs` 0; for an
+        image prompt (`image_url`) on a chat-route client, POST /v1/chat/completions with `chat_content` as
+        one user message (`_chat_prompt_logprobs`).
+
+        Raises:
+            EngineRejected: a non-200 answer.
+            PromptMismatch: the chat route made other ids than `prompt`.
+            ValueError: an image prompt for a chat-route client without `chat_content`.
+        """
+        if image_url is not None and self.image_prompts_via_chat:
+            if chat_content is None:
+                raise ValueError("this engine takes image prompts on its chat route: pass the prompt's chat_content")
+            return self._chat_prompt_logprobs(prompt, temperature, chat_content, sync)
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": temperature, "prompt_logprobs": 0}
         if image_url is not None:
             body["multi_modal_data"] = {"image": image_url}
         entries = self._post("/v1/completions", body, sync=sync)["choices"][0]["prompt_logprobs"]
-        return [float(entries[i][str(tok)]["logprob"]) for i, tok in enumerate(prompt) if i > 0]
+        return _own_logprobs(entries, prompt)
+
+    def _chat_prompt_logprobs(
+        self, prompt: list[int], temperature: float, chat_content: list[dict[str, Any]], sync: int | None
+    ) -> list[float]:
+        """POST /v1/chat/completions {"messages": [{"role": "user", "content": chat_content}], "max_tokens": 1,
+        "prompt_logprobs": 0, "return_token_ids": true, "add_generation_prompt": false}: vLLM answers
+        `prompt_token_ids` (the ids its chat template, tokenizer and multimodal processor made, image
+        placeholder expanded) and `prompt_logprobs` at the top level (vLLM ChatCompletionResponse).
+
+        Raises:
+            EngineRejected: a non-200 answer.
+            PromptMismatch: `prompt_token_ids` is not `prompt`.
+        """
+        body: dict[str, Any] = {
+            "messages": [{"role": "user", "content": chat_content}],
+            "max_tokens": 1,
+            "temperature": temperature,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+            "add_generation_prompt": False,
+        }
+        answer = self._post("/v1/chat/completions", body, sync=sync)
+        made = list(answer.get("prompt_token_ids") or [])
+        if made != prompt:
+            pairs = zip(made, prompt, strict=False)
+            first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(made), len(prompt)))
+            raise PromptMismatch(
+                f"the engine's chat template and tokenizer made {len(made)} ids from the chat message, the prompt "
+                f"has {len(prompt)}; first difference at position {first}: engine {made[first : first + 4]} vs "
+                f"prompt {prompt[first : first + 4]}"
+            )
+        return _own_logprobs(answer["prompt_logprobs"], prompt)
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
         self.http.close()
+
+
+def _own_logprobs(entries: list[dict[str, Any] | None], prompt: list[int]) -> list[float]:
+    """Each prompt token's own log-prob from vLLM's `prompt_logprobs` list (entry i keyed by the token id as a
+    string; entry 0 is None)."""
+    return [float(entries[i][str(tok)]["logprob"]) for i, tok in enumerate(prompt) if i > 0]

@@ -9,6 +9,7 @@ NCCL example does the same). The packing buffer is reused across chunks and sync
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,15 +25,21 @@ from wsh_vllm_plugin.protocol import (
     pack,
 )
 
+from reference_impl.transport import group
 from reference_impl.transport.client import EngineClient
+from reference_impl.transport.replicas import ReplicaClient
 from reference_impl.transport.sync import SENDER
+
+LOOPBACK = "127.0.0.1"
 
 
 class BroadcastChannel:
-    """Chunks over a `TransferGroup` (sender = rank 0, engine = rank 1) of backend `backend`."""
+    """Chunks over a `TransferGroup` (sender = rank 0, the engines' workers after it: `transport.group`) of
+    backend `backend`."""
 
-    def __init__(self, group: TransferGroup, backend: str = GLOO) -> None:
+    def __init__(self, group: TransferGroup, init_infos: Sequence[InitInfo] = (), backend: str = GLOO) -> None:
         self.group, self.backend = group, backend
+        self.init_infos = list(init_infos)  # what each engine was sent to join the group (for the record)
         self.buffer = torch.empty(0, dtype=torch.uint8, device=group.device)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-http")
 
@@ -56,33 +63,44 @@ class BroadcastChannel:
 
 
 def connect_broadcast(
-    client: EngineClient, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = GLOO
+    client: EngineClient | ReplicaClient,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    engine_ranks: Sequence[int] = (1,),
+    master_address: str = LOOPBACK,
+    backend: str = GLOO,
 ) -> BroadcastChannel:
-    """Set up the non-colocate channel: host a TCPStore on 127.0.0.1, POST /init_weight_transfer_engine
-    `InitInfo(backend, master_address, master_port, rank_offset=1, world_size=2, timeout_s)` in a thread
-    (the engine answers once it joined) while this process joins the group as rank 0. Both sides use
-    `timeout_s` (seconds) for the join and for every broadcast. `backend`: "gloo", or "nccl" on GPU.
+    """Set up the non-colocate channel: host a TCPStore at `master_address` (the sender's node: 127.0.0.1
+    when every process runs on one node), POST /init_weight_transfer_engine to every engine at once, each
+    with its own `InitInfo` (`transport.group.init_infos`: its rank offset, the group's world size `1 +
+    sum(engine_ranks)`, `timeout_s`), each in a thread (an engine answers once it joined) while this
+    process joins the group as rank 0. `engine_ranks`: each engine's workers in the group (its TP), one
+    entry per engine of `client` (an `EngineClient` for one engine, a `ReplicaClient` for several). Both
+    sides use `timeout_s` (seconds) for the join and for every broadcast. `backend`: "gloo", or "nccl" on GPU.
 
     Raises:
-        EngineRejected: the engine refused the init call.
-        RuntimeError / DistStoreError: the engine did not join within `timeout_s` seconds.
+        ValueError: `engine_ranks` does not have one entry per engine.
+        EngineRejected: an engine refused the init call.
+        RuntimeError / DistStoreError: the engines did not join within `timeout_s` seconds.
     """
-    store = host_store(timeout_s=timeout_s)
-    init_info = InitInfo(
-        backend=backend,  # type: ignore[arg-type]  (a GROUP_BACKENDS name)
-        master_address="127.0.0.1",
-        master_port=store.port,
-        rank_offset=1,
-        world_size=2,
-        timeout_s=timeout_s,
-    )
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="init-transfer")
+    clients = client.clients if isinstance(client, ReplicaClient) else [client]
+    if len(engine_ranks) != len(clients):
+        raise ValueError(f"{len(clients)} engines but transfer-group ranks for {list(engine_ranks)}")
+    store = host_store(master_address, timeout_s=timeout_s)
+    infos = group.init_infos(master_address, store.port, engine_ranks, timeout_s, backend)
+    pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="init-transfer")
     try:
-        answer = pool.submit(client.init_transfer, init_info)
-        group = join_transfer_group(
-            "127.0.0.1", store.port, SENDER, init_info.world_size, timeout_s=timeout_s, store=store, backend=backend
+        answers = [pool.submit(c.init_transfer, info) for c, info in zip(clients, infos, strict=True)]
+        joined = join_transfer_group(
+            master_address,
+            store.port,
+            SENDER,
+            group.world_size(engine_ranks),
+            timeout_s=timeout_s,
+            store=store,
+            backend=backend,
         )
-        answer.result()  # re-raises the init call's error here
+        for answer in answers:
+            answer.result()  # re-raises an init call's error here
     finally:
-        pool.shutdown(wait=False)  # a failed join does not wait for the HTTP call
-    return BroadcastChannel(group, backend)
+        pool.shutdown(wait=False)  # a failed join does not wait for the HTTP calls
+    return BroadcastChannel(joined, infos, backend)

@@ -47,6 +47,7 @@ class HttpCall(BaseModel):
     error: str | None = None  # response body (truncated) when status != 200
     rejections: list[Rejection] = Field(default_factory=list)  # the non-200 answer, parsed
     rank: int | None = None  # the trainer rank that made the call, None for the harness's own calls
+    engine: int = 0  # the engine replica called (0 .. engines-1; `transport.replicas`)
 
 
 class TensorLayout(BaseModel):
@@ -70,6 +71,18 @@ class ChunkRecord(BaseModel):
     note: str = ""  # why a chunk was not sent, when the sender knows (e.g. the engine ended the session)
 
 
+class EngineAccount(BaseModel):
+    """The sender's account of one engine replica in one sync (`transport.replicas.ReplicaClient`): which
+    chunks it answered 200, the names it accepted and refused, its update counts, whether it finished."""
+
+    engine: int
+    chunks_received: list[int] = Field(default_factory=list)  # chunk indexes it answered 200
+    names_accepted: list[str] = Field(default_factory=list)
+    names_rejected: dict[str, str] = Field(default_factory=dict)  # HF name -> its reason (GENERIC_REJECTION)
+    engine_update_counts: dict[str, int] = Field(default_factory=dict)  # its /finish_weight_update counts
+    finished: bool = False  # its /finish_weight_update answered 200
+
+
 class SyncReport(BaseModel):
     """What one trainer rank observed in one sync; the sender (global rank 0) fills every field, other
     ranks only `rank`, `phases` and `total_s`. Seconds in `phases` are keyed by phase name (gather,
@@ -89,3 +102,6 @@ class SyncReport(BaseModel):
     sent_layout: dict[str, TensorLayout] = Field(default_factory=dict)  # HF name -> shape and dtype sent
     engine_update_counts: dict[str, int] = Field(default_factory=dict)  # engine shard -> updates
     finished: bool = False  # /finish_weight_update answered 200
+    # With several engine replicas: the sender's account of each (the fields above then speak of all of
+    # them together: a chunk is received when every engine answered 200). Empty with one engine.
+    engines: list[EngineAccount] = Field(default_factory=list)

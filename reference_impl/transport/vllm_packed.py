@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -42,9 +43,11 @@ from wsh_vllm_plugin.packed import (
 )
 from wsh_vllm_plugin.protocol import DEFAULT_TIMEOUT_S, SENDER_RANK, UpdateInfo, host_store, join_transfer_group
 
+from reference_impl.transport import group
 from reference_impl.transport.client import EngineClient
+from reference_impl.transport.replicas import ReplicaClient
 
-WORLD_SIZE = 2  # the trainer's sender (rank 0) and one single-worker engine (rank 1)
+LOOPBACK = "127.0.0.1"
 
 
 class PackedBroadcastChannel:
@@ -59,6 +62,7 @@ class PackedBroadcastChannel:
         self.timing: dict[str, float] = defaultdict(float)
         self.sender = PackedSender(self._timed(broadcast), buffer_size_bytes, device)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-http")
+        self.init_infos: list[dict[str, Any]] = []  # vLLM's init_info each engine was sent (for the record)
 
     def _timed(self, broadcast: Any) -> Any:
         def send(buf: torch.Tensor) -> None:
@@ -68,10 +72,12 @@ class PackedBroadcastChannel:
 
         return send
 
-    def send(self, client: EngineClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
-        """Post `info` as vLLM's update_info in a thread and broadcast the chunk's packed buffers; return
-        the engine's answer. A call that ended before its bytes were all sent (the engine refused it before
-        receiving) stops the broadcast: nobody would take the rest.
+    def send(
+        self, client: EngineClient | ReplicaClient, tensors: list[torch.Tensor], info: UpdateInfo, sync: int
+    ) -> Any:
+        """Post `info` as vLLM's update_info in a thread (to every engine of a `ReplicaClient`) and broadcast
+        the chunk's packed buffers; return the engine's answer. A call that ended before its bytes were all
+        sent (the engine refused it before receiving) stops the broadcast: nobody would take the rest.
 
         Raises:
             ProtocolError: `info` breaks a rule of vLLM's update_info (nothing was sent).
@@ -95,79 +101,123 @@ class PackedBroadcastChannel:
         self.pool.shutdown(wait=True)
 
 
-def _init_while(client: EngineClient, body: dict[str, Any], join: Any) -> Any:
-    """POST /init_weight_transfer_engine `body` in a thread while this thread runs `join()` (the engine
-    answers only once every rank joined); returns what `join` returned.
+def _engine_clients(client: EngineClient | ReplicaClient, engine_ranks: Sequence[int]) -> list[EngineClient]:
+    """The engines of `client`, one per entry of `engine_ranks` (each engine's workers in the group: its TP).
 
     Raises:
-        EngineRejected: the engine refused the init call.
+        ValueError: `engine_ranks` does not have one entry per engine.
     """
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="init-transfer")
+    clients = client.clients if isinstance(client, ReplicaClient) else [client]
+    if len(engine_ranks) != len(clients):
+        raise ValueError(f"{len(clients)} engines but transfer-group ranks for {list(engine_ranks)}")
+    return clients
+
+
+def _init_while(clients: Sequence[EngineClient], bodies: Sequence[dict[str, Any]], join: Any) -> Any:
+    """POST /init_weight_transfer_engine `bodies[i]` to engine i, each in a thread, while this thread runs
+    `join()` (an engine answers only once every rank joined); returns what `join` returned.
+
+    Raises:
+        EngineRejected: an engine refused the init call.
+    """
+    pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="init-transfer")
     try:
-        answer = pool.submit(client.init_transfer, body)
+        answers = [pool.submit(c.init_transfer, body) for c, body in zip(clients, bodies, strict=True)]
         joined = join()
-        answer.result()  # re-raises the init call's error here
+        for answer in answers:
+            answer.result()  # re-raises an init call's error here
     finally:
-        pool.shutdown(wait=False)  # a failed join does not wait for the HTTP call
+        pool.shutdown(wait=False)  # a failed join does not wait for the HTTP calls
     return joined
 
 
 def connect_packed_gloo(
-    client: EngineClient, timeout_s: float = DEFAULT_TIMEOUT_S, buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
+    client: EngineClient | ReplicaClient,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    engine_ranks: Sequence[int] = (1,),
+    master_address: str = LOOPBACK,
+    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
 ) -> PackedBroadcastChannel:
     """vLLM's `nccl` protocol over a gloo group (this package's `gloo` backend for vLLM on CPU): host a
-    TCPStore on 127.0.0.1, POST vLLM's init_info (`packed.nccl_init_info` with the store's address) while
-    joining the group as rank 0. The engine's worker uses the protocol's default gloo timeout.
+    TCPStore at `master_address`, POST vLLM's init_info to every engine at once (`packed.nccl_init_info`
+    with the store's address, the engine's `rank_offset` and the group's world size, `transport.group`;
+    each of an engine's TP workers joins as rank_offset + its rank) while joining the group as rank 0.
+    The engines' workers use the protocol's default gloo timeout.
 
     Raises:
-        EngineRejected: the engine refused the init call.
-        RuntimeError / DistStoreError: the engine did not join within `timeout_s` seconds.
+        ValueError: `engine_ranks` does not have one entry per engine.
+        EngineRejected: an engine refused the init call.
+        RuntimeError / DistStoreError: the engines did not join within `timeout_s` seconds.
     """
-    store = host_store(timeout_s=timeout_s)
-    body = nccl_init_info(
-        world_size=WORLD_SIZE, master_address="127.0.0.1", master_port=store.port, buffer_size_bytes=buffer_size_bytes
+    clients = _engine_clients(client, engine_ranks)
+    store = host_store(master_address, timeout_s=timeout_s)
+    size = group.world_size(engine_ranks)
+    bodies = [
+        nccl_init_info(
+            world_size=size,
+            master_address=master_address,
+            master_port=store.port,
+            rank_offset=offset,
+            buffer_size_bytes=buffer_size_bytes,
+        )
+        for offset in group.rank_offsets(engine_ranks)
+    ]
+    joined = _init_while(
+        clients, bodies, lambda: join_transfer_group(master_address, store.port, SENDER_RANK, size, timeout_s, store)
     )
-    group = _init_while(
-        client, body, lambda: join_transfer_group("127.0.0.1", store.port, SENDER_RANK, WORLD_SIZE, timeout_s, store)
+    channel = PackedBroadcastChannel(
+        VLLM_GLOO, lambda buf: joined.broadcast(buf, SENDER_RANK), buffer_size_bytes, "cpu"
     )
-    return PackedBroadcastChannel(VLLM_GLOO, lambda buf: group.broadcast(buf, SENDER_RANK), buffer_size_bytes, "cpu")
+    channel.init_infos = bodies
+    return channel
 
 
 def connect_packed_nccl(
-    client: EngineClient, buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
+    client: EngineClient | ReplicaClient,
+    engine_ranks: Sequence[int] = (1,),
+    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES,
 ) -> PackedBroadcastChannel:  # pragma: no cover - GPU only
     """vLLM's `nccl` backend, unmodified (GPU only): the unique-id rendezvous vLLM documents for trainers
     without vLLM (`NCCLWeightTransferInitInfo.nccl_unique_id_b64`). This process mints the id
-    (`torch.cuda.nccl.unique_id`), POSTs it while it enters `ncclCommInitRank` as rank 0 of 2 (the worker
-    enters at the same time: there is no store barrier), then runs the one-element float32 `all_reduce`
-    warm-up vLLM's `PyNcclCommunicator` runs right after its init, before any broadcast.
+    (`torch.cuda.nccl.unique_id`), POSTs it to every engine (each with its `rank_offset`, `transport.group`)
+    while it enters `ncclCommInitRank` as rank 0 (the workers enter at the same time: there is no store
+    barrier), then runs the one-element float32 `all_reduce` warm-up vLLM's `PyNcclCommunicator` runs right
+    after its init, before any broadcast.
 
     Raises:
-        EngineRejected: the engine refused the init call.
+        ValueError: `engine_ranks` does not have one entry per engine.
+        EngineRejected: an engine refused the init call.
         RuntimeError: no CUDA device, or NCCL's.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("vLLM's nccl backend needs a CUDA device; on CPU use connect_packed_gloo")
     import torch.cuda.nccl as nccl
 
+    clients = _engine_clients(client, engine_ranks)
     device = torch.device("cuda", torch.cuda.current_device())
     uid = nccl.unique_id()
-    body = nccl_init_info(world_size=WORLD_SIZE, nccl_unique_id=uid, buffer_size_bytes=buffer_size_bytes)
+    size = group.world_size(engine_ranks)
+    bodies = [
+        nccl_init_info(world_size=size, nccl_unique_id=uid, rank_offset=offset, buffer_size_bytes=buffer_size_bytes)
+        for offset in group.rank_offsets(engine_ranks)
+    ]
 
     def join() -> Any:
-        comm = nccl.init_rank(WORLD_SIZE, uid, SENDER_RANK)
+        comm = nccl.init_rank(size, uid, SENDER_RANK)
         warm = torch.zeros(1, dtype=torch.float32, device=device)
         nccl.all_reduce([warm], comms=[comm])
         torch.cuda.synchronize(device)
         return comm
 
-    comm = _init_while(client, body, join)
+    comm = _init_while(clients, bodies, join)
 
     def broadcast(buf: torch.Tensor) -> None:
         nccl.broadcast([buf], root=SENDER_RANK, comms=[comm])  # torch's root indexes the list: the sender's buffer
         torch.cuda.synchronize(device)  # the buffer is repacked for the next one right after
 
-    return PackedBroadcastChannel(VLLM_NCCL, broadcast, buffer_size_bytes, device)
+    channel = PackedBroadcastChannel(VLLM_NCCL, broadcast, buffer_size_bytes, device)
+    channel.init_infos = bodies
+    return channel
 
 
 class VllmIpcChannel:  # pragma: no cover - GPU only

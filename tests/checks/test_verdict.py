@@ -23,9 +23,10 @@ from .records import reject_chunk, rejection
 def test_passing_record_passes(record: RunRecord) -> None:
     verdict, results = judge(record)
     assert verdict == "PASS"
-    assert len(results) == len(CHECKS) == 22
+    assert len(results) == len(CHECKS) == 24
     assert all(r.ok for r in results), [r for r in results if not r.ok]
-    assert [r.name for r in results if r.skipped] == ["recovery", "group_invariance"]  # no failed sync, no group
+    # no failed sync, no group, engine TP 1, no resource samples
+    assert [r.name for r in results if r.skipped] == ["recovery", "group_invariance", "engine_tp_shards", "resources"]
     assert expectation_met(record, verdict)
 
 
@@ -33,6 +34,7 @@ def test_priority_covers_every_verdict() -> None:
     assert set(PRIORITY) == set(VERDICTS)
     assert PRIORITY.index("NAME_ERROR") < PRIORITY.index("HTTP_ERROR")
     assert PRIORITY[-1] == "PASS"
+    assert PRIORITY[-2] == "RESOURCE_LEAK"  # any other failure explains growth; a leak explains none
 
 
 def test_check_result_rejects_unknown_verdict() -> None:

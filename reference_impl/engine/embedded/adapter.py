@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from reference_impl.engine.base import Capabilities, EngineKind
+from reference_impl.engine.base import Capabilities, EngineKind, EngineRequest
 from reference_impl.engine.embedded.launcher import EngineProcess
+from reference_impl.models.vllm_tp import TP_RULES, has_tp_rules
 from reference_impl.transport.observed import Rejection
 
 
@@ -23,9 +24,24 @@ class EmbeddedEngine(EngineKind):
         session_ends_on_error=False,
         prompt_logprobs_honour_temperature=True,
         colocate=True,
+        tensor_parallel=True,
+        replicas=True,
         fault_hooks=True,
     )
     start_timeout_s = 300.0  # loads a small transformers model
+
+    def validate(self, request: EngineRequest) -> str | None:
+        """The capabilities (`EngineKind.validate`), and TP ranks only for model families whose vLLM TP layout
+        the engine holds (`models.vllm_tp.TP_RULES`)."""
+        problem = super().validate(request)
+        if problem:
+            return problem
+        if request.engine_tp > 1 and not has_tp_rules(request.model.model_type):
+            return (
+                f"engine embedded holds vLLM's TP layout of {', '.join(sorted(TP_RULES))} models only, not of "
+                f"{request.model.name} ({request.model.model_type}): set engine_tp: 1"
+            )
+        return None
 
     def server(
         self,
@@ -35,10 +51,14 @@ class EmbeddedEngine(EngineKind):
         dtype: str,
         fault_hook: str | None = None,
         colocate: bool = False,
+        *,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> EngineProcess:
         """An `EngineProcess` (the checkpoint's own dtype; `dtype` is not needed; its transfer backend is
         chosen by the sender's /init_weight_transfer_engine, so `colocate` is not needed either)."""
-        return EngineProcess(checkpoint, seed, log_path, fault=fault_hook)
+        return EngineProcess(checkpoint, seed, log_path, fault=fault_hook, tp=tp, host=host, token=token)
 
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:
         """The server's `{"detail": {"error", "rejected", "kinds"}}` bodies (`answers`)."""

@@ -1,15 +1,17 @@
 """POST /v1/completions of the embedded engine: prompt log-probs the way vLLM's OpenAI server answers them.
 
 Request (a subset of vLLM's `CompletionRequest`, `vllm/entrypoints/openai/protocol.py`, plus vLLM's
-offline `multi_modal_data` input; other fields are ignored with a warning on stderr, as vLLM does)::
+offline `multi_modal_data` input; any other field is a 400 naming it, where vLLM ignores unknown fields
+with a warning: a misspelt `prompt_logprobs` must not come back as an answer without log-probs)::
 
     {"model": "optional name (echoed back as the served name, never checked)",
-     "prompt": [token ids, at least one],
+     "prompt": [token ids, at least one; at most the engine's max_model_len],
      "max_tokens": 0 | 1 (default 1; 1 generates one greedy token),
-     "temperature": float > 0 (default 1.0),
+     "temperature": float >= 1e-5 (default 1.0),
      "prompt_logprobs": null | 0..20 (0: only each prompt token's own entry),
      "logprobs": null | 0..20 (the generated token's, when max_tokens is 1),
-     "multi_modal_data": {"image": "data:image/png;base64,..."} (Qwen3-VL models only)}
+     "multi_modal_data": {"image": "data:image/png;base64,..."} (Qwen3-VL models only),
+     "return_token_ids": bool, "return_tokens_as_token_ids": bool (accepted; always answered as true)}
 
 Response (vLLM's `CompletionResponse`; the engine has no tokenizer, so every decoded token is written
 `"token_id:<id>"` as vLLM's `--return-tokens-as-token-ids` does and `text` is "")::
@@ -50,7 +52,9 @@ check compares like with like. At temperature 1.0 both agree with vLLM. The gene
 1) is the argmax, whatever the temperature.
 
 Errors (4xx bodies shaped like the rest of the server's, `{"detail": {"error", "rejected", "kinds"}}`):
-400 for a malformed body, a prompt id outside the vocabulary (naming its position), an image for a
+400 for a malformed body, a prompt longer than the engine's `max_model_len` (the smaller of the model's
+`max_position_embeddings` and `MAX_MODEL_LEN`; vLLM refuses such prompts too, by its `--max-model-len`),
+a prompt id outside the vocabulary (naming its position), an image for a
 text-only model, an image that cannot be decoded, or an image whose token count in the prompt differs
 from what its grid gives (both numbers); 409 while an update session is open or the engine is paused
 (where vLLM would queue the request until /resume).
@@ -58,18 +62,21 @@ from what its grid gives (both numbers); 409 while an update session is open or 
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from reference_impl.engine.embedded.caches import EncoderCache, PrefixCache
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+# vLLM's _SAMPLING_EPS (vllm/sampling_params.py): below it vLLM samples greedily; here logits / T would
+# overflow float32 into NaN log-probs long before T reaches 0.
+MIN_TEMPERATURE = 1e-5
+MAX_MODEL_LEN = 4096  # tokens of one prompt at most (one forward over the whole prompt; memory grows as T^2)
 CLAMPED_LOGPROB = -9999.0  # what vLLM writes for a prompt log-prob of -inf
 ROUTE = "/v1/completions"
 
@@ -88,17 +95,22 @@ class MultiModalData(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """The fields of vLLM's `CompletionRequest` this engine serves (see the module docstring)."""
+    """The fields of vLLM's `CompletionRequest` this engine serves (see the module docstring), with exact
+    JSON types (`"1"` or `true` is no max_tokens)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: list[StrictInt] = Field(min_length=1)
-    max_tokens: int = Field(1, ge=0, le=1)
-    temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: StrictInt = Field(1, ge=0, le=1)
+    temperature: StrictFloat = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     multi_modal_data: MultiModalData | None = None
+    # vLLM's fields for ids in the answer; this engine has no tokenizer, so it always answers as if both
+    # were true (`token_ids` present, tokens written "token_id:<id>").
+    return_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
 
 
 class CompletionError(Exception):
@@ -142,6 +154,8 @@ class CompletionEngine:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
         self.is_vl = self.image_token_id is not None and hasattr(model.config, "vision_config")
+        text = getattr(model.config, "text_config", model.config)
+        self.max_model_len = min(MAX_MODEL_LEN, int(getattr(text, "max_position_embeddings", MAX_MODEL_LEN)))
         vision = getattr(model.config, "vision_config", None)
         self.merge_size = int(getattr(vision, "spatial_merge_size", 1)) if vision is not None else 1
         self.prefix_cache = PrefixCache()
@@ -153,12 +167,16 @@ class CompletionEngine:
         """Check the prompt and turn the image (if any) into the model's inputs; touches no weights.
 
         Raises:
-            CompletionError: 400 for an id outside the vocabulary, an image on a text-only model, an
-                undecodable image, or image tokens that do not match the image's grid.
+            CompletionError: 400 for a prompt longer than `max_model_len`, an id outside the vocabulary,
+                an image on a text-only model, an undecodable image, or image tokens that do not match the
+                image's grid.
         """
-        extra = sorted(req.model_extra or {})
-        if extra:
-            print(f"wsh engine: {ROUTE}: ignored request fields {extra}", file=sys.stderr, flush=True)
+        if len(req.prompt) + req.max_tokens > self.max_model_len:
+            raise _bad(
+                "body.prompt",
+                f"a prompt of {len(req.prompt)} tokens and max_tokens {req.max_tokens} exceed this engine's "
+                f"max_model_len of {self.max_model_len} tokens",
+            )
         for i, t in enumerate(req.prompt):
             if not 0 <= t < self.vocab_size:
                 raise _bad(

@@ -1,7 +1,8 @@
 """Start and stop the embedded engine server as a child process (what the engine's Ray actor owns).
 
-`EngineProcess.start()` runs `python -m reference_impl.engine.embedded.server` on 127.0.0.1 with port 0
-(the server writes the port it bound to a port file), waits until it answers GET /health, and returns
+`EngineProcess.start()` runs `python -m reference_impl.engine.embedded` on 127.0.0.1 (or, with a bearer
+token, the address another node reaches it at) with port 0 (the server writes the port it bound to a
+port file), waits until it answers GET /health, and returns
 its base URL. `stop()` ends it by its pid (`engine.process.ServerProcess`). The server also watches
 its launcher (`--exit-with-parent`): a killed launcher never leaves a server behind.
 """
@@ -29,11 +30,19 @@ class EngineProcess(ServerProcess):
         log_path: str | None = None,
         threads: int = 1,
         fault: str | None = None,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> None:
         """`fault`: a fault hook `MODULE:FUNCTION` the server loads at start (`--fault`), for the harness's
-        mutation tests only."""
-        super().__init__(log_path)
-        self.checkpoint, self.seed, self.threads, self.fault = checkpoint, seed, threads, fault
+        mutation tests only. `tp`: its TP ranks in the transfer group (`--tensor-parallel-size`). `host`,
+        `token`: where it binds and the bearer token every route asks for (`ServerProcess`).
+
+        Raises:
+            ValueError: a `host` other than 127.0.0.1 without a token.
+        """
+        super().__init__(log_path, host=host, token=token)
+        self.checkpoint, self.seed, self.threads, self.fault, self.tp = checkpoint, seed, threads, fault, tp
 
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
         """The server's argv and environment; its URL is known once it has written its port file."""
@@ -41,13 +50,13 @@ class EngineProcess(ServerProcess):
         argv = [
             sys.executable,
             "-m",
-            "reference_impl.engine.embedded.server",
+            "reference_impl.engine.embedded",
             "--checkpoint",
             self.checkpoint,
             "--seed",
             str(self.seed),
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             "0",
             "--port-file",
@@ -56,12 +65,14 @@ class EngineProcess(ServerProcess):
             str(self.threads),
             "--exit-with-parent",
             str(os.getpid()),
+            "--tensor-parallel-size",
+            str(self.tp),
         ]
         if self.fault is not None:
             argv += ["--fault", self.fault]
-        env = {**os.environ, "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": str(self.threads)}
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": str(self.threads), **self.token_env()}
 
         def url() -> str | None:
-            return f"http://127.0.0.1:{int(port_file.read_text())}" if port_file.exists() else None
+            return f"http://{self.host}:{int(port_file.read_text())}" if port_file.exists() else None
 
         return argv, env, None, url

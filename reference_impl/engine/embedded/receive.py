@@ -45,32 +45,29 @@ def _bytes_rejected(chunk: str, names: Sequence[str], reason: str, fix: str) -> 
     )
 
 
-def check_handle(handle: Any, backend: str, chunk: str, names: Sequence[str]) -> int:
-    """The handle's `nbytes` after checking its fields against the engine's handle backend.
+def check_handle(
+    handle: Any, backend: str, chunk: str, names: Sequence[str], nbytes: int
+) -> protocol.ShmHandle | protocol.CudaIpcHandle:
+    """The chunk's handle, checked by `handles.check_handle` (the one validation) against the engine's
+    handle backend and the chunk's declared size `nbytes`; nothing is mapped.
 
     Raises:
-        ChunkRejected: kind "bytes" for every name: no handle, or a malformed one.
+        ChunkRejected: kind "bytes" for every name: no handle, or one `handles.check_handle` refuses (the
+            reason names the field: a foreign segment name, a size that is not `nbytes`, a pickled global
+            that reduce_tensor does not make, ...).
     """
-    fix = f'send update_info.handle {{"kind": "{backend}", ...}} (reference_impl.transport.handles)'
+    fix = f'send update_info.handle {{"kind": "{backend}", ...}} made by reference_impl.transport.handles'
     if handle is None:
         raise _bytes_rejected(chunk, names, f"no handle in update_info, but the transfer backend is {backend}", fix)
-    if not isinstance(handle, dict):
-        raise _bytes_rejected(chunk, names, f"update_info.handle is a {type(handle).__name__}, not an object", fix)
-    if handle.get("kind") != backend:
-        raise _bytes_rejected(
-            chunk, names, f"handle kind {handle.get('kind')!r} does not match the transfer backend {backend}", fix
-        )
-    nbytes = handle.get("nbytes")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise _bytes_rejected(chunk, names, f"handle nbytes {nbytes!r} is not an integer >= 0", fix)
-    field = protocol.HANDLE_LOCATOR[backend]
-    if not isinstance(handle.get(field), str) or not handle[field]:
-        raise _bytes_rejected(chunk, names, f"handle has no {field!r} string", fix)
-    return nbytes
+    try:
+        return handles.check_handle(handle, backend, nbytes)
+    except protocol.ProtocolError as e:
+        where = f"update_info.handle.{e.field}" if e.field else "update_info.handle"
+        raise _bytes_rejected(chunk, names, f"{where} refused: {e}", fix) from None
 
 
 @contextlib.contextmanager
-def _open_cuda_ipc(handle: dict[str, Any]) -> Iterator[torch.Tensor]:
+def _open_cuda_ipc(handle: protocol.CudaIpcHandle) -> Iterator[torch.Tensor]:
     buf = handles.open_cuda_ipc_handle(handle)
     try:
         yield buf
@@ -78,24 +75,29 @@ def _open_cuda_ipc(handle: dict[str, Any]) -> Iterator[torch.Tensor]:
         del buf
 
 
-def open_handle(stack: contextlib.ExitStack, handle: dict[str, Any], chunk: str, names: Sequence[str]) -> torch.Tensor:
-    """Open a checked handle inside `stack` (closed when it exits); the chunk's uint8 bytes, no copy.
+def open_handle(
+    stack: contextlib.ExitStack,
+    handle: protocol.ShmHandle | protocol.CudaIpcHandle,
+    chunk: str,
+    names: Sequence[str],
+) -> torch.Tensor:
+    """Open a handle `check_handle` returned inside `stack` (closed when it exits); the chunk's uint8
+    bytes, no copy.
 
     The caller must drop the returned tensor (and every view of it) before `stack` exits.
 
     Raises:
-        ChunkRejected: kind "bytes": the handle cannot be opened (no such segment, too small, bad ipc).
+        ChunkRejected: kind "bytes": the handle cannot be opened (no such segment, too small, no GPU).
     """
-    kind = handle["kind"]
     try:
-        if kind == protocol.SHM:
+        if isinstance(handle, protocol.ShmHandle):
             return stack.enter_context(handles.open_shm_handle(handle))
         return stack.enter_context(_open_cuda_ipc(handle))
     except (OSError, ValueError, RuntimeError) as e:
         raise _bytes_rejected(
             chunk,
             names,
-            f"its {kind} handle cannot be opened ({type(e).__name__}: {e})",
+            f"its {handle.kind} handle cannot be opened ({type(e).__name__}: {e})",
             "keep the buffer alive and unmodified until the engine answered this /update_weights",
         ) from None
 
@@ -105,6 +107,26 @@ class ChunkApplier:
 
     def __init__(self, loader: EngineLoader) -> None:
         self.loader = loader
+
+    def check(
+        self, chunk: str, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> int:
+        """Check a chunk's declared metadata against the engine's shards; reads no bytes.
+
+        Returns:
+            the chunk's packed size in bytes (what its handle or broadcast must carry).
+
+        Raises:
+            ChunkRejected: a name, shape or dtype the loader refuses (kinds per name), or lists of
+                different lengths.
+        """
+        try:
+            rejected, kinds = self.loader.validate(names, dtype_names, shapes)
+        except ValueError as e:
+            raise ChunkRejected(f"{chunk}: {e}") from None
+        if rejected:
+            raise ChunkRejected(str(LoadRejected(rejected, kinds)), rejected, kinds)
+        return protocol.chunk_nbytes(dtype_names, shapes)
 
     def apply(
         self,
@@ -123,12 +145,7 @@ class ChunkApplier:
             ChunkRejected: metadata the loader refuses (name/shape/dtype), or bytes that do not match
                 the declared dtypes/shapes ("bytes"); nothing of the chunk was loaded.
         """
-        try:
-            rejected, kinds = self.loader.validate(names, dtype_names, shapes)
-        except ValueError as e:
-            raise ChunkRejected(f"{chunk}: {e}") from None
-        if rejected:
-            raise ChunkRejected(str(LoadRejected(rejected, kinds)), rejected, kinds)
+        self.check(chunk, names, dtype_names, shapes)
         dtypes = [protocol.dtype_from_name(d) for d in dtype_names]
         received = int(payload.numel())
         try:

@@ -1,6 +1,6 @@
 """The embedded rollout engine: vLLM's RLHF weight-update routes over a transformers model.
 
-Run: `python -m reference_impl.engine.embedded.server --checkpoint DIR --seed N --host 127.0.0.1
+Run: `python -m reference_impl.engine.embedded --checkpoint DIR --seed N --host 127.0.0.1
 --port 0 --port-file FILE [--fault MODULE:FUNCTION]`. With port 0 it binds a free port and writes the port
 it serves on to FILE (atomically) once it accepts requests. `--fault MODULE:FUNCTION` loads a fault hook
 at start (the harness's mutation tests: `harness.faults.engine`): the function is called once, before
@@ -8,7 +8,8 @@ the app is built, and may replace what runs at the engine's seams (`reference_im
 that cannot be loaded exits at startup.
 
 Request bodies are the protocol's (`wsh_vllm_plugin.protocol`: `InitInfo`, `UpdateInfo`, the handle
-layouts), validated by pydantic from those dataclasses.
+layouts), read by their `from_json` (exact JSON types, ranges, no unknown field; a name with a control
+character or twice in one chunk, a negative dimension: refused by field). Every body refuses unknown fields.
 
 Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; older releases
 `vllm/entrypoints/serve/dev/rlhf/api_router.py`), with plain-data answers the harness records:
@@ -26,13 +27,19 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
   "chunk_index", "handle"}}` -> with no open session, a 400 (kind "session") before anything is received, as
   vLLM's worker refuses it before its transfer backend runs (a sender must not broadcast then);
   otherwise receives the chunk from the group FIRST (so a bad body never leaves the trainer's broadcast
-  hanging), then checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
+  hanging: also an update_info the protocol refuses is received and dropped first, as vLLM's gloo plugin
+  does; only a body that is no object with an object `update_info` is refused before, by both), then
+  checks, unpacks and loads it -> `{"ok": true, "chunk_index", "received_bytes",
   "load_s", "loaded"}`. With backend shm / cuda_ipc, update_info's `"handle"` is `{"kind": "shm",
   "name", "nbytes"}` / `{"kind": "cuda_ipc", "ipc", "nbytes", "device_uuid"}`
   (opened by `reference_impl.transport.handles`) and the engine reads the chunk from it (no broadcast; views over
-  the shared buffer, copied by the load, dropped before the handle is closed). A missing, malformed or
-  unopenable handle is a 400 naming the chunk (kind "bytes"); so is a handle under backend gloo (nothing
-  is broadcast-received then: a sender that passes handles does not broadcast).
+  the shared buffer, copied by the load, dropped before the handle is closed). The handle is checked
+  (`handles.check_handle`) only after the session and the chunk's names, shapes and dtypes, and before
+  anything is mapped: its nbytes must be the declared dtypes x shapes, an shm segment must be named by the
+  producer (`protocol.SHM_NAME_PREFIX`), a cuda_ipc pickle may hold only what torch's `reduce_tensor`
+  makes. A missing, malformed, foreign or unopenable handle is a 400 naming the chunk and the field (kind
+  "bytes"); so is a handle under backend gloo (nothing is broadcast-received then: a sender that passes
+  handles does not broadcast).
 - POST /finish_weight_update `{"weight_version": v}` -> `{"weight_version", "update_counts": {shard:
   n for every shard}, "load_s"}`. A shard is one checkpoint tensor, keyed by its vLLM target string
   (`vllm_name` or `vllm_name[shard]`, e.g. `model.layers.0.mlp.experts.routed_experts.w13_weight[3:w1]`); a full sync
@@ -70,78 +77,49 @@ engines and asserts the same verdicts).
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
-import importlib
-import json
-import os
-import socket
-import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from fastapi import FastAPI, HTTPException
 from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
     GROUP_BACKENDS,
     HANDLE_KINDS,
     NCCL,
+    SENDER_RANK,
     InitInfo,
-    ProtocolError,
     TransferGroup,
     UpdateInfo,
     join_transfer_group,
 )
 
-from reference_impl.engine.embedded import receive
+from reference_impl.engine.embedded import bodies, receive
+from reference_impl.engine.embedded.bodies import (
+    CheckerRequest,
+    FinishRequest,
+    InitRequest,
+    StartRequest,
+    UpdateRequest,
+)
 from reference_impl.engine.embedded.completions import CompletionEngine, CompletionError, CompletionRequest
 from reference_impl.engine.embedded.loader import EngineLoader
-
-
-class InitRequest(BaseModel):
-    init_info: InitInfo
-
-
-class StartRequest(BaseModel):
-    weight_version: int | None = None  # vLLM declares `str | None`; numeric strings are accepted (pydantic)
-
-
-class UpdateRequest(BaseModel):
-    update_info: UpdateInfo
-
-
-class FinishRequest(BaseModel):
-    weight_version: int | None = None  # vLLM declares `str | None`; numeric strings are accepted (pydantic)
-
-
-class CheckerRequest(BaseModel):
-    action: Literal["checksum", "shards", "reset", "compare"]
-    baseline: dict[str, str] | None = None
-
-
-def _http_error(
-    status: int, error: str, rejected: dict[str, str] | None = None, kinds: dict[str, str] | None = None
-) -> HTTPException:
-    return HTTPException(status, detail={"error": error, "rejected": rejected or {}, "kinds": kinds or {}})
+from reference_impl.engine.embedded.tp import TpChunkApplier, TpRanks
 
 
 class EngineState:
-    """Mutable state of one engine: transfer backend and group, update session, version, paused flag."""
+    """Mutable state of one engine: transfer backend and group, update session, version, paused flag. With
+    `tp` > 1 the engine has TP ranks that each receive every chunk and keep their shard (`tp.TpRanks`)."""
 
-    def __init__(self, loader: EngineLoader) -> None:
+    def __init__(self, loader: EngineLoader, tp: int = 1, config: dict[str, Any] | None = None) -> None:
         self.loader = loader
-        self.applier = receive.ChunkApplier(loader)
+        self.tp = tp
+        self.ranks = TpRanks(loader, tp, config or loader.model.config.to_dict()) if tp > 1 else None
+        self.applier = receive.ChunkApplier(loader) if self.ranks is None else TpChunkApplier(loader, self.ranks)
         self.backend: str | None = None  # set by a successful /init_weight_transfer_engine
-        self.group: TransferGroup | None = None
+        self.group: TransferGroup | TpRanks | None = None
         self.session_open = False
         self.weight_version = 0
         self.session_load_s = 0.0
@@ -154,56 +132,26 @@ class EngineState:
         self.weight_version = version
 
 
-def _request_error(route: str, field: str, msg: str) -> HTTPException:
-    """A 400 shaped like the request-validation ones (keyed by the field, kind "request")."""
-    return _http_error(400, f"bad request body for {route}: {field}: {msg}", {field: msg}, {field: "request"})
-
-
 def create_app(
     loader: EngineLoader,
     config: dict[str, Any] | None = None,
     served_name: str = "wsh-embedded",
+    tp: int = 1,
 ) -> FastAPI:
     """The FastAPI app over `loader`. Handlers are sync so FastAPI runs them in its threadpool.
 
     `config`: the checkpoint's config.json dict (image processing of VL models; default: the model's
-    config as a dict). `served_name`: the model name /v1/completions answers.
+    config as a dict). `served_name`: the model name /v1/completions answers. `tp`: the engine's TP ranks
+    in the transfer group (`tp.TpRanks`; vLLM's `--tensor-parallel-size`).
     """
     app = FastAPI(title="wsh embedded engine")
-    st = EngineState(loader)
+    st = EngineState(loader, tp, config)
     app.state.engine = st
     completer = CompletionEngine(
         loader.model, config if config is not None else loader.model.config.to_dict(), served_name
     )
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        fields = {".".join(str(x) for x in e.get("loc", ())): str(e.get("msg", "")) for e in exc.errors()}
-        first = next(iter(fields.items()), ("body", "invalid"))
-        return JSONResponse(
-            status_code=400,
-            content={
-                "detail": {
-                    "error": f"bad request body for {request.url.path}: {first[0]}: {first[1]}",
-                    "rejected": fields,
-                    "kinds": dict.fromkeys(fields, "request"),
-                }
-            },
-        )
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            status_code=500,
-            content={
-                "detail": {
-                    "error": f"{type(exc).__name__} in {request.url.path}: {exc}",
-                    "rejected": {},
-                    "kinds": {},
-                    "traceback": "".join(traceback.format_exception(exc)),
-                }
-            },
-        )
+    bodies.install_error_handlers(app)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -230,7 +178,7 @@ def create_app(
 
     @app.get("/get_world_size")
     def get_world_size() -> dict[str, int]:
-        return {"world_size": 1}
+        return {"world_size": st.tp}
 
     @app.post("/pause")
     def pause() -> dict[str, str]:
@@ -248,11 +196,11 @@ def create_app(
 
     @app.post("/init_weight_transfer_engine")
     def init_weight_transfer_engine(req: InitRequest) -> dict[str, Any]:
-        info = req.init_info
         route = "/init_weight_transfer_engine"
+        info = bodies.read(InitInfo, req.init_info, route, "init_info")
         if info.backend in HANDLE_KINDS:
             if info.backend == CUDA_IPC and not torch.cuda.is_available():
-                raise _request_error(
+                raise bodies.request_error(
                     route,
                     "body.init_info.backend",
                     "backend 'cuda_ipc' needs CUDA in the engine process (torch.cuda.is_available() is False); "
@@ -262,28 +210,25 @@ def create_app(
                 st.backend = info.backend
             return {"ok": True, "backend": info.backend}
         if info.backend == NCCL and not torch.cuda.is_available():
-            raise _request_error(
+            raise bodies.request_error(
                 route,
                 "body.init_info.backend",
                 "backend 'nccl' needs CUDA in the engine process (torch.cuda.is_available() is False); "
                 "use backend 'gloo' on CPU",
             )
-        try:
-            info.check()
-        except ProtocolError as e:
-            if e.required:
-                raise _request_error(route, f"body.init_info.{e.field}", e.reason) from None
-            raise _http_error(400, str(e)) from None
         assert info.master_address is not None and info.master_port is not None
         with st.lock:
-            st.group = join_transfer_group(
-                info.master_address,
-                info.master_port,
-                rank=info.rank_offset,
-                world_size=info.world_size,
-                timeout_s=info.timeout_s,
-                backend=info.backend,
-            )
+            if st.ranks is not None:  # every TP rank joins, as rank_offset + its rank
+                st.group = st.ranks.join(info)
+            else:
+                st.group = join_transfer_group(
+                    info.master_address,
+                    info.master_port,
+                    rank=info.rank_offset,
+                    world_size=info.world_size,
+                    timeout_s=info.timeout_s,
+                    backend=info.backend,
+                )
             st.backend = info.backend
         return {"ok": True, "backend": info.backend, "rank": info.rank_offset, "world_size": info.world_size}
 
@@ -292,7 +237,7 @@ def create_app(
         with st.lock:
             if st.session_open:
                 why = "start_weight_update called while an update session is open; POST /finish_weight_update first"
-                raise _http_error(400, why, {"/start_weight_update": why}, {"/start_weight_update": "session"})
+                raise bodies.http_error(400, why, {"/start_weight_update": why}, {"/start_weight_update": "session"})
             st.session_open = True
             st.session_load_s = 0.0
             st.loader.reset_counts()  # a start's weight_version is read but, as in vLLM, only a finish commits one
@@ -300,11 +245,16 @@ def create_app(
 
     @app.post("/update_weights")
     def update_weights(req: UpdateRequest) -> dict[str, Any]:
-        info = req.update_info
+        try:
+            info = bodies.read(UpdateInfo, req.update_info, "/update_weights", "update_info")
+        except HTTPException:
+            with st.lock:
+                _drain(req.update_info)
+            raise
         chunk = f"chunk {info.chunk_index}" if info.chunk_index is not None else "this chunk"
         with st.lock:
             if st.backend is None or (st.backend in GROUP_BACKENDS and st.group is None):
-                raise _http_error(
+                raise bodies.http_error(
                     400,
                     f"{chunk}: no transfer group or handle backend; POST /init_weight_transfer_engine before "
                     "/update_weights",
@@ -312,7 +262,8 @@ def create_app(
                     dict.fromkeys(info.names, "session"),
                 )
             if not info.packed:
-                raise _http_error(
+                _drain(req.update_info)
+                raise bodies.http_error(
                     400,
                     f"{chunk}: packed=false is not supported by the embedded engine; send packed chunks",
                     dict.fromkeys(info.names, "unpacked transfer"),
@@ -324,7 +275,7 @@ def create_app(
                 else:
                     received, load_s = _receive_handle(info, chunk)
             except receive.ChunkRejected as e:
-                raise _http_error(400, e.error, e.rejected, e.kinds) from None
+                raise bodies.http_error(400, e.error, e.rejected, e.kinds) from None
             st.session_load_s += load_s
         return {
             "ok": True,
@@ -333,6 +284,24 @@ def create_app(
             "load_s": load_s,
             "loaded": len(info.names),
         }
+
+    def _drain(update_info: dict[str, Any]) -> None:
+        """Under gloo, inside a session, receive and drop the chunk whose update_info is refused (call under
+        the lock): the sender broadcasts while its call is in flight, and as vLLM's gloo plugin receives
+        before it parses, the sender never hangs on a refused body. From `src` when it names another rank
+        of the group, else from the sender's rank. Nothing when a handle is given (no broadcast then)."""
+        if st.backend not in GROUP_BACKENDS or st.group is None or not st.session_open:
+            return
+        if update_info.get("handle") is not None:
+            return
+        src = update_info.get("src", SENDER_RANK)
+        usable = isinstance(src, int) and not isinstance(src, bool) and 0 <= src < st.group.world_size
+        st.group.receive_chunk(src if usable and src not in _own_ranks() else SENDER_RANK)
+
+    def _own_ranks() -> set[int]:
+        """This engine's ranks in the transfer group (one, or one per TP rank)."""
+        assert st.group is not None
+        return st.group.ranks if isinstance(st.group, TpRanks) else {st.group.rank}
 
     def _require_session(info: UpdateInfo, chunk: str, what: str) -> None:
         if not st.session_open:
@@ -358,16 +327,25 @@ def create_app(
         assert st.group is not None
         # As vLLM's worker: no session, no receive (the sender must not broadcast then; see client.py).
         _require_session(info, chunk, "nothing received")
+        if info.src in _own_ranks() or info.src >= st.group.world_size:
+            why = f"src {info.src} is not a sender in the transfer group (this engine is rank {st.group.rank} of "
+            why += f"{st.group.world_size}); the chunk was received from rank {SENDER_RANK} and dropped"
+            _drain({"src": SENDER_RANK})
+            raise receive.ChunkRejected(
+                f"{chunk}: {why}", {"body.update_info.src": why}, {"body.update_info.src": "request"}
+            )
         payload = st.group.receive_chunk(info.src)  # with a session: receive first, check after
         return int(payload.numel()), _apply(info, chunk, payload)
 
     def _receive_handle(info: UpdateInfo, chunk: str) -> tuple[int, float]:
+        # Session, metadata, then the handle (the one validation, against the declared size): a handle is
+        # mapped only for a chunk the engine would load.
         assert st.backend is not None
-        nbytes = receive.check_handle(info.handle, st.backend, chunk, info.names)
-        _require_session(info, chunk, f"its {nbytes}-byte handle was not opened")
-        assert info.handle is not None
+        _require_session(info, chunk, "its handle was not opened")
+        nbytes = st.applier.check(chunk, info.names, info.dtype_names, info.shapes)
+        handle = receive.check_handle(info.handle, st.backend, chunk, info.names, nbytes)
         with contextlib.ExitStack() as stack:
-            payload = receive.open_handle(stack, info.handle, chunk, info.names)
+            payload = receive.open_handle(stack, handle, chunk, info.names)
             try:
                 return int(payload.numel()), _apply(info, chunk, payload)
             finally:
@@ -378,7 +356,7 @@ def create_app(
         with st.lock:
             if not st.session_open:
                 why = "finish_weight_update called without an open session; POST /start_weight_update first"
-                raise _http_error(400, why, {"/finish_weight_update": why}, {"/finish_weight_update": "session"})
+                raise bodies.http_error(400, why, {"/finish_weight_update": why}, {"/finish_weight_update": "session"})
             st.session_open = False
             if req is not None and req.weight_version is not None:
                 st.commit_version(req.weight_version)
@@ -404,7 +382,7 @@ def create_app(
                     )
                 return completer.complete(req, inputs, st.weight_version)
         except CompletionError as e:
-            raise _http_error(e.status, e.error, e.rejected, e.kinds) from None
+            raise bodies.http_error(e.status, e.error, e.rejected, e.kinds) from None
 
     @app.post("/weight_checker")
     def weight_checker(req: CheckerRequest) -> dict[str, Any]:
@@ -415,10 +393,14 @@ def create_app(
                 st.loader.reset_weights()
                 return {"status": "reset"}
             sums = st.loader.checksums()
-        if req.action == "checksum":
-            return {"checksums": sums, "weight_version": st.weight_version}
+            tp_sums = st.ranks.checksums() if st.ranks is not None else None
+        if req.action == "checksum":  # with TP ranks also each rank's shards, in vLLM names
+            extra = {"tp_checksums": tp_sums} if tp_sums else {}
+            return {"checksums": sums, "weight_version": st.weight_version, **extra}
         if req.baseline is None:
-            raise _http_error(400, "action 'compare' requires a 'baseline' object {hf_name: checksum}")
+            raise bodies.request_error(
+                "/weight_checker", "body.baseline", "action 'compare' requires a 'baseline' object {hf_name: checksum}"
+            )
         keys = set(sums) | set(req.baseline)
         mismatches = sorted(k for k in keys if sums.get(k) != req.baseline.get(k))
         return {"match": not mismatches, "mismatches": mismatches, "weight_version": st.weight_version}
@@ -426,99 +408,8 @@ def create_app(
     return app
 
 
-def _write_port_file(path: Path, port: int) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(str(port))
-    os.replace(tmp, path)
-
-
-async def _serve(app: FastAPI, host: str, port: int, port_file: Path | None) -> None:
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Accepted connections inherit this: without it a response written in two parts (head, body)
-    # waits for the client's delayed ACK, ~40 ms per call.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.02)
-    if server.started and port_file is not None:
-        _write_port_file(port_file, sock.getsockname()[1])
-    await task
-
-
-def _exit_with_parent(pid: int, period_s: float = 1.0) -> None:
-    """Watch `pid` from a daemon thread; when it is gone (this process was re-parented), exit at once."""
-
-    def watch() -> None:
-        while os.getppid() == pid:
-            time.sleep(period_s)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
-
-
-def load_hook(spec: str) -> Callable[[], None]:
-    """The function named by `MODULE:FUNCTION` (imported, not called).
-
-    Raises:
-        ValueError: `spec` is not MODULE:FUNCTION, the module does not import, or it has no such function.
-    """
-    module_name, sep, func = spec.partition(":")
-    if not sep or not module_name or not func:
-        raise ValueError(f"{spec!r} is not MODULE:FUNCTION (e.g. harness.faults.engine:ok_without_transfer)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import {module_name!r}: {e}") from None
-    hook = getattr(module, func, None)
-    if not callable(hook):
-        raise ValueError(f"{module_name} has no function {func!r}")
-    return hook
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Command line entry point (see the module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", type=Path, required=True, help="checkpoint folder (config.json)")
-    ap.add_argument("--seed", type=int, required=True, help="seed of the engine's dummy weights")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0 binds a free port")
-    ap.add_argument("--port-file", type=Path, default=None, help="written with the port once serving")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument(
-        "--fault",
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="load a fault hook at start (mutation tests only), e.g. harness.faults.engine:ok_without_transfer",
-    )
-    ap.add_argument(
-        "--exit-with-parent",
-        type=int,
-        default=None,
-        metavar="PID",
-        help="exit when process PID (the launcher) is gone, so a killed launcher never leaves a server behind",
-    )
-    args = ap.parse_args(argv)
-    if args.exit_with_parent is not None:
-        _exit_with_parent(args.exit_with_parent)
-    if args.fault is not None:
-        try:
-            hook = load_hook(args.fault)
-        except ValueError as e:
-            ap.exit(2, f"{ap.prog}: error: --fault: {e}\n")
-        hook()
-        doc = (hook.__doc__ or "").strip().splitlines()
-        print(f"wsh engine: FAULT ACTIVE: {args.fault}: {doc[0] if doc else ''}", file=sys.stderr, flush=True)
-    torch.set_num_threads(args.threads)
-    loader = EngineLoader.from_checkpoint(args.checkpoint, args.seed)
-    config = json.loads((args.checkpoint / "config.json").read_text())
-    app = create_app(loader, config=config, served_name=str(args.checkpoint))
-    asyncio.run(_serve(app, args.host, args.port, args.port_file))
-
-
 if __name__ == "__main__":
-    main()
+    raise SystemExit(
+        "run the engine as `python -m reference_impl.engine.embedded` (this module must be imported under its "
+        "own name, so that fault hooks replace what the app calls)"
+    )

@@ -13,9 +13,12 @@ computes prompt log-probs before any sampling processor (`gpu_model_runner._get_
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -24,6 +27,29 @@ from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.transport.observed import Rejection
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def server_args_for_vl(config: dict[str, Any]) -> list[str]:
+    """vLLM server arguments for a Qwen3-VL checkpoint:
+
+    - `--limit-mm-per-prompt`: at most one image and no video per prompt, and vLLM's start-up profile of
+      the vision encoder on an image of the fixed prompt's size (vLLM config/multimodal.py
+      `ImageDummyOptions`) instead of the processor's largest (max_pixels 16777216, about 16k image
+      tokens: minutes of vision encoder on a CPU). What the processor does with an image is unchanged.
+    - `--no-mm-device-do-normalize`: the image is normalized by the processor (mean/std of
+      `preprocessor_config.json`), not by the model's `FusedMMInputNorm`, whose mean/std are persistent
+      buffers: `--load-format dummy` fills them with random values (vLLM dummy_loader.py initializes every
+      persistent buffer) and no checkpoint holds them, so no weight update would ever fix them (seen:
+      image-prompt log-probs off by 0.51 after a correct sync).
+
+    Raises:
+        ValueError: not a Qwen3-VL config (`forward.prompts.image_size`).
+    """
+    from reference_impl.forward.prompts import image_size
+
+    height, width = image_size(config)
+    limits = {"image": {"count": 1, "width": width, "height": height}, "video": 0}
+    return ["--limit-mm-per-prompt", json.dumps(limits), "--no-mm-device-do-normalize"]
 
 
 class VllmEngine(EngineKind):
@@ -35,6 +61,9 @@ class VllmEngine(EngineKind):
         session_ends_on_error=True,
         prompt_logprobs_honour_temperature=False,
         colocate=True,  # on GPU only (vLLM's ipc backend is CUDA IPC); `validate` refuses it on CPU
+        tensor_parallel=True,
+        replicas=True,
+        image_prompts_via_chat=True,
     )
     # An engine core that profiles memory and warms up: 18-55 s on 2 shared cores, much more under load.
     start_timeout_s = 900.0
@@ -46,7 +75,6 @@ class VllmEngine(EngineKind):
 
     def validate(self, request: EngineRequest) -> str | None:
         """What keeps `request` from running on real vLLM on this host (None when nothing does)."""
-        config = request.model.model_config()
         if not request.logprobs:
             return (
                 "engine vllm needs logprobs: true: vLLM reports no per-tensor checksums in HF names, so log-prob "
@@ -68,17 +96,6 @@ class VllmEngine(EngineKind):
         problem = super().validate(request)
         if problem:
             return problem
-        if config.vision_heads:
-            return (
-                f"engine vllm cannot check {request.model.name} here: its image prompt needs vLLM's chat route (a "
-                "tokenizer and chat template; /v1/completions takes no images), and on CPU vLLM's Qwen3-VL path "
-                "imports torchvision, which has no CPU build for torch 2.13 on PyPI: use engine: embedded"
-            )
-        if config.num_experts and not torch.cuda.is_available():
-            return (
-                f"engine vllm on CPU is not set up for mixture-of-experts models ({request.model.name}): use "
-                "engine: embedded here, or a GPU host"
-            )
         from reference_impl.engine.vllm.env import EngineEnvMissing, vllm_python
 
         try:
@@ -101,13 +118,34 @@ class VllmEngine(EngineKind):
         dtype: str,
         fault_hook: str | None = None,
         colocate: bool = False,
+        *,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> VllmEngineProcess:
         """A `VllmEngineProcess` started with the weight-transfer backend `transfer` names for this host
-        (`--weight-transfer-config '{"backend": ...}'`); the sender derives its channel from the same call."""
+        (`--weight-transfer-config '{"backend": ...}'`); the sender derives its channel from the same call.
+        A text checkpoint starts with `--skip-tokenizer-init` (its prompts are token ids); a VL checkpoint
+        (its config.json has a `vision_config`) with its tokenizer and processors, for the chat route of the
+        image prompt, and `server_args_for_vl`. `tp`: vLLM's TP size (every TP worker joins the group)."""
         import torch
 
         backend = self.transfer(colocate, torch.cuda.is_available()).backend
-        return VllmEngineProcess(checkpoint, seed, log_path, dtype=dtype, backend=backend, colocate=colocate)
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        vl = "vision_config" in config
+        return VllmEngineProcess(
+            checkpoint,
+            seed,
+            log_path,
+            dtype=dtype,
+            backend=backend,
+            colocate=colocate,
+            skip_tokenizer_init=not vl,
+            extra_args=server_args_for_vl(config) if vl else [],
+            tp=tp,
+            host=host,
+            token=token,
+        )
 
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:
         """vLLM's 500 "Call to collective_rpc method failed: ..." prose (`answers`)."""

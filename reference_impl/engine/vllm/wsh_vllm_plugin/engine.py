@@ -116,10 +116,35 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         )
 
     def start_weight_update(self) -> None:
-        """vLLM's: open a layerwise reload of the model."""
+        """vLLM's: open a layerwise reload of the model (on CPU, MoE layers first learn to repack their experts)."""
         t0 = time.perf_counter()
+        self._prepack_cpu_experts_on_reload()
         super().start_weight_update()
         logger.info("gloo weight transfer: start %.3fs", time.perf_counter() - t0)
+
+    def _prepack_cpu_experts_on_reload(self) -> None:
+        """Make every unquantized MoE layer repack its experts for vLLM's CPU kernel when it is reloaded.
+
+        `UnquantizedFusedMoEMethod.process_weights_after_loading` runs the experts' own
+        `process_weights_after_loading` (on CPU: pad the intermediate size, prepack both weights for the
+        grouped GEMM, `experts/cpu_moe.py`) only on its first call, when it builds the kernel; on a weight
+        update it copies the reloaded weights in checkpoint layout and stops. The layerwise reload then
+        copies them into the prepacked kernel tensors of the first load, whose shapes differ, and the
+        chunk fails ("The size of tensor a (128) must match the size of tensor b (96) at non-singleton
+        dimension 1", `reload/layerwise.py` `_copy_and_restore_kernel_tensors`). Each such layer's method
+        gets an instance-level wrapper (once) that, on a weight update, also runs the experts' step, so
+        the reloaded weights reach the kernel in the layout of the first load.
+        """
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        for layer in self.model.modules():
+            method = getattr(layer, "quant_method", None)
+            if isinstance(method, UnquantizedFusedMoEMethod) and not hasattr(method, "_wsh_reload_prepacks"):
+                method._wsh_reload_prepacks = True
+                method.process_weights_after_loading = _prepacking_on_update(method)
 
     def finish_weight_update(self) -> None:
         """vLLM's layerwise finalize (process every reloaded layer, restore the untouched ones), then the
@@ -318,3 +343,18 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     def shutdown(self) -> None:
         """Drop the group (gloo has no explicit destroy; the trainer's store outlives it)."""
         self.group = None
+
+
+def _prepacking_on_update(method: Any) -> Any:
+    """`method.process_weights_after_loading` (an unquantized MoE method), followed on a weight update (its
+    kernel already built) by the experts' own `process_weights_after_loading` (see
+    `GlooWeightTransferEngine._prepack_cpu_experts_on_reload`)."""
+    original = method.process_weights_after_loading
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        is_update = method.moe_kernel is not None
+        original(layer)
+        if is_update:
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    return process_weights_after_loading

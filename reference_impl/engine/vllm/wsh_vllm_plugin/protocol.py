@@ -1,10 +1,9 @@
 """The harness's weight-update protocol between the trainer and a rollout engine, and its wire format.
 
-This module is the one definition both sides use: the trainer's sender and the embedded engine import
-it (real vLLM is spoken to in vLLM's own protocol, `packed.py`; this package's vLLM backend uses only the
-transfer group below). It needs only torch (no vLLM, no pydantic, nothing of the harness)
-and runs on Python >= 3.11, so it installs into the trainer's environment and into vLLM's alike
-(`pip install -e reference_impl/engine/vllm`, distribution `wsh-vllm-plugin`).
+This module is the one definition both sides use: the trainer's sender and the embedded engine import it
+(real vLLM is spoken to in vLLM's own protocol, `packed.py`; this package's vLLM backend uses only the
+transfer group below). It needs only torch (no vLLM, no pydantic, nothing of the harness) and runs on
+Python >= 3.11: it installs into both environments (`pip install -e reference_impl/engine/vllm`).
 
 Routes and bodies (vLLM's RLHF routes, `vllm/entrypoints/rl/online/api_router.py`):
 
@@ -35,14 +34,18 @@ be refused with a clear error instead of a hang or a size-mismatch crash inside 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo
 from torch.distributed import TCPStore
+
+from wsh_vllm_plugin.fields import MAX_INT64, ProtocolError, check_types, from_json
 
 # ---------------------------------------------------------------- backends and handle kinds
 
@@ -58,23 +61,30 @@ Backend = Literal["gloo", "nccl", "shm", "cuda_ipc"]  # BACKENDS as a type (what
 SENDER_RANK = 0  # the trainer's sender in the transfer group
 DEFAULT_TIMEOUT_S = 120.0  # gloo timeout of the group's join and of every broadcast, both sides
 
+# Limits a body must keep (a value outside them is refused before anything is joined, mapped or read).
+MAX_PORT = 65535
+MAX_WORLD_SIZE = 1 << 16  # ranks of one transfer group
+MAX_TIMEOUT_S = 24 * 3600.0  # seconds; also what datetime.timedelta and gloo take without overflowing
+MAX_NAME_CHARS = 1024  # characters of one tensor name (HF checkpoint names are far shorter)
+_HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")  # RFC 1123 host names
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
-class ProtocolError(ValueError):
-    """A protocol body that breaks a rule its field types do not express.
 
-    `str(e)` is the reason, prefixed with the field's name when the field is missing.
+def _in_range(name: str, value: float, low: float, high: float, unit: str = "") -> None:
+    if not low <= value <= high:
+        raise ProtocolError(name, f"{name} {value!r} must lie in {low}..{high}{unit}")
 
-    Attributes:
-        field: the offending field of the body (e.g. "master_address").
-        reason: one sentence saying what is wrong.
-        required: True when the field is missing (None) where the rule needs it.
-    """
 
-    def __init__(self, field: str, reason: str, required: bool = False) -> None:
-        super().__init__(f"{field}: {reason}" if required else reason)
-        self.field = field
-        self.reason = reason
-        self.required = required
+def _check_host(address: str) -> None:
+    try:
+        ipaddress.ip_address(address)
+        return
+    except ValueError:
+        pass
+    if not _HOSTNAME.fullmatch(address):
+        raise ProtocolError(
+            "master_address", f"master_address {address[:80]!r} is neither an IP address nor a host name"
+        )
 
 
 # ---------------------------------------------------------------- bodies
@@ -99,13 +109,34 @@ class InitInfo:
     world_size: int = 2
     timeout_s: float = DEFAULT_TIMEOUT_S
 
-    def check(self) -> None:
-        """Check the rules of the group backends "gloo" and "nccl" (nothing for the colocate backends).
+    @classmethod
+    def from_json(cls, body: Any) -> Self:
+        """The `init_info` of a request, checked (`fields.from_json`, then `check`).
 
         Raises:
-            ProtocolError: master_address or master_port missing (`required`), or a rank_offset outside
-                1..world_size-1 (rank 0 is the sender).
+            ProtocolError: an unknown field, a wrong type, or a rule of `check` broken.
         """
+        info = from_json(cls, body, "init_info")
+        info.check()
+        return info
+
+    def check(self) -> None:
+        """Check the field types and ranges (every backend) and the rules of the group backends (gloo, nccl).
+
+        Raises:
+            ProtocolError: a value of the wrong type; master_port outside 1..MAX_PORT, world_size outside
+                2..MAX_WORLD_SIZE, timeout_s outside (0, MAX_TIMEOUT_S], a master_address that is no IP
+                address or host name; for a group backend, master_address or master_port missing
+                (`required`), or a rank_offset outside 1..world_size-1 (rank 0 is the sender).
+        """
+        check_types(self)
+        if self.master_port is not None:
+            _in_range("master_port", self.master_port, 1, MAX_PORT)
+        if self.master_address is not None:
+            _check_host(self.master_address)
+        _in_range("world_size", self.world_size, 2, MAX_WORLD_SIZE)
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ProtocolError("timeout_s", f"timeout_s {self.timeout_s!r} must lie in (0, {MAX_TIMEOUT_S}] seconds")
         if self.backend not in GROUP_BACKENDS:
             return
         for name in ("master_address", "master_port"):
@@ -139,9 +170,51 @@ class UpdateInfo:
     chunk_index: int | None = None
     handle: dict[str, Any] | None = None
 
+    REQUIRED: ClassVar[tuple[str, ...]] = ("names", "dtype_names", "shapes")  # in JSON, as vLLM requires them
+
+    @classmethod
+    def from_json(cls, body: Any) -> Self:
+        """The `update_info` of a request, checked (`fields.from_json` with `REQUIRED`, then `check`).
+
+        Raises:
+            ProtocolError: an unknown or missing field, a wrong type, or a rule of `check` broken.
+        """
+        info = from_json(cls, body, "update_info", cls.REQUIRED)
+        info.check()
+        return info
+
     def check(self) -> None:
-        """Raises ProtocolError ("names"): the three lists differ in length (see `check_lengths`)."""
+        """Check the field types and the chunk's declarations (the dtype names are the loader's to judge).
+
+        Raises:
+            ProtocolError: a value of the wrong type; the three lists differ in length ("names",
+                `check_lengths`) or are empty ("names"); a name that is empty, longer than MAX_NAME_CHARS,
+                holds a control character (NUL included) or appears twice ("names.<i>"); a dimension outside
+                0..MAX_INT64 ("shapes.<i>.<j>"); src or chunk_index outside 0..MAX_INT64.
+        """
+        check_types(self)
         check_lengths(self.names, self.dtype_names, self.shapes)
+        if not self.names:
+            raise ProtocolError("names", "a chunk declares no tensor; send at least one name")
+        seen: dict[str, int] = {}
+        for i, name in enumerate(self.names):
+            where = f"names.{i}"
+            if not name or len(name) > MAX_NAME_CHARS:
+                raise ProtocolError(where, f"{where}: a tensor name must have 1..{MAX_NAME_CHARS} characters")
+            bad = _CONTROL.search(name)
+            if bad:
+                raise ProtocolError(where, f"{where} {name[:80]!r} holds the control character {bad.group()!r}")
+            if name in seen:
+                raise ProtocolError(
+                    where, f"{where} {name!r} appears twice in this chunk (also names.{seen[name]}); send it once"
+                )
+            seen[name] = i
+        for i, shape in enumerate(self.shapes):
+            for j, dim in enumerate(shape):
+                _in_range(f"shapes.{i}.{j}", dim, 0, MAX_INT64)
+        _in_range("src", self.src, 0, MAX_INT64)
+        if self.chunk_index is not None:
+            _in_range("chunk_index", self.chunk_index, 0, MAX_INT64)
 
 
 def check_lengths(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
@@ -161,18 +234,48 @@ def check_lengths(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequ
 # ---------------------------------------------------------------- handles (colocate)
 
 
+# A segment the engine maps must be named so: one name the producer's `SharedMemoryBuffer`
+# (`reference_impl.transport.handles`) makes, then hex digits. Nothing else on the host can be named by a handle.
+SHM_NAME_PREFIX = "wsh_chunk_"
+_SHM_NAME = re.compile(re.escape(SHM_NAME_PREFIX) + r"[0-9a-f]{1,32}")
+
+
+def _check_nbytes(nbytes: int, expected: int | None) -> None:
+    _in_range("nbytes", nbytes, 0, MAX_INT64)
+    if expected is not None and nbytes != expected:
+        raise ProtocolError(
+            "nbytes", f"handle nbytes {nbytes} but the chunk's declared dtypes/shapes need {expected} bytes"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShmHandle:
     """Where a packed chunk lies in POSIX shared memory (backend "shm"); JSON: `dataclasses.asdict`.
 
-    `name` is the segment's name as `multiprocessing.shared_memory` spells it (no leading "/"); the
-    chunk is the segment's first `nbytes` bytes (the segment may be larger: one reusable buffer serves
-    chunks of different sizes).
+    `name` is the segment's name as `multiprocessing.shared_memory` spells it (no leading "/"):
+    `SHM_NAME_PREFIX` and hex digits; the chunk is the segment's first `nbytes` bytes (the segment may be
+    larger: one reusable buffer serves chunks of different sizes).
     """
 
     kind: Literal["shm"] = SHM
     name: str
     nbytes: int
+
+    def check(self, expected_nbytes: int | None = None) -> None:
+        """Check the types, the segment name and the size (against `expected_nbytes` when given).
+
+        Raises:
+            ProtocolError: a wrong type; a name that is not `SHM_NAME_PREFIX` + hex digits ("name": another
+                program's segment, a path); nbytes outside 0..MAX_INT64 or not `expected_nbytes` ("nbytes").
+        """
+        check_types(self)
+        if not _SHM_NAME.fullmatch(self.name):
+            raise ProtocolError(
+                "name",
+                f"shm handle name {self.name[:80]!r} is not an engine chunk segment: names are "
+                f"{SHM_NAME_PREFIX!r} + hex digits (reference_impl.transport.handles.SharedMemoryBuffer)",
+            )
+        _check_nbytes(self.nbytes, expected_nbytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,7 +286,8 @@ class CudaIpcHandle:
     function, args), as vLLM's `ipc` backend passes handles over HTTP (`ipc_handles_pickled` in
     `vllm/distributed/weight_transfer/ipc_engine.py`); the consumer rebuilds it with the device index,
     args[6], set to its own index of the GPU named by `device_uuid` (`torch.cuda.get_device_properties
-    (...).uuid` as a string), whatever its CUDA_VISIBLE_DEVICES. `nbytes` is the buffer's size.
+    (...).uuid` as a string), whatever its CUDA_VISIBLE_DEVICES. `nbytes` is the buffer's size. What the
+    pickle may hold is the consumer's to check (`reference_impl.transport.handles.decode_ipc`).
     """
 
     kind: Literal["cuda_ipc"] = CUDA_IPC
@@ -191,8 +295,39 @@ class CudaIpcHandle:
     nbytes: int
     device_uuid: str
 
+    def check(self, expected_nbytes: int | None = None) -> None:
+        """Check the types, that `ipc` is not empty, and the size (against `expected_nbytes` when given).
+
+        Raises:
+            ProtocolError: a wrong type, an empty ipc ("ipc"), or nbytes outside 0..MAX_INT64 or not
+                `expected_nbytes` ("nbytes").
+        """
+        check_types(self)
+        if not self.ipc:
+            raise ProtocolError("ipc", "cuda_ipc handle 'ipc' is empty; send base64(pickle(reduce_tensor(buf)))")
+        _check_nbytes(self.nbytes, expected_nbytes)
+
 
 HANDLE_LOCATOR: dict[str, str] = {SHM: "name", CUDA_IPC: "ipc"}  # kind -> the field that says where the bytes are
+HANDLE_TYPES: dict[str, type[ShmHandle] | type[CudaIpcHandle]] = {SHM: ShmHandle, CUDA_IPC: CudaIpcHandle}
+
+
+def handle_from_json(body: Any, expected_nbytes: int | None = None) -> ShmHandle | CudaIpcHandle:
+    """A handle (`update_info.handle`) read by its own kind and checked (`ShmHandle.check` /
+    `CudaIpcHandle.check`, with `expected_nbytes` when given).
+
+    Raises:
+        ProtocolError: not an object, no or an unknown kind ("kind"), an unknown or missing field, a wrong
+            type, or a rule of the kind's `check` broken.
+    """
+    if not isinstance(body, dict):
+        raise ProtocolError("", f"a handle must be a JSON object, got {type(body).__name__}")
+    kind = body.get("kind")
+    if kind not in HANDLE_TYPES:
+        raise ProtocolError("kind", f"handle kind {kind!r} is none of {', '.join(HANDLE_KINDS)}")
+    handle = from_json(HANDLE_TYPES[kind], body, f"{kind} handle", ("kind",))
+    handle.check(expected_nbytes)
+    return handle
 
 
 # ---------------------------------------------------------------- dtypes and packing
@@ -227,6 +362,15 @@ def dtype_from_name(name: str) -> torch.dtype:
 def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of a contiguous tensor of `shape` and `dtype`."""
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def chunk_nbytes(dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> int:
+    """Bytes of a packed chunk of these declared dtypes and shapes (what its handle's nbytes must be).
+
+    Raises:
+        ValueError: an unknown dtype name (`dtype_from_name`), or lists of different lengths.
+    """
+    return sum(nbytes_of(s, dtype_from_name(d)) for d, s in zip(dtype_names, shapes, strict=True))
 
 
 def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,16 +431,16 @@ class TransferGroup:
         `payload`: flat uint8 tensor (moved to the group's device when elsewhere). Blocks until every rank
         took both broadcasts or the group's timeout passes (RuntimeError from gloo / NCCL).
         """
-        self._bcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), self.rank)
-        self._bcast(payload.to(self.device), self.rank)
+        self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), self.rank)
+        self.broadcast(payload.to(self.device), self.rank)
 
     def receive_chunk(self, src: int = SENDER_RANK) -> torch.Tensor:
         """Receive one packed chunk broadcast by `src`: the header, then a new flat uint8 tensor of that
         many bytes (returned). Raises RuntimeError from gloo when `src` does not send within the timeout."""
         header = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._bcast(header, src)
+        self.broadcast(header, src)
         payload = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
-        self._bcast(payload, src)
+        self.broadcast(payload, src)
         return payload
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
@@ -309,9 +453,6 @@ class TransferGroup:
         self.pg.broadcast([t], opts).wait()
         if t.is_cuda:
             torch.cuda.current_stream(t.device).synchronize()
-
-    def _bcast(self, t: torch.Tensor, src: int) -> None:
-        self.broadcast(t, src)
 
 
 def host_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> TCPStore:

@@ -1,0 +1,155 @@
+"""One run of scenarios into `results/<run-id>/`, the same for `python -m harness run` and for
+`pytest scenarios --matrix NAME` (the repository's conftest.py).
+
+A `MatrixRun` writes env.json at the start (versions, commit, command line, the host calibration),
+runs scenarios one at a time on one `harness.runner.Runner` (Ray and trainer pools started on the first
+scenario that validates, reused after), rewrites records, summary.csv/.parquet/.md and the plots as
+each scenario ends, compares a scenario group's members once the last of them ran, and on `close`
+stops every process it started and adds the run's end to env.json.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harness.record import RunRecord
+from harness.scenario import Scenario
+from harness.validate import validate
+
+if TYPE_CHECKING:
+    from harness.runner import SyncHook
+
+
+class MatrixRun:
+    """Scenarios run one by one into `results_dir/run_id` (default run id: a timestamp).
+
+    `order` is the scenarios' ids in the order the tables list them (the matrix order); `after_each`
+    is called with every record so far and the folder after each scenario's outputs are written;
+    `after_sync` is the runner's hook after every sync (default: `harness.soak.sample_resources`).
+    """
+
+    def __init__(
+        self,
+        order: Sequence[Scenario],
+        results_dir: Path,
+        run_id: str | None = None,
+        ray_address: str | None = None,
+        after_each: Callable[[list[RunRecord], Path], None] | None = None,
+        argv: Sequence[str] | None = None,
+        after_sync: SyncHook | None = None,
+    ) -> None:
+        from harness.env import write_env
+        from harness.placement import descendants
+
+        self.before = {p.pid for p in descendants()}  # what ran before: never stopped by `close`
+        if after_sync is None:  # every driver samples resources after each sync (RESOURCE_LEAK's record)
+            from harness.soak import sample_resources
+
+            after_sync = sample_resources
+        self.after_sync = after_sync
+
+        self.order = [sc.id for sc in order]
+        self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
+        self.out = Path(results_dir) / self.run_id
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.ray_address = ray_address
+        self.after_each = after_each
+        self.env = write_env(self.out, calibrate=True, argv=argv)
+        self.records: list[RunRecord] = []
+        self.pending = Counter(sc.group_key for sc in order if sc.group_key)
+        self.finished_groups: dict[str, list[RunRecord]] = {}  # group key -> members, judged together
+        self.runner = None
+        self.closed = False
+
+    def run(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
+        """Run one scenario and return its record (as judged after its group, when it closed one). Unless
+        `validated` (the caller ran `harness.validate.validate` and passes its answer as `config_error`),
+        the scenario is validated here first."""
+        from harness.placement import ensure_ray
+        from harness.runner import Runner
+
+        if not validated:
+            config_error = validate(sc)
+        if config_error is None:
+            ensure_ray(self.ray_address)
+        if self.runner is None:
+            self.runner = Runner(
+                out_dir=self.out, run_id=self.run_id, on_record=self._on_record, after_sync=self.after_sync
+            )
+        self.runner.run_scenario(sc, config_error, validated=True)
+        return next(r for r in reversed(self.records) if r.scenario_id == sc.id)
+
+    def _on_record(self, rec: RunRecord) -> None:
+        self.records.append(rec)
+        key = rec.scenario.group_key
+        if key and self.runner is not None:
+            self.pending[key] -= 1
+            if self.pending[key] == 0:  # the whole group has run: compare its members
+                members = [r for r in self.records if r.scenario.group_key == key]
+                updated = {r.scenario_id: r for r in self.runner.finish_group(members)}
+                self.records[:] = [updated.get(r.scenario_id, r) for r in self.records]
+                self.finished_groups[key] = list(updated.values())
+        self.write_outputs()
+        if self.after_each is not None:
+            self.after_each(self.records, self.out)
+
+    def write_outputs(self) -> None:
+        """summary.csv / .parquet / .md (rows in matrix order) and the plots of the records so far."""
+        from harness.plots import write_run_plots
+        from harness.results import summarize, write_summary
+
+        rank = {sid: i for i, sid in enumerate(self.order)}
+        df = summarize(sorted(self.records, key=lambda r: rank.get(r.scenario_id, len(rank))))
+        write_summary(df, self.out, run_id=self.run_id, env=self.env)
+        write_run_plots(df, self.out / "plots")
+
+    def close(self) -> None:
+        """Stop every process the run started (trainer pools, Ray, then whatever an interrupt in the middle
+        of ray.init or a launch left running: `harness.placement.end_leftovers`) and write the run's end into
+        env.json (`harness.env.finish_env`). Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        from harness.env import finish_env
+        from harness.placement import descendants, end_leftovers, shutdown_ray
+
+        started = [p for p in descendants() if p.pid not in self.before]  # before their parents end
+        try:
+            if self.runner is not None:
+                self.runner.close()
+        finally:
+            shutdown_ray()
+            end_leftovers(started)
+            self.env = finish_env(self.out)
+
+    def report(self, baseline: Path) -> tuple[int, Path]:
+        """Compare this run with `baseline` (`harness.report.write_report`): (exit status, report.md)."""
+        from harness.report import write_report
+
+        return write_report(self.out, baseline)
+
+
+def failure_message(record: RunRecord, group: Sequence[RunRecord] = ()) -> str | None:
+    """Why a scenario test fails, or None: the verdict and the first failing check's message when the
+    verdict is not the expected one (`harness.checks.expectation_met`, `first_failure`); else, when
+    the scenario closed a group (`group`: its members as judged together), the members whose verdict
+    the group comparison made unexpected."""
+    from harness.checks import expectation_met, expected_verdict, first_failure, judge
+
+    verdict, results = judge(record)
+    if not expectation_met(record, verdict):
+        deciding = first_failure(results, verdict)
+        expected = expected_verdict(record)
+        if deciding is not None:
+            return f"{verdict} (expected {expected}): {deciding.name}: {deciding.message}"
+        note = f" saying {record.scenario.expect_note!r}" if record.scenario.expect_note else ""
+        return f"{verdict}, expected {expected}{note}"
+    others = [m for m in group if m.scenario_id != record.scenario_id and not expectation_met(m, m.verdict)]
+    if others:
+        listed = "; ".join(f"{m.scenario_id}: {failure_message(m)}" for m in others)
+        return f"group {record.scenario.group_key!r} compared after this scenario: {listed}"
+    return None

@@ -1,0 +1,344 @@
+"""Regression report: one run's tables against a baseline's (two `results/<run-id>/` folders).
+
+    python -m harness report --run results/<id> --baseline results/baselines/cpu
+
+Scenarios are matched by id. Per scenario:
+
+- **Verdict**: a scenario whose verdict was the expected one in the baseline and is not in the run is a
+  regression (with the run's deciding message); the other way round an improvement; two different
+  verdicts that are both (not) as expected are listed apart and are not a regression.
+- **Steady time** (``steady_s``, the median over syncs >= 1), when both runs met the expectation and
+  timed it. What is compared is the time a host cannot explain, in this order of preference:
+  ``efficiency`` (both tables carry it: steady time relative to a bound measured in the same run, so
+  host speed cancels); else the time multiplied by the host calibration both runs measured at their
+  start (env.json ``calibration``, `harness.calibrate`: GB/s of a gloo broadcast for non-colocated
+  rows, of a memcpy for colocated ones: the way each placement moves its bytes); else raw seconds,
+  divided by the median run/baseline ratio over all such rows (a uniformly slower host moves the
+  median, not the rows), which the report says. Each row says which it used.
+- **Noise**: run/baseline ratio r is flagged only outside a band b: slower when r > b, faster when
+  r < 1/b, with b = max(threshold (1.25), each run's per-sync spread (slowest over fastest steady sync,
+  ``steady_max_s / steady_min_s``; a table without those columns contributes nothing), the fence). The
+  fence is exp(3 x 1.4826 x MAD) of the log ratios of the rows measured the same way (when at least 6
+  are): on hosts where the same commit scatters (0.6-3.8x per scenario on one fresh machine), a row
+  is flagged only when it is far from the others, not because the host was noisy. Why a band and not
+  a rank test: a baseline table keeps medians and the spread, not every sync, and 4-5 syncs per side
+  give a rank test too little power to say more than the spread does.
+
+Also listed: new and missing scenarios, environment differences (versions, host, commit), and both
+hosts' calibration. Output: `report.md` (regressions first, then improvements, then counts),
+`report.csv` (one row per scenario, `COLUMNS`) and `plots/regression.png` in the run's folder. The
+exit status is 1 when anything regressed, else 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+THRESHOLD = 1.25  # the smallest run/baseline ratio ever flagged
+FENCE_MADS = 3.0
+FENCE_MIN_ROWS = 6
+MAD_SIGMA = 1.4826  # MAD -> standard deviation of a normal distribution
+
+# Calibration key per placement: how that placement moves a chunk's bytes (`harness.calibrate`).
+CALIBRATION_KEYS: dict[bool, tuple[str, str]] = {
+    False: ("gloo_broadcast_gbps", "gloo broadcast"),
+    True: ("memcpy_gbps", "memcpy"),
+}
+MEASURE_EFFICIENCY = "efficiency (steady time / same-run bound)"
+MEASURE_RAW = "raw seconds / median ratio"
+
+# env.json keys never listed as differences: they differ on every run (report.md shows them per run) or
+# are shown elsewhere (calibration).
+ENV_SKIPPED = ("started_at", "ended_at", "wall_s", "command", "python_executable", "calibration")
+
+COLUMNS: tuple[str, ...] = (
+    "scenario",
+    "change",  # regression | improvement | changed | unchanged | new | missing
+    "verdict_change",  # regressed | fixed | changed | same | ""
+    "time_change",  # slower | faster | within noise | not timed | ""
+    "baseline_verdict",
+    "run_verdict",
+    "baseline_steady_s",
+    "run_steady_s",
+    "measure",
+    "baseline_value",
+    "run_value",
+    "ratio",  # run / baseline of the measure (> 1: slower); raw seconds: over the median ratio
+    "band",
+    "baseline_spread",
+    "run_spread",
+    "note",
+)
+NUMERIC_COLUMNS: tuple[str, ...] = (
+    "baseline_steady_s",
+    "run_steady_s",
+    "baseline_value",
+    "run_value",
+    "ratio",
+    "band",
+    "baseline_spread",
+    "run_spread",
+)
+
+
+@dataclass
+class RunTables:
+    """One results folder as the report reads it: `summary.csv` indexed by scenario id, and env.json."""
+
+    name: str
+    path: Path
+    table: pd.DataFrame
+    env: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """The comparison: one row per scenario of either run (`COLUMNS`), env differences, and notes."""
+
+    run: RunTables
+    baseline: RunTables
+    rows: pd.DataFrame
+    env_diffs: list[tuple[str, str, str]]
+    median_raw_ratio: float
+    threshold: float
+
+
+def normalise_table(df: pd.DataFrame) -> pd.DataFrame:
+    """A summary table as the report reads it: indexed by scenario id, ``export_mode`` (older tables
+    call it ``mode``), ``expect_met`` as bool (from ``expected`` or PASS when absent)."""
+    out = df.rename(columns={"mode": "export_mode"}) if "export_mode" not in df else df.copy()
+    if "expect_met" in out:
+        met = out["expect_met"].map(lambda v: str(v).strip().lower() == "true")
+    elif "expected" in out:
+        met = out["verdict"] == out["expected"]
+    else:
+        met = out["verdict"] == "PASS"
+    out["expect_met"] = met.astype(bool)
+    for col in ("steady_s", "steady_min_s", "steady_max_s", "efficiency"):
+        if col in out:
+            out[col] = pd.to_numeric(out[col], errors="coerce")
+    return out.set_index("scenario", drop=False)
+
+
+def load_run(path: Path | str) -> RunTables:
+    """Read `path`/summary.csv and `path`/env.json (``{}`` when absent).
+
+    Raises:
+        FileNotFoundError: `path` has no summary.csv.
+    """
+    folder = Path(path)
+    csv = folder / "summary.csv"
+    if not csv.exists():
+        raise FileNotFoundError(f"{folder} has no summary.csv: pass a results/<run-id>/ folder")
+    env_path = folder / "env.json"
+    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    return RunTables(name=folder.name, path=folder, table=normalise_table(pd.read_csv(csv)), env=env)
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) and number > 0 else None
+
+
+def sync_spread(row: Mapping[str, Any]) -> float:
+    """Slowest over fastest steady sync of one row (>= 1); NaN when the table does not carry them."""
+    lo, hi = _finite(row.get("steady_min_s")), _finite(row.get("steady_max_s"))
+    return hi / lo if lo and hi else math.nan
+
+
+def calibration(env: Mapping[str, Any], colocate: bool) -> tuple[float | None, str]:
+    """The host speed (GB/s) a row of this placement is divided by, and its name; the other
+    calibration when this one is missing; (None, "") when env.json has none."""
+    cal = env.get("calibration") or {}
+    preferred, other = CALIBRATION_KEYS[bool(colocate)], CALIBRATION_KEYS[not bool(colocate)]
+    for key, label in (preferred, other):
+        value = _finite(cal.get(key))
+        if value:
+            return value, label
+    return None, ""
+
+
+def measure(
+    base: Mapping[str, Any], run: Mapping[str, Any], base_env: Mapping[str, Any], run_env: Mapping[str, Any]
+) -> tuple[str, float | None, float | None]:
+    """What is compared for one scenario and both runs' values of it (larger = slower): 1 / efficiency;
+    else steady seconds x calibration GB/s (the same calibration in both); else raw steady seconds."""
+    eff_b, eff_r = _finite(base.get("efficiency")), _finite(run.get("efficiency"))
+    if eff_b and eff_r:
+        return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r
+    t_b, t_r = _finite(base.get("steady_s")), _finite(run.get("steady_s"))
+    colocate = str(run.get("colocate")).lower() == "true"
+    cal_b, label_b = calibration(base_env, colocate)
+    cal_r, label_r = calibration(run_env, colocate)
+    if cal_b and cal_r and label_b == label_r:
+        return f"calibration ({label_b})", (t_b * cal_b if t_b else None), (t_r * cal_r if t_r else None)
+    return MEASURE_RAW, t_b, t_r
+
+
+def verdict_change(base_ok: bool, run_ok: bool, base_verdict: str, run_verdict: str) -> str:
+    """regressed (was as expected, is not) | fixed | changed (both (not) as expected, verdicts differ) | same."""
+    if base_ok and not run_ok:
+        return "regressed"
+    if run_ok and not base_ok:
+        return "fixed"
+    return "changed" if base_verdict != run_verdict else "same"
+
+
+def fence(log_ratios: list[float], mads: float = FENCE_MADS, min_rows: int = FENCE_MIN_ROWS) -> float:
+    """exp(mads x 1.4826 x MAD) of `log_ratios`; 1.0 (no widening) for fewer than `min_rows` values."""
+    if len(log_ratios) < min_rows:
+        return 1.0
+    mid = statistics.median(log_ratios)
+    mad = statistics.median(abs(x - mid) for x in log_ratios)
+    return math.exp(mads * MAD_SIGMA * mad)
+
+
+def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.DataFrame, float]:
+    """Fill ``ratio``, ``band`` and ``time_change`` of rows with both values; raw-seconds rows are divided
+    by their median ratio (returned; NaN when there is none)."""
+    out = rows.copy()
+    timed = out["baseline_value"].notna() & out["run_value"].notna()
+    out.loc[timed, "ratio"] = out.loc[timed, "run_value"] / out.loc[timed, "baseline_value"]
+    raw = timed & (out["measure"] == MEASURE_RAW)
+    median_raw = float(out.loc[raw, "ratio"].median()) if raw.any() else math.nan
+    if raw.any():
+        out.loc[raw, "ratio"] = out.loc[raw, "ratio"] / median_raw
+    for name in out.loc[timed, "measure"].unique():
+        group = timed & (out["measure"] == name)
+        wide = fence([math.log(r) for r in out.loc[group, "ratio"]])
+        for idx in out.index[group]:
+            spreads = [s for s in (out.at[idx, "baseline_spread"], out.at[idx, "run_spread"]) if not math.isnan(s)]
+            band = max([threshold, wide, *spreads])
+            ratio = out.at[idx, "ratio"]
+            out.at[idx, "band"] = band
+            out.at[idx, "time_change"] = "slower" if ratio > band else "faster" if ratio < 1 / band else "within noise"
+    return out, median_raw
+
+
+def _untimed_note(base: Mapping[str, Any], run: Mapping[str, Any]) -> str:
+    for side, row in (("baseline", base), ("run", run)):
+        if not row["expect_met"]:
+            return f"not timed: verdict not as expected in the {side}"
+    for side, row in (("baseline", base), ("run", run)):
+        if _finite(row.get("steady_s")) is None:
+            return f"not timed: no steady time in the {side}"
+    return "not timed"
+
+
+def _flatten(env: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in env.items():
+        name = f"{prefix}{key}"
+        if not prefix and key in ENV_SKIPPED:
+            continue
+        if isinstance(value, Mapping):
+            flat |= _flatten(value, name + ".")
+        else:
+            flat[name] = ", ".join(map(str, value)) if isinstance(value, list) else value
+    return flat
+
+
+def env_differences(base_env: Mapping[str, Any], run_env: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(key, baseline, run) for every env.json value that differs (nested keys dotted, e.g.
+    ``packages.torch``, ``git.commit``; absent shown as "—"), timestamps and calibration left out."""
+    base, run = _flatten(base_env), _flatten(run_env)
+    show = lambda v: "—" if v is None or v == "" else str(v)  # noqa: E731
+    return [
+        (k, show(base.get(k)), show(run.get(k))) for k in sorted(base.keys() | run.keys()) if base.get(k) != run.get(k)
+    ]
+
+
+def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -> Report:
+    """The report's rows (`COLUMNS`): every scenario of either table, in the run's order then the
+    baseline's missing ones."""
+    rows: list[dict[str, Any]] = []
+    b_tab, r_tab = baseline.table, run.table
+    for sid in r_tab.index:
+        r = r_tab.loc[sid].to_dict()
+        row = _blank(sid)
+        row.update(run_verdict=r["verdict"], run_steady_s=r.get("steady_s"), run_spread=sync_spread(r))
+        if sid not in b_tab.index:
+            row.update(change="new", note=str(r.get("message") or "") if not r["expect_met"] else "")
+            rows.append(row)
+            continue
+        b = b_tab.loc[sid].to_dict()
+        row.update(baseline_verdict=b["verdict"], baseline_steady_s=b.get("steady_s"), baseline_spread=sync_spread(b))
+        row["verdict_change"] = verdict_change(bool(b["expect_met"]), bool(r["expect_met"]), b["verdict"], r["verdict"])
+        if row["verdict_change"] in ("regressed", "changed") and not r["expect_met"]:
+            row["note"] = str(r.get("message") or "")
+        name, vb, vr = measure(b, r, baseline.env, run.env)
+        if b["expect_met"] and r["expect_met"] and vb and vr:
+            row.update(measure=name, baseline_value=vb, run_value=vr)
+        else:
+            row["time_change"] = "not timed"
+            row["note"] = row["note"] or _untimed_note(b, r)
+        rows.append(row)
+    for sid in b_tab.index.difference(r_tab.index, sort=False):
+        b = b_tab.loc[sid].to_dict()
+        row = _blank(sid)
+        row.update(change="missing", baseline_verdict=b["verdict"], baseline_steady_s=b.get("steady_s"))
+        row["baseline_spread"] = sync_spread(b)
+        rows.append(row)
+    table = pd.DataFrame(rows, columns=list(COLUMNS))
+    for col in NUMERIC_COLUMNS:
+        table[col] = pd.to_numeric(table[col], errors="coerce").astype(float)
+    table, median_raw = judge_times(table, threshold)
+    table["change"] = [_overall(r) for r in table.to_dict(orient="records")]
+    diffs = env_differences(baseline.env, run.env)
+    return Report(
+        run=run, baseline=baseline, rows=table, env_diffs=diffs, median_raw_ratio=median_raw, threshold=threshold
+    )
+
+
+def _blank(scenario: str) -> dict[str, Any]:
+    """A report row with nothing known yet: "" in text columns, NaN in `NUMERIC_COLUMNS`."""
+    row: dict[str, Any] = dict.fromkeys(COLUMNS, "")
+    row.update(dict.fromkeys(NUMERIC_COLUMNS, math.nan), scenario=scenario)
+    return row
+
+
+def _overall(row: Mapping[str, Any]) -> str:
+    if row["change"] in ("new", "missing"):
+        return str(row["change"])
+    if row["verdict_change"] == "regressed" or row["time_change"] == "slower":
+        return "regression"
+    if row["verdict_change"] == "fixed" or row["time_change"] == "faster":
+        return "improvement"
+    return "changed" if row["verdict_change"] == "changed" else "unchanged"
+
+
+def exit_status(report: Report) -> int:
+    """1 when any scenario regressed (verdict or time), else 0."""
+    return int(bool((report.rows["change"] == "regression").any()))
+
+
+def write_report(run_dir: Path | str, baseline_dir: Path | str, threshold: float = THRESHOLD) -> tuple[int, Path]:
+    """Compare `run_dir` with `baseline_dir`; write report.md, report.csv and plots/regression.png into
+    `run_dir`. Returns (exit status, report.md's path).
+
+    Raises:
+        FileNotFoundError: either folder has no summary.csv.
+    """
+    from harness.plots import plot_regression
+    from harness.report_md import report_markdown
+
+    report = compare(load_run(run_dir), load_run(baseline_dir), threshold)
+    out = Path(run_dir)
+    report.rows.to_csv(out / "report.csv", index=False)
+    plot = plot_regression(
+        report.rows, out / "plots" / "regression.png", title=f"{report.run.name} vs {report.baseline.name}"
+    )
+    md = out / "report.md"
+    md.write_text(report_markdown(report, plot.relative_to(out)))
+    return exit_status(report), md

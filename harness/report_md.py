@@ -1,0 +1,183 @@
+"""report.md's text from a `harness.report.Report`: regressions first, then improvements, then counts,
+new and missing scenarios, environment differences, both hosts' calibration and how rows are judged."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.report import FENCE_MADS, FENCE_MIN_ROWS, MEASURE_RAW, Report
+from harness.results import markdown_table
+
+LONG_LIST = 12  # longer lists of scenarios go into a collapsed block
+CHANGE_HEADER = ("scenario", "what", "baseline", "run", "ratio", "noise band", "measured as")
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "—"
+    return "—" if math.isnan(number) else f"{number:.{digits}f}"
+
+
+def _what(row: Mapping[str, Any]) -> str:
+    parts = []
+    if row["verdict_change"] in ("regressed", "fixed", "changed"):
+        parts.append(f"verdict {row['baseline_verdict']} → {row['run_verdict']}")
+    if row["time_change"] in ("slower", "faster"):
+        ratio = float(row["ratio"])
+        parts.append(f"{ratio:.2f}x slower" if ratio > 1 else f"{1 / ratio:.2f}x faster")
+    text = "; ".join(parts) or str(row["time_change"] or "same")
+    note = " ".join(str(row.get("note") or "").split())
+    return f"{text}: {note[:200]}" if note and row["verdict_change"] != "same" else text
+
+
+def _change_rows(rows: pd.DataFrame) -> list[list[str]]:
+    return [
+        [
+            f"`{r['scenario']}`",
+            _what(r),
+            f"{r['baseline_verdict']} {_num(r['baseline_steady_s'])} s",
+            f"{r['run_verdict']} {_num(r['run_steady_s'])} s",
+            _num(r["ratio"], 2),
+            f"±{_num(r['band'], 2)}x" if not _isnan(r["band"]) else "—",
+            r["measure"] or "—",
+        ]
+        for r in rows.to_dict(orient="records")
+    ]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _isnan(value: Any) -> bool:
+    try:
+        return math.isnan(float(value))
+    except (TypeError, ValueError):
+        return True
+
+
+def _scenario_list(ids: Sequence[str], notes: Sequence[str] | None = None) -> list[str]:
+    items = [
+        f"- `{sid}`" + (f": {note}" if note else "") for sid, note in zip(ids, notes or [""] * len(ids), strict=True)
+    ]
+    if len(items) <= LONG_LIST:
+        return items
+    return ["<details><summary>" + f"{len(items)} scenarios</summary>", "", *items, "", "</details>"]
+
+
+def _calibration_rows(report: Report) -> list[list[str]]:
+    cal_b = report.baseline.env.get("calibration") or {}
+    cal_r = report.run.env.get("calibration") or {}
+    rows = []
+    for key, label in (("memcpy_gbps", "memcpy (GB/s)"), ("gloo_broadcast_gbps", "gloo broadcast (GB/s)")):
+        b, r = cal_b.get(key), cal_r.get(key)
+        ratio = r / b if isinstance(b, int | float) and isinstance(r, int | float) and b else math.nan
+        rows.append([label, _num(b, 2), _num(r, 2), _num(ratio, 2)])
+    return rows
+
+
+def _run_rows(report: Report) -> list[list[str]]:
+    rows = []
+    for key, label in (("started_at", "started (UTC)"), ("wall_s", "wall time (s)"), ("command", "command")):
+        values = [env.get(key) for env in (report.baseline.env, report.run.env)]
+        rows.append(
+            [label, *("—" if v is None or v == "" else f"`{v}`" if key == "command" else str(v) for v in values)]
+        )
+    return rows
+
+
+def _method(report: Report) -> list[str]:
+    rows = report.rows
+    measures = rows.loc[rows["measure"].astype(bool), "measure"].value_counts()
+    lines = [
+        "Steady time = median of syncs >= 1. A row is compared as the measure it names (run / baseline, > 1 "
+        f"slower) and flagged only outside its noise band: max({report.threshold:g}, both runs' per-sync spread "
+        f"(slowest / fastest steady sync), and, when at least {FENCE_MIN_ROWS} rows share a measure, "
+        f"exp({FENCE_MADS:g} × 1.4826 × MAD) of their log ratios). Rows measured:",
+        "",
+    ]
+    lines += [f"- {name}: {count}" for name, count in measures.items()]
+    if MEASURE_RAW in measures.index:
+        lines += [
+            "",
+            f"Raw seconds: at least one run has no host calibration in env.json, so the times are compared "
+            f"as they are, divided by the median run/baseline ratio of those rows ({report.median_raw_ratio:.2f}x): "
+            "a uniformly slower host is absorbed, and a row is flagged when it is far from that median.",
+        ]
+    no_spread = rows["baseline_spread"].isna() & rows["ratio"].notna()
+    if no_spread.any():
+        lines += ["", f"{int(no_spread.sum())} compared rows have no per-sync spread in the baseline table: "
+                  "their band uses the run's spread alone."]  # fmt: skip
+    return lines
+
+
+def report_markdown(report: Report, plot: Path | None = None) -> str:
+    """report.md: a one-line verdict, then Regressions, Improvements, Unchanged (counts), other verdict
+    changes, New, Missing, Environment differences, Host calibration, How rows are judged."""
+    rows = report.rows
+    by = {
+        name: rows[rows["change"] == name]
+        for name in ("regression", "improvement", "changed", "unchanged", "new", "missing")
+    }
+    counts = {name: len(frame) for name, frame in by.items()}
+    run, base = report.run, report.baseline
+    lines = [
+        "# Regression report",
+        "",
+        f"Run `{run.name}` (`{run.path}`) against baseline `{base.name}` (`{base.path}`).",
+        "",
+        f"**{_count(counts['regression'], 'regression')}**, {_count(counts['improvement'], 'improvement')}, "
+        f"{counts['unchanged']} unchanged, {_count(counts['changed'], 'other verdict change')}, "
+        f"{counts['new']} new, {counts['missing']} missing.",
+        "",
+    ]
+    if plot is not None:
+        lines += [f"Plot: `{plot}` (run / baseline per scenario, with each row's noise band).", ""]
+    for title, name in (("Regressions", "regression"), ("Improvements", "improvement")):
+        lines += [f"## {title}", ""]
+        if len(by[name]):
+            lines += [markdown_table(CHANGE_HEADER, _change_rows(by[name])), ""]
+        else:
+            lines += ["None.", ""]
+    unchanged = by["unchanged"]
+    timed = int((unchanged["time_change"] == "within noise").sum())
+    lines += [
+        "## Unchanged",
+        "",
+        f"{len(unchanged)} scenarios: same verdict, {timed} with their time within noise and "
+        f"{len(unchanged) - timed} not timed (a verdict other than PASS expected, or no steady time).",
+        "",
+    ]
+    if len(by["changed"]):
+        lines += ["## Other verdict changes (not as expected in both runs, or as expected in both)", ""]
+        lines += [markdown_table(CHANGE_HEADER, _change_rows(by["changed"])), ""]
+    new = by["new"]
+    lines += ["## New scenarios (in the run, not in the baseline)", ""]
+    notes = [
+        f"{r['run_verdict']}" + (f" — {r['note'][:160]}" if r["note"] else "") for r in new.to_dict(orient="records")
+    ]
+    lines += [*(_scenario_list(list(new["scenario"]), notes) or ["None."]), ""]
+    lines += ["## Missing scenarios (in the baseline, not in the run)", ""]
+    lines += [*(_scenario_list(list(by["missing"]["scenario"])) or ["None."]), ""]
+    lines += ["## Environment differences", ""]
+    if report.env_diffs:
+        lines += [markdown_table(("key", "baseline", "run"), [list(d) for d in report.env_diffs]), ""]
+    else:
+        lines += ["None.", ""]
+    lines += ["## Runs", ""]
+    lines += [markdown_table(("", "baseline", "run"), _run_rows(report)), ""]
+    lines += ["## Host calibration (env.json, measured at the start of each run)", ""]
+    lines += [markdown_table(("", "baseline", "run", "run / baseline"), _calibration_rows(report)), ""]
+    lines += ["## How rows are judged", "", *_method(report), ""]
+    compared = rows[rows["change"].isin(["regression", "improvement", "changed", "unchanged"])]
+    if len(compared):
+        lines += ["<details><summary>Every compared scenario</summary>", ""]
+        lines += [markdown_table(CHANGE_HEADER, _change_rows(compared)), "", "</details>", ""]
+    return "\n".join(lines)

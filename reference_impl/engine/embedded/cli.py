@@ -1,0 +1,125 @@
+"""The embedded engine's process: `python -m reference_impl.engine.embedded --checkpoint DIR --seed N
+[--host H] [--port P] [--port-file FILE] [--threads T] [--tensor-parallel-size TP] [--fault MODULE:FUNCTION]
+[--exit-with-parent PID]` builds the app (`reference_impl.engine.embedded.server.create_app`) and serves it
+with uvicorn on one socket bound here (TCP_NODELAY), writing the port to FILE once it accepts requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI
+from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware
+
+from reference_impl.engine.embedded.loader import EngineLoader
+from reference_impl.engine.embedded.server import create_app
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(port))
+    os.replace(tmp, path)
+
+
+async def _serve(app: FastAPI, host: str, port: int, port_file: Path | None) -> None:
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this: without it a response written in two parts (head, body)
+    # waits for the client's delayed ACK, ~40 ms per call.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started and port_file is not None:
+        _write_port_file(port_file, sock.getsockname()[1])
+    await task
+
+
+def _exit_with_parent(pid: int, period_s: float = 1.0) -> None:
+    """Watch `pid` from a daemon thread; when it is gone (this process was re-parented), exit at once."""
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(period_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
+def load_hook(spec: str) -> Callable[[], None]:
+    """The function named by `MODULE:FUNCTION` (imported, not called).
+
+    Raises:
+        ValueError: `spec` is not MODULE:FUNCTION, the module does not import, or it has no such function.
+    """
+    module_name, sep, func = spec.partition(":")
+    if not sep or not module_name or not func:
+        raise ValueError(f"{spec!r} is not MODULE:FUNCTION (e.g. harness.faults.engine:ok_without_transfer)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r}: {e}") from None
+    hook = getattr(module, func, None)
+    if not callable(hook):
+        raise ValueError(f"{module_name} has no function {func!r}")
+    return hook
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point (see the module docstring)."""
+    ap = argparse.ArgumentParser(description="the embedded rollout engine: vLLM's RLHF weight-update routes")
+    ap.add_argument("--checkpoint", type=Path, required=True, help="checkpoint folder (config.json)")
+    ap.add_argument("--seed", type=int, required=True, help="seed of the engine's dummy weights")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 binds a free port")
+    ap.add_argument("--port-file", type=Path, default=None, help="written with the port once serving")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="TP ranks in the transfer group (as vLLM's)")
+    ap.add_argument(
+        "--fault",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="load a fault hook at start (mutation tests only), e.g. harness.faults.engine:ok_without_transfer",
+    )
+    ap.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="exit when process PID (the launcher) is gone, so a killed launcher never leaves a server behind",
+    )
+    args = ap.parse_args(argv)
+    if args.exit_with_parent is not None:
+        _exit_with_parent(args.exit_with_parent)
+    if args.fault is not None:
+        try:
+            hook = load_hook(args.fault)
+        except ValueError as e:
+            ap.exit(2, f"{ap.prog}: error: --fault: {e}\n")
+        hook()
+        doc = (hook.__doc__ or "").strip().splitlines()
+        print(f"wsh engine: FAULT ACTIVE: {args.fault}: {doc[0] if doc else ''}", file=sys.stderr, flush=True)
+    torch.set_num_threads(args.threads)
+    loader = EngineLoader.from_checkpoint(args.checkpoint, args.seed)
+    config = json.loads((args.checkpoint / "config.json").read_text())
+    app = create_app(loader, config=config, served_name=str(args.checkpoint), tp=args.tensor_parallel_size)
+    if os.environ.get(TOKEN_ENV):  # every route asks for the run's bearer token (`wsh_vllm_plugin.auth`)
+        app.add_middleware(BearerTokenMiddleware)
+    asyncio.run(_serve(app, args.host, args.port, args.port_file))
+
+

@@ -1,0 +1,315 @@
+"""Hard kills at seeded random points: the engine (SIGKILL, in the middle of a chunk), one trainer rank
+(SIGKILL, in the middle of the PP hand-off to the sender) and the harness itself (SIGINT / SIGTERM to
+`python -m harness run`). Every scenario that runs to its end has a verdict within its deadline + 30 s and
+a valid record on disk; no process of the run and no shared-memory segment of the run is left.
+
+"In the middle of a chunk" is made exact without touching the system under test: the victim is stopped
+(SIGSTOP) as soon as the sender's progress line reaches the chosen chunk; with the victim frozen the sender
+cannot get past its next call on that victim, and the line it then shows is what was in flight when the
+SIGKILL came. Processes are told apart by pid (runner-driven kills) or by an environment marker every
+process of a harness subprocess inherits; only those are ever signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from harness import shm
+from harness.record import RunRecord
+from harness.scenario import Scenario
+from harness.soak import sample_resources
+
+pytestmark = pytest.mark.e2e
+
+DEADLINE_S = 40.0
+GONE_WITHIN_S = 30.0
+ENGINE_SEEDS = range(8)
+RANK_SEEDS = range(6)
+HARNESS_SEEDS = range(6)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_gone(pids: set[int], within: float = GONE_WITHIN_S) -> list[str]:
+    """The processes of `pids` still alive after `within` seconds, with their command lines."""
+    end = time.monotonic() + within
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.5)
+    left = []
+    for pid in pids:
+        if _alive(pid):
+            try:
+                proc = psutil.Process(pid)
+                left.append(f"{pid} (parent {proc.ppid()}): {' '.join(proc.cmdline()).strip()[:150]}")
+            except psutil.NoSuchProcess:
+                continue
+    return left
+
+
+def _segments_left(held: set[str], within: float = GONE_WITHIN_S) -> set[str]:
+    """Those of the run's segments (`held`: held by its processes at some point) still in /dev/shm after
+    `within` seconds. The host's /dev/shm is shared with other programs: only the run's own are judged."""
+    end = time.monotonic() + within
+    while time.monotonic() < end and shm.present(held):
+        time.sleep(0.5)
+    return set(shm.present(held))
+
+
+def _progress(trace: Path, label: str) -> str:
+    try:
+        return (trace / f"{label}.txt").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _settled(trace: Path, label: str, quiet_s: float = 0.4, within: float = 10.0) -> str:
+    """`label`'s progress line once it has not changed for `quiet_s` seconds."""
+    last, since, end = _progress(trace, label), time.monotonic(), time.monotonic() + within
+    while time.monotonic() < end:
+        time.sleep(0.02)
+        now = _progress(trace, label)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
+class Killer(threading.Thread):
+    """Waits until `trigger(progress of the sender, progress of rank 1)` holds, then SIGSTOPs `stop_pid()`,
+    lets the sender settle, and SIGKILLs `kill_pid()` (SIGCONT to the stopped one if it is another)."""
+
+    def __init__(
+        self,
+        trace: Path,
+        trigger: Callable[[str, str], bool],
+        pids: dict[str, int | None],
+        stop: str,
+        kill: str,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.trace, self.trigger, self.pids, self.stop_label, self.kill_label = trace, trigger, pids, stop, kill
+        self.in_flight = ""
+        self.killed_at: float | None = None
+
+    def run(self) -> None:
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            if self.pids and self.trigger(_progress(self.trace, "rank0"), _progress(self.trace, "rank1")):
+                break
+            time.sleep(0.001)
+        else:
+            return
+        stop_pid, kill_pid = self.pids[self.stop_label], self.pids[self.kill_label]
+        assert stop_pid is not None and kill_pid is not None
+        os.kill(stop_pid, signal.SIGSTOP)
+        self.in_flight = _settled(self.trace, "rank0")
+        os.kill(kill_pid, signal.SIGKILL)
+        self.killed_at = time.monotonic()
+        if stop_pid != kill_pid:
+            os.kill(stop_pid, signal.SIGCONT)
+
+
+def _run_with_kill(runner, sc: Scenario, make_killer: Callable[[Path, dict[str, int | None]], Killer]):
+    """Run `sc` on the shared runner while a `Killer` works; returns (record, killer, the run's pids)."""
+    pids: dict[str, int | None] = {}
+    seen: set[int] = set()
+
+    def capture(record: RunRecord, sync: int, scenario_pids: dict[str, int | None]) -> None:
+        pids.update(scenario_pids)
+        for pid in scenario_pids.values():  # the engine's launcher (its Ray actor) and descendants too
+            if pid is None:
+                continue
+            seen.add(pid)
+            try:
+                proc = psutil.Process(pid)
+                seen.update(c.pid for c in proc.children(recursive=True))
+                if "engine" in scenario_pids and pid == scenario_pids["engine"]:
+                    seen.add(proc.ppid())
+            except psutil.NoSuchProcess:
+                continue
+        sample_resources(record, sync, scenario_pids)
+
+    killer = make_killer(runner.trace_dir(sc.id), pids)
+    previous, runner.after_sync = runner.after_sync, capture
+    try:
+        killer.start()
+        rec = runner.run_scenario(sc)
+    finally:
+        runner.after_sync = previous
+    ended = time.monotonic()
+    killer.join(timeout=5)
+    sender = _progress(runner.trace_dir(sc.id), "rank0")
+    assert killer.killed_at is not None, f"the kill never came (sender at {sender})"
+    assert ended - killer.killed_at <= sc.deadline_s + 30, ended - killer.killed_at
+    assert RunRecord.load(runner.record_path(sc.id)).verdict == rec.verdict  # on disk, valid
+    assert _wait_gone(seen) == []
+    held = {n for s in rec.resources for p in s.processes.values() for n in p.shm}
+    assert not sc.colocate or held, "a colocated sender holds its segment"
+    assert _segments_left(held) == set()
+    return rec, killer
+
+
+# ---------------------------------------------------------------------------------------- engine, SIGKILL
+
+
+@pytest.mark.parametrize("seed", ENGINE_SEEDS)
+def test_engine_killed_mid_chunk_is_a_crash_naming_the_engine(runner, seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    sync, chunk = rng.randint(1, 2), rng.randint(0, 8)
+    sc = Scenario(
+        model="qwen3",
+        pp=rng.choice([1, 2]),
+        colocate=rng.choice([False, True]),
+        syncs=3,
+        chunk_bytes=65536,
+        logprobs=False,
+        deadline_s=DEADLINE_S,
+        suffix=f"kill-engine-{seed}",
+    )
+    pattern = re.compile(rf"^sync {sync}: (collecting chunk|chunk) (\d+) of")
+
+    def reached(sender: str, _: str) -> bool:
+        m = pattern.match(sender)
+        return m is not None and int(m.group(2)) >= chunk
+
+    rec, killer = _run_with_kill(runner, sc, lambda trace, pids: Killer(trace, reached, pids, "engine", "engine"))
+    assert re.match(rf"sync {sync}: chunk \d+ of \d+ on the wire", killer.in_flight), killer.in_flight
+    assert rec.verdict == "CRASH", [c for c in rec.checks if not c["ok"]]
+    crash = next(c for c in rec.checks if c["name"] == "crash")
+    assert crash["message"].startswith("engine raised EngineExited: the engine server (pid "), crash["message"]
+    assert "was killed by SIGKILL while" in crash["message"] and f"sync {sync}" in crash["message"]
+    log = runner.out_dir / "logs" / (sc.id.replace("/", "__") + ".engine.log")
+    assert rec.errors[0].where == "engine" and rec.errors[0].traceback == log.read_text()[-3000:]  # its log's end
+    assert "its log ends: " in crash["message"] or "its log is empty" in crash["message"]
+
+
+# ------------------------------------------------------------------------------------------- rank, SIGKILL
+
+
+@pytest.mark.parametrize("seed", RANK_SEEDS)
+def test_rank_killed_mid_gather_ends_as_crash_or_deadlock(runner, seed: int) -> None:
+    rng = random.Random(2000 + seed)
+    sync, victim = rng.randint(1, 2), rng.choice(["rank0", "rank1"])
+    sc = Scenario(
+        model="qwen3",
+        pp=2,
+        colocate=rng.choice([False, True]),
+        syncs=3,
+        chunk_bytes=65536,
+        logprobs=False,
+        deadline_s=DEADLINE_S,
+        suffix=f"kill-rank-{seed}",
+    )
+    handing = f"sync {sync}: handing its tensors"
+    delay_s = rng.uniform(0.0, 0.01)
+    seen_at: list[float] = []
+
+    def reached(_: str, stage1: str) -> bool:
+        if not seen_at and stage1.startswith(handing):
+            seen_at.append(time.monotonic())
+        return bool(seen_at) and time.monotonic() - seen_at[0] >= delay_s
+
+    rec, killer = _run_with_kill(runner, sc, lambda trace, pids: Killer(trace, reached, pids, "rank1", victim))
+    assert killer.in_flight.startswith(f"sync {sync}: "), killer.in_flight
+    assert rec.verdict in ("CRASH", "DEADLOCK"), [c for c in rec.checks if not c["ok"]]
+    deciding = next(c for c in rec.checks if not c["ok"] and not c["skipped"] and c["verdict_on_fail"] == rec.verdict)
+    if rec.verdict == "CRASH":
+        assert deciding["message"].startswith("rank "), deciding["message"]
+
+
+# ------------------------------------------------------------------------------------ the harness, signals
+
+
+def _marked(marker: str) -> set[int]:
+    found = set()
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.pid != os.getpid() and proc.environ().get("WSH_RUN_MARKER") == marker:
+                found.add(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+class Holdings(threading.Thread):
+    """Every process carrying `marker` and every /dev/shm segment one of them held, polled until `done`."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__(daemon=True)
+        self.marker, self.done = marker, threading.Event()
+        self.pids: set[int] = set()
+        self.held: set[str] = set()
+
+    def run(self) -> None:
+        while not self.done.wait(0.3):
+            for pid in _marked(self.marker):
+                self.pids.add(pid)
+                self.held |= shm.held_by(pid)
+
+
+@pytest.mark.parametrize("seed", HARNESS_SEEDS)
+def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(3000 + seed)
+    how = ["SIGINT to the process group (Ctrl-C)", "SIGTERM to the harness", "SIGINT to the harness"][seed % 3]
+    entries = [
+        {"model": "qwen3", "colocate": colocate, "syncs": 2, "chunk_bytes": 65536, "deadline_s": DEADLINE_S}
+        for colocate in (True, False)
+    ]
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(yaml.safe_dump(entries))
+    marker = f"hard-kill-{os.getpid()}-{seed}"
+    argv = [sys.executable, "-m", "harness", "run", "--matrix", str(matrix), "--results-dir", str(tmp_path)]
+    proc = subprocess.Popen(
+        [*argv, "--run-id", "signalled"],
+        env={**os.environ, "WSH_RUN_MARKER": marker},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    watcher = Holdings(marker)
+    watcher.start()
+    time.sleep(rng.uniform(2.0, 16.0))  # from Ray's start to the second scenario
+    ours = _marked(marker)
+    if how.endswith("(Ctrl-C)"):
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM if "SIGTERM" in how else signal.SIGINT)
+    signalled = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"{how}: the harness did not exit within 60 s: {out[-3000:]}")
+    assert time.monotonic() - signalled <= 30 + DEADLINE_S, how
+    for path in sorted((tmp_path / "signalled" / "records").glob("*.json")):
+        assert RunRecord.load(path).verdict, path  # every finished scenario: a valid, judged record
+    watcher.done.set()
+    watcher.join(timeout=5)
+    ours |= _marked(marker) | watcher.pids
+    assert _wait_gone(ours) == [], (how, out[-2000:])
+    assert _marked(marker) == set(), how
+    assert _segments_left(watcher.held) == set(), how

@@ -1,0 +1,291 @@
+"""Unit tests of the regression report (`harness.report`) on synthetic baseline and run folders."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from harness.cli import main
+from harness.report import (
+    MEASURE_EFFICIENCY,
+    MEASURE_RAW,
+    compare,
+    env_differences,
+    exit_status,
+    fence,
+    load_run,
+    verdict_change,
+    write_report,
+)
+from harness.scenario import Scenario
+
+SCENARIOS = [
+    Scenario(model=model, tp=tp, colocate=colocate, export_mode="raw")
+    for model in ("qwen3", "qwen3-vl")
+    for tp in (1, 2)
+    for colocate in (False, True)
+]
+IDS = [sc.id for sc in SCENARIOS]
+BASE_TIMES = [0.010, 0.012, 0.030, 0.025, 0.040, 0.035, 0.080, 0.070]
+CALIBRATION = {"memcpy_gbps": 4.0, "gloo_broadcast_gbps": 2.0, "bytes": 1 << 26, "repeats": 5}
+
+
+def make_table(times: list[float], spread: float | None = 1.1, ids: list[str] = IDS) -> pd.DataFrame:
+    """A summary table: one PASS row per scenario with steady time `times[i]`; the fastest and slowest
+    steady syncs at time / sqrt(spread) and time * sqrt(spread) (left out when `spread` is None)."""
+    by_id = {sc.id: sc for sc in SCENARIOS}
+    rows = []
+    for sid, t in zip(ids, times, strict=True):
+        sc = by_id.get(sid) or Scenario(model="qwen3-moe", ep=2)
+        row: dict[str, Any] = {
+            "scenario": sid,
+            "model": sc.model,
+            "tp": sc.tp,
+            "ep": sc.ep,
+            "pp": sc.pp,
+            "colocate": sc.colocate,
+            "export_mode": sc.export_mode,
+            "engine": sc.engine,
+            "tags": "",
+            "steady_s": t,
+            "verdict": "PASS",
+            "expected": "PASS",
+            "expect_met": True,
+            "message": "",
+        }
+        if spread is not None:
+            row |= {"steady_min_s": t / math.sqrt(spread), "steady_max_s": t * math.sqrt(spread)}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def make_env(calibration: dict[str, Any] | None = CALIBRATION, **extra: Any) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": "3.12.1",
+        "hostname": "vm",
+        "packages": {"torch": "2.13.0", "ray": "2.60.0"},
+        "git": {"commit": "a" * 40, "dirty": False},
+        "started_at": "2025-01-01T02:00:00+00:00",
+        "ended_at": "2025-01-01T02:10:00+00:00",
+    }
+    if calibration is not None:
+        env["calibration"] = dict(calibration)
+    return env | extra
+
+
+def write_folder(path: Path, table: pd.DataFrame, env: dict[str, Any] | None) -> Path:
+    path.mkdir(parents=True)
+    table.to_csv(path / "summary.csv", index=False)
+    if env is not None:
+        (path / "env.json").write_text(json.dumps(env))
+    return path
+
+
+def regress(table: pd.DataFrame, sid: str, verdict: str, message: str) -> None:
+    idx = table.index[table["scenario"] == sid][0]
+    table["message"] = table["message"].astype(object)
+    table.loc[idx, ["verdict", "expect_met", "message"]] = [verdict, False, message]
+
+
+def rows_by_id(report: Any) -> dict[str, dict[str, Any]]:
+    return {r["scenario"]: r for r in report.rows.to_dict(orient="records")}
+
+
+def test_verdict_regression_and_2x_slowdown_are_flagged(tmp_path: Path) -> None:
+    base = write_folder(tmp_path / "base", make_table(BASE_TIMES), make_env())
+    run_times = list(BASE_TIMES)
+    run_times[2] *= 2.0
+    table = make_table(run_times)
+    regress(table, IDS[5], "PARITY_FAIL", "sync 2: 'model.norm.weight' engine holds stale values")
+    run = write_folder(tmp_path / "run", table, make_env())
+
+    report = compare(load_run(run), load_run(base))
+    rows = rows_by_id(report)
+    slow, broken = rows[IDS[2]], rows[IDS[5]]
+    assert slow["change"] == "regression" and slow["time_change"] == "slower"
+    assert slow["ratio"] == pytest.approx(2.0)  # same calibration in both: the raw ratio
+    assert slow["measure"] == "calibration (gloo broadcast)"  # non-colocate row
+    assert slow["band"] == pytest.approx(1.25)  # max(1.25, spreads 1.1, fence 1: the others did not move)
+    assert broken["change"] == "regression" and broken["verdict_change"] == "regressed"
+    assert "stale values" in broken["note"] and broken["time_change"] == "not timed"
+    others = [rows[sid] for sid in IDS if sid not in (IDS[2], IDS[5])]
+    assert {r["change"] for r in others} == {"unchanged"}
+    assert all(r["ratio"] == pytest.approx(1.0) for r in others)
+    assert rows[IDS[1]]["measure"] == "calibration (memcpy)"  # colocate row
+    assert exit_status(report) == 1
+
+    assert main(["report", "--run", str(run), "--baseline", str(base)]) == 1
+    md = (run / "report.md").read_text()
+    regressions = md.split("## Regressions", 1)[1].split("## Improvements", 1)[0]
+    assert f"`{IDS[2]}`" in regressions and "2.00x slower" in regressions
+    assert f"`{IDS[5]}`" in regressions and "PASS → PARITY_FAIL" in regressions and "stale values" in regressions
+    assert md.index("## Regressions") < md.index("## Improvements") < md.index("## Unchanged")
+    assert "6 scenarios: same verdict, 6 with their time within noise" in md
+    saved = pd.read_csv(run / "report.csv")
+    assert sorted(saved.loc[saved["change"] == "regression", "scenario"]) == sorted([IDS[2], IDS[5]])
+    assert (run / "plots" / "regression.png").stat().st_size > 0
+
+
+def test_a_change_within_the_per_sync_spread_is_noise(tmp_path: Path) -> None:
+    run_times = list(BASE_TIMES)
+    run_times[3] *= 1.4  # > 1.25, but both runs' syncs spread by 1.6x
+    base = write_folder(tmp_path / "base", make_table(BASE_TIMES, spread=1.6), make_env())
+    run = write_folder(tmp_path / "run", make_table(run_times, spread=1.6), make_env())
+    report = compare(load_run(run), load_run(base))
+    row = rows_by_id(report)[IDS[3]]
+    assert row["ratio"] == pytest.approx(1.4) and row["band"] == pytest.approx(1.6)
+    assert row["time_change"] == "within noise" and exit_status(report) == 0
+    assert set(report.rows["change"]) == {"unchanged"}
+
+    # The same change where neither table knows its spread: outside the 1.25 threshold.
+    base2 = write_folder(tmp_path / "base2", make_table(BASE_TIMES, spread=None), make_env())
+    run2 = write_folder(tmp_path / "run2", make_table(run_times, spread=None), make_env())
+    report2 = compare(load_run(run2), load_run(base2))
+    assert rows_by_id(report2)[IDS[3]]["time_change"] == "slower" and exit_status(report2) == 1
+
+
+def test_a_uniformly_slower_host_is_absorbed_by_the_calibration(tmp_path: Path) -> None:
+    slower = {k: v / 2.1 if k.endswith("gbps") else v for k, v in CALIBRATION.items()}
+    base = write_folder(tmp_path / "base", make_table(BASE_TIMES), make_env())
+    run = write_folder(tmp_path / "run", make_table([t * 2.1 for t in BASE_TIMES]), make_env(slower))
+    assert main(["report", "--run", str(run), "--baseline", str(base)]) == 0
+    report = compare(load_run(run), load_run(base))
+    assert all(r == pytest.approx(1.0) for r in report.rows["ratio"])
+    assert set(report.rows["change"]) == {"unchanged"}
+    md = (run / "report.md").read_text()
+    assert "**0 regressions**" in md
+    calibration = md.split("## Host calibration", 1)[1].split("##", 1)[0]
+    cells = [
+        [c.strip() for c in line.strip("|").split("|")] for line in calibration.splitlines() if line.startswith("|")
+    ]
+    assert ["memcpy (GB/s)", "4.00", "1.90", "0.48"] in cells and [
+        "gloo broadcast (GB/s)",
+        "2.00",
+        "0.95",
+        "0.48",
+    ] in cells
+
+    # Without the calibration the raw seconds are 2.1x slower everywhere: nothing is flagged either,
+    # the report says it centred on the median ratio.
+    raw = write_folder(tmp_path / "raw", make_table([t * 2.1 for t in BASE_TIMES]), make_env(None))
+    report = compare(load_run(raw), load_run(base))
+    assert set(report.rows["measure"]) == {MEASURE_RAW}
+    assert report.median_raw_ratio == pytest.approx(2.1) and exit_status(report) == 0
+
+
+def test_raw_seconds_flag_a_row_far_from_the_median_ratio(tmp_path: Path) -> None:
+    run_times = [t * 2.1 for t in BASE_TIMES]
+    run_times[6] *= 2.0
+    base = write_folder(tmp_path / "base", make_table(BASE_TIMES), make_env(None))
+    run = write_folder(tmp_path / "run", make_table(run_times), make_env(None))
+    report = compare(load_run(run), load_run(base))
+    row = rows_by_id(report)[IDS[6]]
+    assert report.median_raw_ratio == pytest.approx(2.1)  # median of seven 2.1s and one 4.2
+    assert row["ratio"] == pytest.approx(2.0) and row["change"] == "regression" and row["measure"] == MEASURE_RAW
+    assert "divided by the median run/baseline ratio of those rows (2.10x)" in _markdown(report)
+
+
+def _markdown(report: Any) -> str:
+    from harness.report_md import report_markdown
+
+    return report_markdown(report)
+
+
+def test_fence_widens_the_band_by_the_rows_scatter() -> None:
+    assert fence([0.0, 0.1, 0.2]) == 1.0  # fewer than 6 rows: no widening
+    logs = [math.log(r) for r in (0.6, 0.8, 1.0, 1.3, 1.7, 2.2, 3.0, 3.8)]
+    mid = statistics.median(logs)
+    mad = statistics.median([abs(x - mid) for x in logs])
+    assert fence(logs) == pytest.approx(math.exp(3 * 1.4826 * mad))
+    assert fence(logs) > 3.0  # a host that scatters 0.6-3.8x flags nothing within that
+    assert fence([0.0] * 7 + [math.log(2.0)]) == 1.0  # one row off, the rest identical: no widening
+
+
+def test_new_and_missing_scenarios_are_listed(tmp_path: Path) -> None:
+    base = write_folder(tmp_path / "base", make_table(BASE_TIMES), make_env())
+    new_id = "qwen3-moe/tp1-pp1-ep2/noncolocate/raw"
+    run_ids = [*IDS[1:], new_id]
+    table = make_table([*BASE_TIMES[1:], 0.05], ids=run_ids)
+    run = write_folder(tmp_path / "run", table, make_env())
+    status, md_path = write_report(run, base)
+    rows = rows_by_id(compare(load_run(run), load_run(base)))
+    assert rows[new_id]["change"] == "new" and rows[IDS[0]]["change"] == "missing"
+    assert status == 0  # a scenario that is new or gone is listed, not a regression
+    md = md_path.read_text()
+    new = md.split("## New scenarios", 1)[1].split("## Missing scenarios", 1)[0]
+    missing = md.split("## Missing scenarios", 1)[1].split("## Environment differences", 1)[0]
+    assert f"`{new_id}`: PASS" in new and IDS[0] not in new
+    assert f"`{IDS[0]}`" in missing and new_id not in missing
+
+
+def test_environment_differences_are_listed(tmp_path: Path) -> None:
+    base_env = make_env()
+    run_env = make_env(
+        hostname="vm2", packages={"torch": "2.13.1", "ray": "2.60.0"}, git={"commit": "b" * 40, "dirty": True}
+    )
+    run_env["started_at"] = "2025-02-01T02:00:00+00:00"
+    diffs = env_differences(base_env, run_env)
+    assert diffs == [
+        ("git.commit", "a" * 40, "b" * 40),
+        ("git.dirty", "False", "True"),
+        ("hostname", "vm", "vm2"),
+        ("packages.torch", "2.13.0", "2.13.1"),
+    ]
+    assert env_differences(base_env, {k: v for k, v in base_env.items() if k != "git"})[0] == (
+        "git.commit",
+        "a" * 40,
+        "—",
+    )
+    base = write_folder(tmp_path / "base", make_table(BASE_TIMES), base_env)
+    run = write_folder(tmp_path / "run", make_table(BASE_TIMES), run_env)
+    _, md_path = write_report(run, base)
+    section = md_path.read_text().split("## Environment differences", 1)[1].split("##", 1)[0]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("|")]
+    assert ["packages.torch", "2.13.0", "2.13.1"] in cells and ["hostname", "vm", "vm2"] in cells
+    assert "started_at" not in section
+
+
+def test_efficiency_is_compared_when_both_tables_have_it(tmp_path: Path) -> None:
+    """A same-run bound makes host speed cancel: efficiency is compared, not time."""
+    base_table, run_table = make_table(BASE_TIMES), make_table(BASE_TIMES)
+    base_table["efficiency"] = 0.5
+    run_table["efficiency"] = 0.5
+    run_table.loc[0, "efficiency"] = 0.25  # half as efficient: 2x slower against its bound
+    run_table.loc[1, "steady_s"] *= 3.0  # 3x slower in seconds, but its bound moved with it
+    base = write_folder(tmp_path / "base", base_table, make_env())
+    run = write_folder(tmp_path / "run", run_table, make_env())
+    report = compare(load_run(run), load_run(base))
+    rows = rows_by_id(report)
+    assert set(report.rows["measure"]) == {MEASURE_EFFICIENCY}
+    assert rows[IDS[0]]["ratio"] == pytest.approx(2.0) and rows[IDS[0]]["change"] == "regression"
+    assert rows[IDS[1]]["ratio"] == pytest.approx(1.0) and rows[IDS[1]]["change"] == "unchanged"
+    assert f"- {MEASURE_EFFICIENCY}: 8" in _markdown(report)
+
+
+@pytest.mark.parametrize(
+    ("base_ok", "run_ok", "base_v", "run_v", "expected"),
+    [
+        (True, False, "PASS", "CRASH", "regressed"),
+        (False, True, "CRASH", "PASS", "fixed"),
+        (False, False, "CRASH", "DEADLOCK", "changed"),
+        (True, True, "PASS", "PASS", "same"),
+    ],
+)
+def test_verdict_change(base_ok: bool, run_ok: bool, base_v: str, run_v: str, expected: str) -> None:
+    assert verdict_change(base_ok, run_ok, base_v, run_v) == expected
+
+
+def test_the_committed_baseline_reads_and_matches_itself(tmp_path: Path) -> None:
+    """The committed tables (older columns: `mode`, no per-sync spread, no calibration) compare."""
+    folder = Path(__file__).resolve().parents[1] / "results" / "baselines" / "cpu"
+    baseline = load_run(folder)
+    assert "export_mode" in baseline.table and baseline.table["expect_met"].all()
+    report = compare(baseline, baseline)
+    assert exit_status(report) == 0 and set(report.rows["change"]) == {"unchanged"}
+    assert report.median_raw_ratio == pytest.approx(1.0)
