@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
+import torch
 
 from reference_impl.engine import engine_kind
 from reference_impl.engine.base import Transfer
@@ -99,3 +101,57 @@ def test_the_harness_protocol_names_an_nccl_group_for_gpu_hosts() -> None:
         store = protocol.host_store(timeout_s=5)
         with pytest.raises(RuntimeError, match="needs a CUDA device; use 'gloo' on CPU"):
             protocol.join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=5, store=store, backend="nccl")
+
+
+class _VllmWorkers:
+    """Stands in for one vLLM engine with `tp` workers on /init_weight_transfer_engine: each worker joins the
+    group as rank_offset + its TP rank (vLLM `nccl_common.py`), then takes one packed buffer of `nbytes`."""
+
+    def __init__(self, engine: int, tp: int, nbytes: int) -> None:
+        self.engine, self.tp, self.nbytes = engine, tp, nbytes
+        self.bodies: list[dict] = []
+        self.received: dict[int, bytes] = {}
+        self.threads: list[threading.Thread] = []
+
+    def init_transfer(self, body: dict) -> dict:
+        from wsh_vllm_plugin.protocol import SENDER_RANK, join_transfer_group
+
+        self.bodies.append(body)
+
+        def worker(w: int) -> None:
+            rank = body["rank_offset"] + w
+            group = join_transfer_group(body["master_address"], body["master_port"], rank, body["world_size"], 30.0)
+            buf = torch.empty(self.nbytes, dtype=torch.uint8)
+            group.broadcast(buf, SENDER_RANK)
+            self.received[rank] = buf.numpy().tobytes()
+
+        self.threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(self.tp)]
+        for t in self.threads:
+            t.start()
+        return {}
+
+
+def test_vllm_replicas_with_tp_workers_join_one_group_at_their_own_offsets() -> None:
+    """Two vLLM engines, TP 2 and TP 1, fed by one gloo group in vLLM's protocol: engine 0's workers are
+    ranks 1 and 2, engine 1's rank 3, of 4; every worker takes the same packed bytes."""
+    from reference_impl.transport.replicas import ReplicaClient
+    from reference_impl.transport.vllm_packed import connect_packed_gloo
+
+    payload = torch.arange(24, dtype=torch.float32)
+    engines = [_VllmWorkers(0, 2, payload.numel() * 4), _VllmWorkers(1, 1, payload.numel() * 4)]
+    channel = connect_packed_gloo(ReplicaClient(engines), 30.0, engine_ranks=[2, 1])  # type: ignore[list-item]
+    channel.sender.send([payload], [payload.numel() * 4])
+    for e in engines:
+        for t in e.threads:
+            t.join(30)
+    assert [(b["rank_offset"], b["world_size"], b["packed"]) for e in engines for b in e.bodies] == [
+        (1, 4, True),
+        (3, 4, True),
+    ]
+    assert channel.init_infos == [e.bodies[0] for e in engines]
+    assert sorted(engines[0].received) == [1, 2] and sorted(engines[1].received) == [3]
+    want = payload.numpy().tobytes()
+    assert all(got == want for e in engines for got in e.received.values())
+    with pytest.raises(ValueError, match="2 engines but transfer-group ranks for \\[1\\]"):
+        connect_packed_gloo(ReplicaClient(engines), 30.0, engine_ranks=[1])  # type: ignore[list-item]
+    channel.close()
