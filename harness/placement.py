@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,16 @@ LOOPBACK = "127.0.0.1"
 FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
 
 
+RAY_TAG_VAR = "WSH_RAY_OWNER"  # set while this driver starts Ray: every process Ray starts inherits it
+_ray_tag: str | None = None  # the value this driver gave it, once it started a Ray of its own
+
+
 def ensure_ray(address: str | None = None) -> None:
-    """Start (or join, with `address`) Ray once per driver process, without the dashboard."""
+    """Start (or join, with `address`) Ray once per driver process, without the dashboard. A Ray this
+    driver starts carries `RAY_TAG_VAR` in the environment of every process it starts (its node
+    processes, their agents and workers, what those start), so `ray_processes` still finds them after an
+    interrupted `ray.init` or once their parent is gone and they were re-parented."""
+    global _ray_tag
     if ray.is_initialized():
         return
     env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
@@ -48,8 +57,32 @@ def ensure_ray(address: str | None = None) -> None:
     env = {"env_vars": env_vars}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
-    else:
+        return
+    # Only for the length of ray.init: processes the driver starts itself later must not carry it.
+    _ray_tag = _ray_tag or f"{os.getpid()}-{uuid.uuid4().hex}"
+    previous = os.environ.get(RAY_TAG_VAR)
+    os.environ[RAY_TAG_VAR] = _ray_tag
+    try:
         ray.init(num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False)
+    finally:
+        if previous is None:
+            os.environ.pop(RAY_TAG_VAR, None)
+        else:
+            os.environ[RAY_TAG_VAR] = previous
+
+
+def ray_processes() -> list[psutil.Process]:
+    """Every live process (other than this one) of a Ray this driver started (`ensure_ray`), found by the
+    environment tag it inherited, wherever it has been re-parented; empty when this driver started none.
+    Processes whose environment cannot be read (another user's) are never among them."""
+    if _ray_tag is None:
+        return []
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid != os.getpid() and proc.environ().get(RAY_TAG_VAR) == _ray_tag:
+                found.append(proc)
+    return found
 
 
 def use_gpus() -> bool:
@@ -93,15 +126,35 @@ def descendants() -> list[psutil.Process]:
 
 def end_leftovers(started: list[psutil.Process], grace_s: float = 10.0) -> list[int]:
     """Give the processes in `started` (what this driver started) `grace_s` seconds to end on their own,
-    then SIGKILL those still running; returns their pids. `psutil.Process` objects compare by pid and start
-    time, so a pid reused by an unrelated process meanwhile is never touched."""
+    then SIGKILL those still running, with everything they started meanwhile and every process of this
+    driver's Ray (`ray_processes`); returns the pids killed.
+
+    A parent still starting children (Ray's raylet starts its agents a while after it runs) is frozen
+    first: every candidate is SIGSTOPped, their children are collected again, until no new one appears;
+    only then is the whole set killed, so nothing started in between is left behind re-parented.
+    `psutil.Process` objects compare by pid and start time, so a pid reused by an unrelated process
+    meanwhile is never touched."""
     _, alive = psutil.wait_procs(started, timeout=grace_s)
-    killed = []
-    for proc in alive:
+    frozen: dict[int, psutil.Process] = {}
+    seen: set[int] = {os.getpid()}
+    todo = [*alive, *ray_processes()]
+    while todo:
+        proc = todo.pop()
+        if proc.pid in seen:
+            continue
+        seen.add(proc.pid)
         with contextlib.suppress(psutil.Error):
             if proc.status() != psutil.STATUS_ZOMBIE:
-                proc.kill()
-                killed.append(proc.pid)
+                proc.suspend()
+                frozen[proc.pid] = proc
+                todo.extend(proc.children())
+        if not todo:  # a last sweep: a tagged process re-parented before its parent was frozen
+            todo = [p for p in ray_processes() if p.pid not in seen]
+    killed = []
+    for proc in frozen.values():
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            killed.append(proc.pid)
     return killed
 
 

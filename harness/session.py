@@ -167,16 +167,10 @@ class ScenarioSession:
         return None
 
     def get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
-        """ray.get every ref (`harness.watch.wait_watched`); errors, timeouts and an engine gone meanwhile
-        are recorded, then ScenarioFailed is raised."""
+        """ray.get every ref (`get_oracle`); a rank's exception is also recorded as that rank's crash, then
+        ScenarioFailed is raised."""
         try:
-            return wait_watched(refs, timeout, what, self.watch if self.watches else None)
-        except ray.exceptions.GetTimeoutError:
-            self.deadline_passed(what, timeout)
-            raise ScenarioFailed(what) from None
-        except EngineExited as e:
-            self.record.errors.insert(0, e.error)
-            raise ScenarioFailed(what) from None
+            return self.get_oracle(refs, timeout, what)
         except ray.exceptions.RayError as e:
             # Which rank failed: the first finished ref whose get raises (one still running has not).
             for i, ref in enumerate(refs):
@@ -192,9 +186,9 @@ class ScenarioSession:
             raise ScenarioFailed(what) from e
 
     def get_oracle(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
-        """ray.get for an oracle's remote call: a timeout is a DEADLOCK as in `get`; an exception in the
-        actor is raised as it is (for `oracle` to record), not recorded as the rank's crash; an engine gone
-        meanwhile is recorded and ends the scenario as in `get`."""
+        """ray.get every ref (`harness.watch.wait_watched`): a timeout is a DEADLOCK and an engine gone
+        meanwhile is recorded, each then raising ScenarioFailed; an exception in the actor is raised as it
+        is (for `oracle` to record), not recorded as the rank's crash."""
         try:
             return wait_watched(refs, timeout, what, self.watch if self.watches else None)
         except ray.exceptions.GetTimeoutError:

@@ -337,7 +337,8 @@ def test_unknown_vision_name_is_name_error_on_both(vl_engines: dict[str, Connect
         call = next(c for c in rec.http if c.status != 200)
         assert [(r.name, r.kind) for r in call.rejections] == [(bad, "name")], (kind, call)
     vllm_call = next(c for c in records["vllm"].http if c.status != 200)
-    assert vllm_call.status == 500 and "visual.blocks.0.attn.no_such" in (vllm_call.error or "")
+    # vLLM's own prose names the parameter relative to the module that refused it (its vision tower)
+    assert vllm_call.status == 500 and "blocks.0.attn.no_such" in (vllm_call.error or "")
 
 
 def test_wrong_vision_shape_is_http_error_on_both(vl_engines: dict[str, Connected]) -> None:
@@ -424,7 +425,10 @@ def test_vllm_moe_scenario_through_the_runner(runner: Runner) -> None:
     assert validate(sc) is None
     rec = runner.run_scenario(sc)
     assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
-    assert len(rec.syncs) == 3 and all(s.logprobs["max_abs"] < 1e-4 for s in rec.syncs)
+    # against a transformers forward over the expected state: fp32's budget; against the trainer's own
+    # Megatron forward: that budget plus the VL families' known gap (tanh-approximate GELU in the mergers)
+    assert len(rec.syncs) == 3 and all(s.logprobs_expected["max_abs"] < 1e-4 for s in rec.syncs)
+    assert all(s.logprobs["max_abs"] <= rec.trainer_logprob_budget["max_abs"] for s in rec.syncs)
     assert all(len(s.engine_logprobs) == 3 for s in rec.syncs)  # two text prompts and the image prompt
 
 

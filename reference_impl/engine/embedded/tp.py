@@ -30,7 +30,6 @@ from wsh_vllm_plugin.protocol import (
     TransferGroup,
     dtype_from_name,
     join_transfer_group,
-    nbytes_of,
     pack,
     unpack,
 )
@@ -206,10 +205,7 @@ class TpChunkApplier(ChunkApplier):
         Raises:
             ChunkRejected: as `ChunkApplier.apply`.
         """
-        rejected, _ = self.loader.validate(names, dtype_names, shapes)
-        if rejected:
-            super().apply(chunk, names, dtype_names, shapes, payload)  # refuses it with the engine's reasons
-        declared = sum(nbytes_of(s, dtype_from_name(d)) for s, d in zip(shapes, dtype_names, strict=True))
+        declared = self.check(chunk, names, dtype_names, shapes)  # refuses it with the engine's reasons
         for rank, got in enumerate(self.ranks.payloads):
             if got is None or got.numel() != declared:
                 if rank == 0:

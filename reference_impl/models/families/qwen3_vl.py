@@ -123,10 +123,11 @@ def check_scale_down(spec: ModelSpec, real: ModelSpec) -> list[str]:
 
 # Megatron-Bridge 0.6.2's Qwen3-VL patch mergers (the final one and the deepstack ones,
 # `megatron/bridge/models/qwen_vl/modelling_qwen3_vl/`) use tanh-approximate GELU where transformers'
-# `Qwen3VLVisionPatchMerger` (and vLLM's) use exact GELU: the trainer's image-prompt log-probs differ by
-# 1.2e-4 (Qwen3-VL) to 1.5e-4 (Qwen3-VL-MoE) max in fp32 on the scaled-down checkpoints (exact GELU in
-# the mergers brings it to 6e-7; tests/test_megatron_forward.py pins the gap).
-MERGER_GELU_GAP = 5e-4
+# `Qwen3VLVisionPatchMerger` (and vLLM's) use exact GELU: the trainer's image-prompt log-probs differ in
+# fp32 on the scaled-down checkpoints by up to 7.9e-4 max (Qwen3-VL-MoE, the image prompt at T 0.7;
+# 1.2e-4 to 1.5e-4 on the earlier prompts without a chat template), and by 6e-7 with exact GELU in the
+# mergers. tests/test_megatron_forward.py pins the gap: the image prompt alone moves, by less than 1e-3.
+MERGER_GELU_GAP = 1e-3
 
 FAMILY = ModelFamily(
     "qwen3_vl",

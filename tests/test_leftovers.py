@@ -1,0 +1,101 @@
+"""What a run leaves behind when it ends in the middle of starting processes (`harness.placement`): a
+parent still starting children when it is killed, and a process of the run's Ray re-parented before the
+harness looks. Both are what an interrupt in the middle of `ray.init` leaves: the raylet starts its agents
+a while after it runs, and an agent outlives a raylet killed before it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from harness import placement
+
+# A parent that starts a sleeping child every 20 ms, for as long as it runs.
+SPAWNER = """
+import subprocess, sys, time
+while True:
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    time.sleep(0.02)
+"""
+
+# A parent that starts one sleeping child and exits: the child is re-parented (to init or a subreaper).
+ORPHANER = """
+import subprocess, sys
+child = subprocess.Popen(
+    [sys.executable, "-c", "import time; time.sleep(120)"],
+    start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+)
+print(child.pid, flush=True)
+"""
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment carries TEST_MARKER=`marker` (found without the harness's code)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("TEST_MARKER") == marker and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _gone_within(procs: list[psutil.Process], within: float = 10.0) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=within)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_parent_still_starting_children_is_killed_with_every_child_it_started() -> None:
+    marker = uuid.uuid4().hex
+    parent = subprocess.Popen([sys.executable, "-c", SPAWNER], env={**os.environ, "TEST_MARKER": marker})
+    try:
+        end = time.monotonic() + 30
+        while len(_marked(marker)) < 4 and time.monotonic() < end:  # it is well under way
+            time.sleep(0.05)
+        assert len(_marked(marker)) >= 4
+        killed = placement.end_leftovers([psutil.Process(parent.pid)], grace_s=0.1)
+        parent.wait(timeout=10)
+        assert parent.pid in killed
+        left = _gone_within(_marked(marker))
+        assert left == [], [p.pid for p in left]
+    finally:
+        for proc in _marked(marker):
+            proc.kill()
+
+
+def test_a_process_of_the_drivers_ray_is_found_after_it_was_re_parented(monkeypatch: pytest.MonkeyPatch) -> None:
+    tag = f"test-{uuid.uuid4().hex}"
+    monkeypatch.setattr(placement, "_ray_tag", tag)
+    other = f"test-{uuid.uuid4().hex}"  # another driver's Ray: never touched
+    runs = {}
+    for value in (tag, other):
+        out = subprocess.run(
+            [sys.executable, "-c", ORPHANER],
+            env={**os.environ, placement.RAY_TAG_VAR: value},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs[value] = psutil.Process(int(out.stdout))
+    try:
+        assert runs[tag].ppid() != os.getpid() and runs[tag].pid in {p.pid for p in placement.ray_processes()}
+        killed = placement.end_leftovers([], grace_s=0.0)
+        assert killed == [runs[tag].pid]
+        assert _gone_within([runs[tag]]) == []
+        assert runs[other].is_running()
+    finally:
+        for proc in runs.values():
+            if proc.is_running():
+                proc.kill()
+
+
+def test_without_a_ray_of_its_own_the_driver_finds_no_ray_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement, "_ray_tag", None)
+    assert placement.ray_processes() == []
