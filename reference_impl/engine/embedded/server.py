@@ -198,24 +198,18 @@ def create_app(
     def init_weight_transfer_engine(req: InitRequest) -> dict[str, Any]:
         route = "/init_weight_transfer_engine"
         info = bodies.read(InitInfo, req.init_info, route, "init_info")
-        if info.backend in HANDLE_KINDS:
-            if info.backend == CUDA_IPC and not torch.cuda.is_available():
-                raise bodies.request_error(
-                    route,
-                    "body.init_info.backend",
-                    "backend 'cuda_ipc' needs CUDA in the engine process (torch.cuda.is_available() is False); "
-                    "use backend 'shm' on CPU",
-                )
-            with st.lock:
-                st.backend = info.backend
-            return {"ok": True, "backend": info.backend}
-        if info.backend == NCCL and not torch.cuda.is_available():
+        cpu_instead = {CUDA_IPC: "shm", NCCL: "gloo"}  # the CPU backend of each CUDA-only one
+        if info.backend in cpu_instead and not torch.cuda.is_available():
             raise bodies.request_error(
                 route,
                 "body.init_info.backend",
-                "backend 'nccl' needs CUDA in the engine process (torch.cuda.is_available() is False); "
-                "use backend 'gloo' on CPU",
+                f"backend '{info.backend}' needs CUDA in the engine process (torch.cuda.is_available() is "
+                f"False); use backend '{cpu_instead[info.backend]}' on CPU",
             )
+        if info.backend in HANDLE_KINDS:
+            with st.lock:
+                st.backend = info.backend
+            return {"ok": True, "backend": info.backend}
         assert info.master_address is not None and info.master_port is not None
         with st.lock:
             if st.ranks is not None:  # every TP rank joins, as rank_offset + its rank
