@@ -9,8 +9,8 @@ legend entries and the artists' gids, which are the scenario ids); each `plot_*`
   and bridge side by side in colour, non-colocate and colocate as markers.
 - `plot_phases`: the phase breakdown (gather / convert / transfer / load, stacked, and what the
   phases do not cover) of the rows tagged `full-size`; None when there are none.
-- `plot_gbps_vs_bound`: achieved GB/s against the same run's bound (``bound_s``); None when the table
-  has no bound.
+- `plot_gbps_vs_bound`: achieved GB/s against the same run's bound (``bound_s``); None when no row
+  has a measured bound.
 - `plot_regression`: run / baseline per scenario with each row's noise band (`harness.report`).
 """
 
@@ -260,8 +260,8 @@ def plot_phases(df: pd.DataFrame, out_path: Path | str) -> Path | None:
 
 def gbps_figure(df: pd.DataFrame) -> Figure | None:
     """Achieved GB/s (``bytes_per_sync / steady_s``) per scenario beside the same run's bound
-    (``bytes_per_sync / bound_s``); None when the table has no ``bound_s`` column."""
-    if "bound_s" not in df or not len(df):
+    (``bytes_per_sync / bound_s``); None when no row of the table has a measured ``bound_s``."""
+    if "bound_s" not in df or not df["bound_s"].notna().any():
         return None
     rows = _prepared(df)
     fig, ax = _row_height_figure(len(rows))
@@ -288,7 +288,7 @@ def gbps_figure(df: pd.DataFrame) -> Figure | None:
 
 
 def plot_gbps_vs_bound(df: pd.DataFrame, out_path: Path | str) -> Path | None:
-    """Write `gbps_figure(df)` as a PNG; None (nothing written) when the table has no bound."""
+    """Write `gbps_figure(df)` as a PNG; None (nothing written) when no row has a measured bound."""
     fig = gbps_figure(df)
     return _save(fig, out_path) if fig is not None else None
 
@@ -352,7 +352,8 @@ def plot_regression(rows: pd.DataFrame, out_path: Path | str, title: str = "") -
 
 def write_run_plots(df: pd.DataFrame, plots_dir: Path | str) -> list[Path]:
     """Every plot of one run's summary table into `plots_dir` (steady_update_time.png, phases.png when
-    there are full-size rows, gbps_vs_bound.png when the table has ``bound_s``); returns what was written."""
+    there are full-size rows, gbps_vs_bound.png when some row has a measured ``bound_s``); returns what
+    was written."""
     out = Path(plots_dir)
     written: Sequence[Path | None] = (
         plot_steady_update_time(df, out / "steady_update_time.png"),

@@ -207,6 +207,20 @@ class SyncRecord(SyncReport):
         )
 
 
+class Bound(BaseModel):
+    """The same-run bound of the scenario's last sync (`reference_impl.transport.bound`), seconds: the bare
+    gather (all-gathers and hand-offs of the same shards) and the bare wire (broadcasts of the same chunk
+    sizes over the same transfer group, or copies into the same segment; None where the channel has none)."""
+
+    gather_s: float
+    wire_s: float | None = None
+
+    @property
+    def total_s(self) -> float | None:
+        """`gather_s + wire_s`; None without a wire bound."""
+        return None if self.wire_s is None else self.gather_s + self.wire_s
+
+
 class RunRecord(BaseModel):
     """Everything observed in one scenario. Written as JSON, read by `harness.checks`."""
 
@@ -249,6 +263,7 @@ class RunRecord(BaseModel):
     checks: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
     transfer_group: TransferGroupRecord | None = None  # non-colocate: the group the sender set up
+    bound: Bound | None = None  # the last sync's same-run bound (None: not measured, see `notes`)
 
     @property
     def engine_count(self) -> int:

@@ -4,11 +4,15 @@ One row per record (scenario). Times come from the record's syncs: ``first_s`` i
 (engine starts from dummy weights), ``steady_s`` the median over the finished syncs >= 1, and each
 phase column (``gather_s`` ...) the median of that phase over the same syncs; ``steady_min_s`` and
 ``steady_max_s`` are the fastest and slowest of those syncs (the run's own noise, which a regression
-report compares against). ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``. The verdict is
-re-derived from the record by `harness.checks`.
+report compares against). ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``. ``bound_s`` is the
+same-run bound of the last sync (``bound_gather_s + bound_wire_s``: the bare all-gathers, hand-offs and
+chunk transfers of the same bytes over the same groups, `reference_impl.transport.bound`) and
+``efficiency`` is ``bound_s / steady_s`` (1.0: the reference path costs what its bare collectives cost;
+NaN where no bound was measured: vLLM, faults, failed syncs). The verdict is re-derived from the record
+by `harness.checks`.
 
 ``summary.md`` holds the table a PR author pastes (Model | TP | EP | PP | colocate | mode | first (s)
-| steady (s) | GB/s | 200s per route | chunks | verdict), then every row that did not PASS with the
+| steady (s) | GB/s | efficiency | 200s per route | chunks | verdict), then every row that did not PASS with the
 message of the check that decided its verdict and the names of the other failing checks, then every
 oracle that could not run (never a verdict of the system under test).
 """
@@ -54,6 +58,10 @@ COLUMNS: tuple[str, ...] = (
     "steady_min_s",
     "steady_max_s",
     "steady_gbps",
+    "bound_gather_s",
+    "bound_wire_s",
+    "bound_s",
+    "efficiency",
     *PHASE_COLUMNS,
     *WALL_PARTS,
     "logprob_max_abs",
@@ -79,6 +87,7 @@ MARKDOWN_HEADER: tuple[str, ...] = (
     "first (s)",
     "steady (s)",
     "GB/s",
+    "efficiency",
     "200s per route",
     "chunks",
     "logprob max abs diff",
@@ -93,6 +102,7 @@ ROUTE_LABELS: dict[str, str] = {
     "/update_weights": "update",
     "/finish_weight_update": "finish",
     "/weight_checker": "checker",
+    "/transfer_probe": "probe",
 }
 
 _NAN = float("nan")
@@ -121,6 +131,22 @@ def http_200_summary(record: RunRecord) -> str:
     order = list(ROUTE_LABELS.values())
     labels = sorted(totals, key=lambda k: (order.index(k) if k in order else len(order), k))
     return " · ".join(f"{label} {totals[label][0]}/{totals[label][1]}" for label in labels)
+
+
+def bound_columns(record: RunRecord, steady_s: float) -> dict[str, float]:
+    """`bound_gather_s`, `bound_wire_s`, `bound_s` (their sum) from the record's same-run bound
+    (`RunRecord.bound`), and `efficiency = bound_s / steady_s`; NaN for what was not measured."""
+    b = record.bound
+    gather = b.gather_s if b is not None else _NAN
+    wire = b.wire_s if b is not None and b.wire_s is not None else _NAN
+    total = gather + wire
+    finite = not math.isnan(total) and steady_s and not math.isnan(steady_s)
+    return {
+        "bound_gather_s": gather,
+        "bound_wire_s": wire,
+        "bound_s": total,
+        "efficiency": total / steady_s if finite else _NAN,
+    }
 
 
 def record_row(record: RunRecord) -> dict[str, Any]:
@@ -161,6 +187,7 @@ def record_row(record: RunRecord) -> dict[str, Any]:
         "steady_min_s": min((s.total_s for s in steady), default=_NAN),
         "steady_max_s": max((s.total_s for s in steady), default=_NAN),
         "steady_gbps": gbps,
+        **bound_columns(record, steady_s),
     }
     for phase, column in zip(PHASES, PHASE_COLUMNS, strict=True):
         row[column] = _median([s.phases[phase] for s in steady if phase in s.phases])
@@ -269,6 +296,7 @@ def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
                 _fmt_float(row["first_s"], 3),
                 _fmt_float(row["steady_s"], 3),
                 _fmt_float(row["steady_gbps"], 2),
+                _fmt_float(row["efficiency"], 2),
                 row["http_200"] or "—",
                 row["chunks"],
                 _fmt_sci(row["logprob_max_abs"]),

@@ -171,6 +171,7 @@ class Runner:
                 session.probe = probe_prompt(config)
             marks["syncs"] = time.perf_counter()
             session.run_syncs()
+            session.measure_bound()
             session.cross_export()
             healthy = True
         except ScenarioFailed:

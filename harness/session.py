@@ -27,6 +27,7 @@ from harness.oracles.expected import ExpectedState
 from harness.oracles.tp_shards import expected_tp_checksums
 from harness.placement import TrainerPool
 from harness.record import (
+    Bound,
     EngineSync,
     ErrorRecord,
     OracleFailure,
@@ -400,6 +401,28 @@ class ScenarioSession:
             self.hf_view.load(self.expected.tensors)
             self.hf_view_state = self.expected.index
         return [self.hf_view.logprobs(p, temperature)[0].tolist() for p in (prompts or self.prompts)]
+
+    def measure_bound(self) -> None:
+        """The same-run bound of the last sync (`record.bound`), measured in the same processes and groups
+        when every sync ended cleanly and no fault is injected (a faulted path has no clean bytes to bound).
+        Its time counts as checks; a refused or failed measurement is a note, never a verdict; a hang is a
+        DEADLOCK like any other."""
+        syncs = self.record.syncs
+        if self.fault is not None or not syncs or self.record.recovery is not None:
+            return
+        if any(sync_failed(self.record, s) for s in syncs):
+            return
+        with self.checking():
+            refs = [a.measure_bound.remote() for a in self.pool.actors]
+            try:
+                (parts, calls), *_ = self.get_oracle(refs, self.deadline, "same-run bound")
+            except ScenarioFailed:
+                raise
+            except Exception as e:  # a rank's or engine's refusal: the measurement is missing, said why
+                self.record.notes.append(f"same-run bound not measured: {type(e).__name__}: {str(e)[:300]}")
+                return
+            self.record.http.extend(calls)
+            self.record.bound = Bound(**parts)
 
     def cross_export(self) -> None:
         """Both export modes of the last state (a second export path: an oracle of the parity check)."""

@@ -32,11 +32,12 @@ from reference_impl.trainer import step as train_step
 from reference_impl.trainer.model import TrainerModel, build_model
 from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
 from reference_impl.trainer.params import iter_global_params
-from reference_impl.transport import sync
+from reference_impl.transport import bound, sync
 from reference_impl.transport.channels import connect_channel
 from reference_impl.transport.client import EngineClient
 from reference_impl.transport.noncolocate import LOOPBACK
 from reference_impl.transport.observed import HttpCall, SyncReport
+from reference_impl.transport.plan import Chunk
 from reference_impl.transport.progress import Progress
 from reference_impl.transport.replicas import ReplicaClient
 from reference_impl.transport.sync import SENDER, Channel
@@ -79,6 +80,7 @@ class TrainerWorker:
         self.checkpoint = ""
         self.trace_dir: Path | None = None
         self.progress = Progress(None)
+        self.last_plan: list[Chunk] = []
 
     def pid(self) -> int:
         """OS process id (for stack dumps and cleanup)."""
@@ -172,7 +174,7 @@ class TrainerWorker:
         ex = stream.export(export_mode, self.model, self.layout, self.convert_config)
         named, phases = ex.tensors, ex.phases
         t_export = time.perf_counter() - t0
-        res, _ = sync.run_sync(
+        res, self.last_plan = sync.run_sync(
             named=named,
             rank=self.rank,
             world_size=self.world_size,
@@ -189,6 +191,32 @@ class TrainerWorker:
         if isinstance(self.client, ReplicaClient):  # the sender's account of every engine replica
             res.engines = self.client.accounts(index)
         return res, self._drain_calls()
+
+    def measure_bound(self, repeats: int = 3) -> tuple[dict[str, float | None], list[HttpCall]]:
+        """Collective on every rank, after a sync: the same-run bound of that sync's bytes (`transport.bound`),
+        the best of `repeats` measurements of each part. Returns, on the sender, {"gather_s", "wire_s"}
+        (seconds; "wire_s" None where the channel has no bare counterpart) and the engine calls it made;
+        on every other rank ({}, []).
+
+        Raises:
+            RuntimeError: no sync ran yet in this scenario (no plan to measure).
+        """
+        assert self.model is not None and self.layout is not None
+        if not self.last_plan:
+            raise RuntimeError("measure_bound needs a finished sync of this scenario: call sync() first")
+        self.progress.at("bound: bare all-gathers, hand-offs and chunk transfers of the last sync's sizes")
+        num_experts = self.convert_config.num_experts
+        gathers = [
+            bound.gather_bound(self.model, self.layout, num_experts, self.last_plan, self.rank, self.world_size)
+            for _ in range(repeats)
+        ]
+        if self.rank != SENDER:
+            return {}, []
+        assert self.channel is not None and self.client is not None
+        sizes = [c.nbytes for c in self.last_plan]
+        wires = [bound.wire_bound(self.channel, self.client, sizes) for _ in range(repeats)]
+        wire = None if any(w is None for w in wires) else min(w for w in wires if w is not None)
+        return {"gather_s": min(gathers), "wire_s": wire}, self._drain_calls()
 
     def trainer_logprobs(self, temperature: float) -> dict[str, Any]:
         """Collective on every rank: the trainer's own log-probs of the fixed prompts at `temperature`,
@@ -238,6 +266,7 @@ class TrainerWorker:
         self.client = None
         self.channel = None
         self.model = None
+        self.last_plan = []
         destroy_model_parallel()
         gc.collect()
 

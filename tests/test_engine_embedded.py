@@ -984,3 +984,33 @@ def test_fault_is_logged_and_unknown_fault_exits(shm_engines: dict[str, EnginePr
     finally:
         proc.stop()
     assert "harness.faults.engine has no function 'bogus'" in str(err.value)
+
+
+def test_transfer_probe_takes_bare_broadcasts_and_refuses_inside_a_session(
+    engines: dict[str, Engine], shm_engines: dict[str, EngineProcess]
+) -> None:
+    """POST /transfer_probe takes one bare broadcast per size (no header: a header would leave the group out
+    of step and the valid chunk after it would not load), and loads nothing; it is refused, before anything
+    is received, inside an update session and under a handle backend."""
+    eng = engines["qwen3"]
+    before = eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"]
+    sizes = [1, 4096, 3 << 20]
+    assert eng.group is not None
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(eng.post, "/transfer_probe", {"sizes": sizes})
+        for n in sizes:
+            eng.group.broadcast(torch.full((n,), 7, dtype=torch.uint8), 0)
+        r = fut.result(timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"ok": True, "received_bytes": 1 + 4096 + (3 << 20)}
+    assert eng.post("/weight_checker", {"action": "checksum"}).json()["checksums"] == before  # nothing loaded
+    assert eng.post("/start_weight_update", {}).status_code == 200
+    r = eng.post("/transfer_probe", {"sizes": [8]})  # nothing broadcast: a refusal must not wait for one
+    assert r.status_code == 400 and r.json()["detail"]["kinds"] == {"/transfer_probe": "session"}
+    _valid_update(eng, 4.5)  # the group is still in step
+    assert eng.post("/finish_weight_update", {}).status_code == 200
+    shm_url = shm_engines[CLEAN].url
+    assert _post(shm_url, "/init_weight_transfer_engine", {"init_info": {"backend": "shm"}}).status_code == 200
+    r = _post(shm_url, "/transfer_probe", {"sizes": [8]})
+    assert r.status_code == 400 and "transfer group" in r.json()["detail"]["error"]
+    assert eng.post("/transfer_probe", {"sizes": [0]}).status_code == 400  # sizes are >= 1 byte

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from harness.plots import plot_steady_update_time, steady_table
-from harness.record import PHASES, ChunkRecord, HttpCall, OracleFailure, RunRecord, SyncRecord
+from harness.record import PHASES, Bound, ChunkRecord, HttpCall, OracleFailure, RunRecord, SyncRecord
 from harness.results import (
     COLUMNS,
     MARKDOWN_HEADER,
@@ -110,6 +110,23 @@ def test_summarize_numbers_by_hand(records: list[RunRecord]) -> None:
     assert set(PHASES) == {c.removesuffix("_s") for c in COLUMNS if c.removesuffix("_s") in PHASES}
 
 
+def test_bound_and_efficiency_by_hand(records: list[RunRecord]) -> None:
+    raw, bridge = records
+    raw.bound = Bound(gather_s=0.15, wire_s=0.27)
+    bridge.bound = Bound(gather_s=0.4, wire_s=None)  # a channel without a bare counterpart (vLLM's)
+    df = summarize(records).set_index("export_mode")
+    assert df.loc["raw", "bound_s"] == pytest.approx(0.42)  # 0.15 + 0.27
+    assert df.loc["raw", "efficiency"] == pytest.approx(0.42 / 0.6)  # bound / median steady (0.5, 0.7, 0.6)
+    assert df.loc["bridge", "bound_gather_s"] == pytest.approx(0.4)
+    assert math.isnan(df.loc["bridge", "bound_s"]) and math.isnan(df.loc["bridge", "efficiency"])
+    cells = dict(zip(MARKDOWN_HEADER, summary_table_rows(summarize(records))[0], strict=True))
+    assert cells["efficiency"] == "0.70"
+    records[0].bound = None  # not measured (a fault, a failed sync): NaN, shown as a dash
+    row = summarize(records).iloc[0]
+    assert math.isnan(row["bound_s"]) and math.isnan(row["efficiency"])
+    assert dict(zip(MARKDOWN_HEADER, summary_table_rows(summarize(records))[0], strict=True))["efficiency"] == "—"
+
+
 def test_http_200_counts_non_200(records: list[RunRecord]) -> None:
     rec = records[0]
     rec.http[1].status = 400
@@ -149,7 +166,7 @@ def test_write_summary(tmp_path: Path, records: list[RunRecord]) -> None:
     assert len(table) == 2
     cells = [c.strip() for c in table[0].strip("|").split("|")]
     assert cells == [
-        "qwen3-vl", "embedded", "2", "1", "2", "no", "raw", "2.000", "0.600", "5.00",
+        "qwen3-vl", "embedded", "2", "1", "2", "no", "raw", "2.000", "0.600", "5.00", "—",
         "start 4/4 · update 8/8 · finish 4/4", "2", "—", "—", "PASS",
     ]  # fmt: skip
     assert "PARITY_FAIL" in table[1]

@@ -169,6 +169,16 @@ class EngineClient:
                 self.session_closed_by = f"the engine ended the session when chunk {chunk} failed"
             raise
 
+    def transfer_probe(self, sizes: list[int]) -> Any:
+        """POST /transfer_probe {"sizes"} (the embedded engine's own route): the engine takes one bare
+        broadcast of each size in bytes from the sender and drops it (`transport.bound`). Blocks until it
+        took them all.
+
+        Raises:
+            EngineRejected: a non-200 answer (an engine without the route: 404).
+        """
+        return self._post("/transfer_probe", {"sizes": list(sizes)})
+
     def finish(self, sync: int, weight_version: int) -> Any:
         """POST /finish_weight_update {"weight_version"} (a string, as vLLM declares it). The sender then drops
         the engine's caches (`transport.sync.reset_engine_caches`).

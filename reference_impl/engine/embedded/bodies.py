@@ -54,6 +54,10 @@ class FinishRequest(_Body):
     weight_version: WeightVersion = None
 
 
+class ProbeRequest(_Body):
+    sizes: list[Annotated[int, Field(ge=1, le=MAX_INT64)]] = Field(max_length=1 << 20)
+
+
 class CheckerRequest(_Body):
     action: Literal["checksum", "shards", "reset", "compare"]
     baseline: dict[str, str] | None = None

@@ -58,6 +58,11 @@ Routes and bodies follow vLLM's (`vllm/entrypoints/rl/online/api_router.py`; old
 - POST /reset_prefix_cache -> `{"success": true}`, POST /reset_encoder_cache -> `{"success": true}`
   (vLLM's routes): clear the prefix cache and the vision-encoder cache (`caches`); nothing else clears
   them, a weight update included, as in vLLM 0.32.
+- POST /transfer_probe `{"sizes": [bytes, ...]}` (the harness's own route, not vLLM's: the bare transfer a
+  scenario's bound is measured with, `reference_impl.transport.bound`) -> under backend gloo / nccl, takes
+  one bare broadcast of each size from the sender (no header, no session, nothing unpacked or loaded: the
+  bytes are dropped) -> `{"ok": true, "received_bytes": n}`; a 400 (kind "session") under a handle backend or
+  while an update session is open (a probe never runs inside an update).
 - GET /health, GET /get_world_size, GET /is_paused, POST /pause, POST /resume.
 
 Every 4xx body is `{"detail": {"error": sentence, "rejected": {hf_name: reason}, "kinds": {hf_name:
@@ -101,6 +106,7 @@ from reference_impl.engine.embedded.bodies import (
     CheckerRequest,
     FinishRequest,
     InitRequest,
+    ProbeRequest,
     StartRequest,
     UpdateRequest,
 )
@@ -344,6 +350,29 @@ def create_app(
                 return int(payload.numel()), _apply(info, chunk, payload)
             finally:
                 del payload  # every view of the shared buffer is gone before the handle closes
+
+    @app.post("/transfer_probe")
+    def transfer_probe(req: ProbeRequest) -> dict[str, Any]:
+        route = "/transfer_probe"
+        with st.lock:
+            if st.backend not in GROUP_BACKENDS or st.group is None or st.session_open:
+                why = (
+                    f"a transfer probe needs a joined transfer group and no open session (backend {st.backend}, "
+                    f"session open: {st.session_open}); POST /init_weight_transfer_engine with a group backend first"
+                )
+                raise bodies.http_error(400, why, {route: why}, {route: "session"})
+            groups = st.group.groups if isinstance(st.group, TpRanks) else [st.group]
+            size = max(req.sizes, default=0)
+            buffers = [torch.empty(size, dtype=torch.uint8, device=g.device) for g in groups]
+            for n in req.sizes:  # every TP rank takes every broadcast at once, as for a chunk
+                if isinstance(st.group, TpRanks):
+                    pool, pairs = st.group.pool, zip(groups, buffers, strict=True)
+                    futures = [pool.submit(g.broadcast, b[:n], SENDER_RANK) for g, b in pairs]
+                    for f in futures:
+                        f.result()
+                else:
+                    groups[0].broadcast(buffers[0][:n], SENDER_RANK)
+        return {"ok": True, "received_bytes": sum(req.sizes)}
 
     @app.post("/finish_weight_update")
     def finish_weight_update(req: FinishRequest | None = None) -> dict[str, Any]:

@@ -1,0 +1,164 @@
+"""The same-run bound of a sync: the bare cost of moving its own bytes over its own links.
+
+Measured after a scenario's syncs, in the same processes, on the same groups and with the same sizes
+as the last sync, with nothing of the reference path (no conversion, packing, HTTP per chunk, checksum
+or load):
+
+- gather (every trainer rank, collectively): one bare `all_gather` per sharded parameter over the group
+  the export gathers it on (TP for dense parameters, expert-TP then EP for routed experts: the shards of
+  `export.stream.export_raw`, the same for both export modes), into buffers allocated beforehand; then
+  the bytes each non-sender owner holds in the plan, sent point to point to the sender in plan order
+  (the hand-off of `transport.sync`).
+- wire (the sender): non-colocate, one bare broadcast of each chunk's size over the transfer group the
+  channel uses (the engines take them in POST /transfer_probe, `engine/embedded/server.py`); colocate on
+  CPU, one copy of each chunk's size into the channel's own shared-memory segment. vLLM and the CUDA
+  channels have no probe: no wire bound (None).
+
+`bound_s = gather_s + wire_s` (the same steps one after the other, as the reference path takes them); the
+best of `repeats` measurements of each part. Seconds from `time.perf_counter`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reference_impl.trainer.model import TrainerModel
+from reference_impl.trainer.parallel import RankLayout
+from reference_impl.trainer.params import is_expert_param, iter_global_params
+from reference_impl.transport.client import EngineClient
+from reference_impl.transport.plan import Chunk
+from reference_impl.transport.replicas import ReplicaClient
+from reference_impl.transport.sync import SENDER, Channel
+
+
+@dataclass(frozen=True)
+class GatherStep:
+    """One bare all-gather: this rank's contribution in bytes, over the group of `size` ranks."""
+
+    nbytes: int
+    group: dist.ProcessGroup | None
+    size: int
+
+
+def gather_steps(model: TrainerModel, layout: RankLayout, num_experts: int) -> list[GatherStep]:
+    """The all-gathers the export runs on this rank, in its order: per TP-sharded dense parameter one over
+    the TP group (shard bytes); per routed expert parameter one over the expert-TP group when it is sharded
+    there, then one over the EP group (the expert's full bytes). Replicated parameters gather nothing.
+    Every rank of a group lists the same steps in the same order (the export's collective schedule)."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
+    etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
+    ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
+    local_experts = num_experts // layout.ep if num_experts else 0
+    steps: list[GatherStep] = []
+    for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
+        nbytes = p.numel() * p.element_size()
+        sharded = bool(getattr(p, "tensor_model_parallel", False))
+        if is_expert_param(name):
+            if sharded and layout.etp > 1:
+                steps.append(GatherStep(nbytes, etp_group, layout.etp))
+                nbytes *= layout.etp
+            if layout.ep > 1:
+                steps.append(GatherStep(nbytes, ep_group, layout.ep))
+        elif sharded and layout.tp > 1:
+            steps.append(GatherStep(nbytes, tp_group, layout.tp))
+    return steps
+
+
+def _bare_gathers(steps: Sequence[GatherStep]) -> None:
+    if not steps:
+        return
+    src = torch.empty(max(s.nbytes for s in steps), dtype=torch.uint8)
+    out = torch.empty(max(s.nbytes * s.size for s in steps), dtype=torch.uint8)
+    for s in steps:
+        parts = list(out[: s.nbytes * s.size].view(s.size, s.nbytes).unbind(0))
+        dist.all_gather(parts, src[: s.nbytes], group=s.group)
+
+
+def _bare_hand_off(plan: Sequence[Chunk], rank: int) -> None:
+    metas = [m for chunk in plan for m in chunk.tensors if m.owner != SENDER]
+    if not metas or (rank != SENDER and not any(m.owner == rank for m in metas)):
+        return
+    buffer = torch.empty(max(m.nbytes for m in metas), dtype=torch.uint8)
+    for m in metas:
+        if rank == SENDER:
+            dist.recv(buffer[: m.nbytes], src=m.owner)
+        elif m.owner == rank:
+            dist.send(buffer[: m.nbytes], dst=SENDER)
+
+
+def gather_bound(
+    model: TrainerModel, layout: RankLayout, num_experts: int, plan: Sequence[Chunk], rank: int, world_size: int
+) -> float:
+    """Collective on every trainer rank: seconds of the bare gather of one sync (module doc), from a barrier
+    of every rank to this rank's last step (on the sender: the last hand-off received).
+
+    Raises:
+        RuntimeError: from torch.distributed when a rank does not take part.
+    """
+    steps = gather_steps(model, layout, num_experts)
+    if world_size > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    _bare_gathers(steps)
+    _bare_hand_off(plan, rank)
+    return time.perf_counter() - t0
+
+
+def _engines(client: EngineClient | ReplicaClient) -> list[EngineClient]:
+    return client.clients if isinstance(client, ReplicaClient) else [client]
+
+
+def _broadcast_bound(group: object, client: EngineClient | ReplicaClient, sizes: Sequence[int]) -> float:
+    """Bare broadcasts of `sizes` over `group` (a `protocol.TransferGroup`) while every engine takes them."""
+    engines = _engines(client)
+    buffer = torch.empty(max(sizes), dtype=torch.uint8, device=group.device)  # type: ignore[attr-defined]
+    with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="transfer-probe") as pool:
+        answers = [pool.submit(c.transfer_probe, [1, *sizes]) for c in engines]
+        group.broadcast(buffer[:1], SENDER)  # type: ignore[attr-defined]  (every engine is in: start the clock)
+        t0 = time.perf_counter()
+        for n in sizes:
+            group.broadcast(buffer[:n], SENDER)  # type: ignore[attr-defined]
+        elapsed = time.perf_counter() - t0
+        for answer in answers:
+            answer.result()
+    return elapsed
+
+
+def _copy_bound(channel: object, sizes: Sequence[int]) -> float:
+    """Copies of `sizes` from a buffer of the sender's into the channel's shared-memory segment."""
+    segment = channel.buffer  # type: ignore[attr-defined]  (colocate.SharedMemoryChannel's SharedMemoryBuffer)
+    segment.grow(max(sizes))
+    source = torch.empty(max(sizes), dtype=torch.uint8)
+    t0 = time.perf_counter()
+    for n in sizes:
+        segment.tensor(n).copy_(source[:n])
+    return time.perf_counter() - t0
+
+
+def wire_bound(channel: Channel, client: EngineClient | ReplicaClient, sizes: Sequence[int]) -> float | None:
+    """Sender only: seconds of the bare wire of one sync whose chunks are `sizes` bytes (module doc); None
+    when the channel has no bare counterpart here (vLLM's packed channels, the CUDA channels) or there is
+    nothing to send.
+
+    Raises:
+        EngineRejected: an engine refused /transfer_probe.
+        RuntimeError: a broadcast timed out (gloo).
+    """
+    from reference_impl.transport.colocate import SharedMemoryChannel
+    from reference_impl.transport.noncolocate import BroadcastChannel
+
+    if not sizes:
+        return None
+    if type(channel) is BroadcastChannel:
+        return _broadcast_bound(channel.group, client, sizes)
+    if type(channel) is SharedMemoryChannel:
+        return _copy_bound(channel, sizes)
+    return None
