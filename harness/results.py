@@ -8,8 +8,10 @@ report compares against). ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``
 same-run bound of the last sync (``bound_gather_s + bound_wire_s``: the bare all-gathers, hand-offs and
 chunk transfers of the same bytes over the same groups, `reference_impl.transport.bound`) and
 ``efficiency`` is ``bound_s / steady_s`` (1.0: the reference path costs what its bare collectives cost;
-NaN where no bound was measured: vLLM, faults, failed syncs). The verdict is re-derived from the record
-by `harness.checks`.
+NaN where no bound was measured: vLLM, faults, failed syncs). ``phases_sum_s`` is the median over the
+same syncs of the sum of their phases: the sender exports while earlier chunks are on the wire
+(`reference_impl.transport.sync`), so ``phases_sum_s - steady_s`` is the time the overlap saved. The
+verdict is re-derived from the record by `harness.checks`.
 
 ``summary.md`` holds the table a PR author pastes (Model | TP | EP | PP | colocate | mode | first (s)
 | steady (s) | GB/s | efficiency | 200s per route | chunks | verdict), then every row that did not PASS with the
@@ -62,6 +64,7 @@ COLUMNS: tuple[str, ...] = (
     "bound_wire_s",
     "bound_s",
     "efficiency",
+    "phases_sum_s",
     *PHASE_COLUMNS,
     *WALL_PARTS,
     "logprob_max_abs",
@@ -191,6 +194,7 @@ def record_row(record: RunRecord) -> dict[str, Any]:
     }
     for phase, column in zip(PHASES, PHASE_COLUMNS, strict=True):
         row[column] = _median([s.phases[phase] for s in steady if phase in s.phases])
+    row["phases_sum_s"] = _median([sum(s.phases.get(p, 0.0) for p in PHASES) for s in steady])
     for part in WALL_PARTS:
         row[part] = record.wall.get(part, _NAN)
     measured = [s.logprobs for s in record.syncs if s.logprobs]

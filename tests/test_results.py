@@ -98,6 +98,7 @@ def test_summarize_numbers_by_hand(records: list[RunRecord]) -> None:
     assert raw["steady_gbps"] == pytest.approx(3.0 / 0.6)  # 3e9 bytes / 0.6 s / 1e9
     assert raw["transfer_s"] == pytest.approx(0.3)  # median(0.2, 0.4, 0.3)
     assert raw["gather_s"] == pytest.approx(0.03)  # median(0.02, 0.03, 0.04)
+    assert raw["phases_sum_s"] == pytest.approx(0.39)  # median of the sums 0.27, 0.48, 0.39
     assert bridge["first_s"] == pytest.approx(3.0)
     assert bridge["steady_s"] == pytest.approx(1.25)  # median(1.5, 1.0)
     assert bridge["steady_gbps"] == pytest.approx(3.0 / 1.25)

@@ -35,6 +35,7 @@ independent export paths.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -102,22 +103,41 @@ def stage_tasks(model: TrainerModel, layout: RankLayout) -> list[Any]:
     return tasks
 
 
-def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[NamedTensors, dict[str, float]]:
-    """This rank's named HF tensors via Megatron-Bridge, and phase seconds.
+def iter_bridge(
+    model: TrainerModel, layout: RankLayout, phases: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's named HF tensors via Megatron-Bridge, produced as the library's export yields them
+    (every rank of a stage must consume its export to the end); seconds are added to `phases` as it runs.
 
     Every rank of a stage runs the library's export of the stage's tasks (it gathers TP shards and EP
     experts over Megatron's groups); the stage leader keeps the (HF name, tensor) pairs, in the
-    library's order, the other ranks return none. Gather and convert are one library call: the time is
-    recorded as `convert`, `gather` is 0.
+    library's order, the other ranks produce none. Gather and convert are one library call: the time
+    spent inside it is recorded as `convert`, `gather` stays 0.
     """
+    phases.setdefault("gather", 0.0)
+    phases.setdefault("convert", 0.0)
     t0 = time.perf_counter()
     tasks = stage_tasks(model, layout)
-    named: NamedTensors = []
     keep = layout.is_stage_leader
     on_host = not torch.cuda.is_available()
-    for name, tensor in model.bridge.export_hf_weights(
+    produced = model.bridge.export_hf_weights(
         model.chunks, cpu=on_host, show_progress=False, conversion_tasks=tasks, merge_adapter_weights=False
-    ):
+    )
+    while True:
+        pair = next(produced, None)
+        if pair is None:
+            phases["convert"] += time.perf_counter() - t0
+            return
+        name, tensor = pair
         if keep:
-            named.append((name, tensor.detach().contiguous()))
-    return named, {"gather": 0.0, "convert": time.perf_counter() - t0}
+            tensor = tensor.detach().contiguous()
+        phases["convert"] += time.perf_counter() - t0
+        if keep:
+            yield name, tensor
+        t0 = time.perf_counter()
+
+
+def export_bridge(model: TrainerModel, layout: RankLayout) -> tuple[NamedTensors, dict[str, float]]:
+    """`iter_bridge` run to the end: this rank's named HF tensors and phase seconds."""
+    phases: dict[str, float] = {}
+    return list(iter_bridge(model, layout, phases)), phases

@@ -15,13 +15,14 @@ the seconds spent per phase:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from reference_impl.export import MODES
-from reference_impl.export.bridge import export_bridge
+from reference_impl.export.bridge import iter_bridge
 from reference_impl.models.families import model_family
 from reference_impl.models.raw_rules import ConvertConfig, FamilyTable, convert
 from reference_impl.models.registry import ModelSpec
@@ -33,6 +34,7 @@ from reference_impl.trainer.params import (
     is_expert_param,
     iter_global_params,
     tp_gather,
+    tp_shards,
     with_expert_id,
 )
 
@@ -72,17 +74,25 @@ def _fused_layout(checkpoint: Path, hidden: int) -> str:
     return "released"
 
 
-def export_raw(
-    model: TrainerModel, layout: RankLayout, config: ConvertConfig, table: FamilyTable | None = None
-) -> tuple[NamedTensors, dict[str, float]]:
-    """This rank's named HF tensors via the family's raw table (see module doc), and phase seconds.
+def iter_raw(
+    model: TrainerModel,
+    layout: RankLayout,
+    config: ConvertConfig,
+    phases: dict[str, float],
+    table: FamilyTable | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's named HF tensors via the family's raw table (see module doc), produced as the export
+    runs: each parameter's collectives run when the consumer asks for the tensors after it (every rank of a
+    group must consume its export to the end). Seconds are added to `phases` ("gather", "convert") as it
+    runs.
 
     `table` defaults to the raw table of the model's family (`ModelFamily.raw`, looked up per call).
 
-    Dense parameters: all TP ranks all-gather, the stage leader (TP 0, DP 0) converts and owns them.
-    Expert parameters: the expert-TP ranks all-gather each local expert, then the EP ranks all-gather
-    it (entry r = global expert r * E/EP + K), and the expert leader (EP 0, ETP 0, EDP 0) converts and
-    owns every expert of its stage. Then the family's post-pass (e.g. fusing experts) runs on owners.
+    Dense parameters: all TP ranks all-gather, the stage leader (TP 0, DP 0) combines the shards, converts
+    and owns them (the other TP ranks only take part in the all-gather). Expert parameters: the expert-TP
+    ranks all-gather each local expert, then the EP ranks all-gather it (entry r = global expert r * E/EP +
+    K), and the expert leader (EP 0, ETP 0, EDP 0) converts and owns every expert of its stage. A family
+    with a post-pass over all of a rank's tensors (e.g. fusing experts) produces them only at the end.
     """
     from megatron.core import parallel_state as ps
 
@@ -91,8 +101,9 @@ def export_raw(
     etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
     ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
     local_experts = config.num_experts // layout.ep if config.num_experts else 0
-    out: NamedTensors = []
-    t_gather = t_convert = 0.0
+    held: NamedTensors = []  # a post-pass's input
+    phases.setdefault("gather", 0.0)
+    phases.setdefault("convert", 0.0)
     for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
         t0 = time.perf_counter()
         if is_expert_param(name):
@@ -101,40 +112,55 @@ def export_raw(
             k = expert_id(name) - layout.ep_rank * local_experts
             full_tensors = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
             mine = layout.is_expert_leader
-        else:
-            full_tensors = [(name, tp_gather(p, tp_group, layout.tp))]
-            mine = layout.is_stage_leader
+        elif layout.is_stage_leader:
+            full_tensors, mine = [(name, tp_gather(p, tp_group, layout.tp))], True
+        else:  # its shard goes to the leader's all-gather; nothing to combine here
+            tp_shards(p, tp_group, layout.tp)
+            full_tensors, mine = [], False
         t1 = time.perf_counter()
+        phases["gather"] += t1 - t0
         if mine:
-            for n, t in full_tensors:
-                out.extend(convert(n, t, table.rules, config))
-        t_gather += t1 - t0
-        t_convert += time.perf_counter() - t1
-    if table.post is not None and out:
+            out = [pair for n, t in full_tensors for pair in convert(n, t, table.rules, config)]
+            phases["convert"] += time.perf_counter() - t1
+            if table.post is not None:
+                held.extend(out)
+            else:
+                yield from out
+    if table.post is not None and held:
         t0 = time.perf_counter()
-        out = table.post(out, config)
-        t_convert += time.perf_counter() - t0
-    return out, {"gather": t_gather, "convert": t_convert}
+        held = table.post(held, config)
+        phases["convert"] += time.perf_counter() - t0
+        yield from held
+
+
+def export_raw(
+    model: TrainerModel, layout: RankLayout, config: ConvertConfig, table: FamilyTable | None = None
+) -> tuple[NamedTensors, dict[str, float]]:
+    """`iter_raw` run to the end: this rank's named HF tensors and phase seconds."""
+    phases: dict[str, float] = {}
+    return list(iter_raw(model, layout, config, phases, table)), phases
 
 
 @dataclass
 class Export:
     """One export on one rank: the (HF name, tensor) pairs it owns, phase seconds, and the export mode
-    that actually ran."""
+    that actually ran. `tensors` may be produced as it is consumed (`iter_raw`, `iter_bridge`): every
+    rank consumes it to the end, once; `phases` is complete after that."""
 
-    tensors: NamedTensors
+    tensors: Iterable[tuple[str, torch.Tensor]]
     phases: dict[str, float]
     export_mode: str
 
 
 def export(export_mode: str, model: TrainerModel, layout: RankLayout, config: ConvertConfig) -> Export:
-    """Dispatch on `export_mode` ("raw" | "bridge").
+    """Dispatch on `export_mode` ("raw" | "bridge"); the tensors are produced as they are consumed.
 
     Raises:
         ValueError: an unknown export mode.
     """
+    phases: dict[str, float] = {"gather": 0.0, "convert": 0.0}
     if export_mode == "raw":
-        return Export(*export_raw(model, layout, config), export_mode="raw")
+        return Export(iter_raw(model, layout, config, phases), phases, export_mode="raw")
     if export_mode == "bridge":
-        return Export(*export_bridge(model, layout), export_mode="bridge")
+        return Export(iter_bridge(model, layout, phases), phases, export_mode="bridge")
     raise ValueError(f"unknown export mode {export_mode!r}; use one of {MODES}")

@@ -102,12 +102,20 @@ def tp_gather(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: 
     """
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
-    dim = int(param.partition_dim)
-    stride = int(getattr(param, "partition_stride", 1))
+    parts = tp_shards(param, tp_group, tp_size)
+    return combine_shards(parts, int(param.partition_dim), int(getattr(param, "partition_stride", 1)))
+
+
+def tp_shards(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int) -> list[torch.Tensor]:
+    """Every TP rank's shard of a TP-sharded parameter, in rank order (the all-gather of `tp_gather`,
+    without combining them: what a TP rank that does not own the full tensor runs); [] for a replicated
+    parameter or TP 1 (nothing to gather)."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return []
     shard = param.detach().contiguous()
     parts = [torch.empty_like(shard) for _ in range(tp_size)]
     dist.all_gather(parts, shard, group=tp_group)
-    return combine_shards(parts, dim, stride)
+    return parts
 
 
 def combine_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:

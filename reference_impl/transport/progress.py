@@ -2,13 +2,16 @@
 
 A rank that waits forever (in a collective, a broadcast, an HTTP call) cannot answer; the harness's
 watchdog reads these files instead: each holds one line, the last phase the rank entered, e.g.
-"sync 2: chunk 3 of 9 on the wire: /update_weights in flight (transfer)". Each write replaces the file
-atomically (temp file, rename); with no path nothing is written.
+"sync 2: chunk 3 of 9 on the wire: /update_weights in flight (transfer)". A rank whose sync runs in two
+threads (the sender's export and its send thread, `transport.sync`) keeps one line per thread, the
+main thread's first, each other line prefixed with its thread's name. Each write replaces the file
+atomically (temp file, rename, under a lock); with no path nothing is written.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
@@ -17,16 +20,25 @@ class Progress:
 
     def __init__(self, path: str | Path | None) -> None:
         self.path = Path(path) if path else None
+        self.lines: dict[str, str] = {}  # thread name -> its last phase, main thread first
+        self.lock = threading.Lock()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def at(self, phase: str) -> None:
-        """Record that this rank entered `phase` (one line of text)."""
+        """Record that this rank (the calling thread of it) entered `phase` (one line of text)."""
         if self.path is None:
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(phase + "\n")
-        os.replace(tmp, self.path)
+        thread = threading.current_thread()
+        main = thread is threading.main_thread()
+        with self.lock:
+            if main:
+                self.lines = {"": phase, **{k: v for k, v in self.lines.items() if k}}
+            else:
+                self.lines[thread.name] = f"{thread.name}: {phase}"
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("\n".join(self.lines.values()) + "\n")
+            os.replace(tmp, self.path)
 
 
 def read_progress(folder: Path) -> dict[str, str]:

@@ -1,14 +1,19 @@
 """One sync's chunk loop, the same for both placements; a channel says how a chunk's bytes travel.
 
-On every trainer rank, after its export produced the tensors it owns:
-1. all ranks exchange their tensor metadata (one `all_gather_object`) and compute the same chunk plan;
-2. the sender (global rank 0) opens one session (`/start_weight_update`);
-3. per chunk: owners other than the sender hand their tensors to it point to point (each rank sends
-   only what it owns in that chunk, in plan order; a rank that owns nothing in a chunk sends nothing:
+On every trainer rank, while its export runs (`export.stream.export` produces tensors as they are consumed):
+1. the sender (global rank 0) opens one session (`/start_weight_update`), then consumes its export and hands
+   each chunk of its own tensors to its send thread as soon as the tensor after it was produced (the
+   plan's greedy rule over the sender's tensors, which come first in the plan): gather and convert of the
+   next chunks overlap with the wire of the earlier ones; the send thread takes one chunk at a time, in plan
+   order, so a channel's buffer is rewritten only after the engine acknowledged the chunk before;
+2. all ranks exchange their tensor metadata (one `all_gather_object`) and compute the same chunk plan (the
+   sender checks that it begins with the chunks it already queued);
+3. per remaining chunk: owners other than the sender hand their tensors to it point to point (each rank
+   sends only what it owns in that chunk, in plan order; a rank that owns nothing in a chunk sends nothing:
    there is no per-chunk collective among trainer ranks, so stages with different chunk counts cannot
-   deadlock); the sender hands the chunk to the channel, which packs it, makes the engine take it
-   (`/update_weights`) and returns the engine's answer;
-4. the sender closes the session (`/finish_weight_update`).
+   deadlock); the sender queues the chunk to its send thread, which hands it to the channel; the channel
+   packs it, makes the engine take it (`/update_weights`) and returns the engine's answer;
+4. once the last answer is in, the sender closes the session (`/finish_weight_update`).
 A rejected chunk is recorded and the loop goes on (every rank keeps the same schedule). While the
 engine holds no open session (its start was refused, or it ended the session when a chunk failed, as
 vLLM does) the sender still collects each chunk from its owners but does not send it: nobody would
@@ -23,6 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -140,9 +148,102 @@ def names_rejected(names: list[str], rejected: EngineRejected) -> dict[str, str]
     return named or {n: f"{GENERIC_REJECTION}{rejected}" for n in names}
 
 
+@dataclass
+class _Sent:
+    """One chunk the sender handed to its send thread: the tensors as collected, what went into the
+    record, and the engine's load seconds."""
+
+    chunk: Chunk
+    tensors: list[torch.Tensor]
+    entry: ChunkRecord
+    info: UpdateInfo
+    answered: bool = False
+    rejected: EngineRejected | None = None
+    load_s: float = 0.0
+    wire_s: float = 0.0
+
+
+class _SendThread:
+    """The sender's send thread: chunks go to the channel one at a time, in the order they are queued,
+    while the calling thread goes on exporting and collecting the next ones. One chunk is on the wire at
+    a time, so a channel's one buffer (the packing buffer, the shared segment) is written again only
+    after the engine acknowledged the chunk before (the 200 of its /update_weights)."""
+
+    def __init__(self, channel: Channel, client: EngineClient, sync_index: int, n_planned: Callable[[], str],
+                 progress: Progress) -> None:
+        self.channel, self.client, self.sync_index = channel, client, sync_index
+        self.n_planned, self.progress = n_planned, progress
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sync-send")
+        self.queued: list[tuple[_Sent, Future[None]]] = []
+
+    def put(self, chunk: Chunk, tensors: list[torch.Tensor]) -> None:
+        """Queue one collected chunk (its `update_info` is made now, in plan order)."""
+        info = update_info(chunk)
+        sent = _Sent(chunk, tensors, ChunkRecord(index=chunk.index, names=info.names, bytes=chunk.nbytes, sent=True),
+                     info)
+        self.queued.append((sent, self.pool.submit(self._send, sent)))
+
+    def _send(self, sent: _Sent) -> None:
+        where = f"sync {self.sync_index}"
+        if not self.client.session_open:
+            why = f"not sent: no open update session ({self.client.session_closed_by or 'unknown why'})"
+            sent.entry = sent.entry.model_copy(update={"sent": False, "note": why})
+            return
+        t0 = time.perf_counter()
+        try:
+            self.progress.at(
+                f"{where}: chunk {sent.chunk.index} of {self.n_planned()} on the wire: /update_weights in flight"
+            )
+            answer = send_chunk(self.channel, self.client, sent.tensors, sent.info, self.sync_index)
+            sent.entry.received = sent.answered = True
+            sent.load_s = float(answer.get("load_s", 0.0))
+        except EngineRejected as e:
+            sent.rejected = e
+        sent.wire_s = time.perf_counter() - t0 - sent.load_s
+
+    def drain(self) -> list[_Sent]:
+        """Wait for every queued chunk; returns them in order. Re-raises what a send raised (other than the
+        engine's refusal, which is in its `_Sent`)."""
+        try:
+            for _, future in self.queued:
+                future.result()
+        finally:
+            self.pool.shutdown(wait=True)
+        return [sent for sent, _ in self.queued]
+
+
+def _stream_own_chunks(
+    named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int, rank: int, sender: _SendThread | None,
+    progress: Progress, where: str,
+) -> tuple[list[tuple[str, torch.Tensor]], list[Chunk]]:
+    """Consume this rank's export; on the sender, queue each chunk of its own tensors as soon as the export
+    produced the tensor after it (`plan_chunks`' greedy rule on the sender's tensors, which come first in the
+    plan: those chunks are the plan's first ones whatever the other ranks own). The sender's last, partial
+    chunk waits for the plan (other owners' tensors may join it). Returns every (name, tensor) and the
+    chunks queued."""
+    own: list[tuple[str, torch.Tensor]] = []
+    streamed: list[Chunk] = []
+    pending: list[TensorMeta] = []
+    size = 0
+    by_name: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        meta = TensorMeta(name, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank)
+        if sender is not None and pending and size + meta.nbytes > chunk_bytes:
+            chunk = Chunk(len(streamed), tuple(pending))
+            progress.at(f"{where}: exporting; chunk {chunk.index} queued for the wire")
+            sender.put(chunk, collect(chunk, by_name))
+            streamed.append(chunk)
+            pending, size = [], 0
+        pending.append(meta)
+        size += meta.nbytes
+        own.append((name, t))
+        by_name[name] = t
+    return own, streamed
+
+
 def run_sync(
     *,
-    named: list[tuple[str, torch.Tensor]],
+    named: Iterable[tuple[str, torch.Tensor]],
     rank: int,
     world_size: int,
     chunk_bytes: int,
@@ -152,61 +253,82 @@ def run_sync(
     channel: Channel | None,
     progress: Progress | None = None,
 ) -> tuple[SyncReport, list[Chunk]]:
-    """One sync's transfer on this rank (see module doc). The sender passes `client` and `channel`.
-    `progress` is told every phase this rank enters (what a watchdog reports when the rank hangs).
+    """One sync's transfer on this rank (see module doc). `named` is this rank's export, consumed here (an
+    export that produces its tensors as it runs, `export.stream.export`, overlaps with the wire). The sender
+    passes `client` and `channel`. `progress` is told every phase this rank enters (what a watchdog reports
+    when the rank hangs).
 
-    Returns this rank's observations and the chunk plan. Seconds in
-    `phases`: `gather` here is the sender's wait for other ranks' tensors; `transfer` is the chunk loop's
-    wall time less that wait, less checksum time and less the engine's reported load time (`load`).
+    The sender opens the session first, then queues each chunk of its own tensors to its send thread as soon
+    as the export produced it (pack, broadcast or handle, the engine's answer: one chunk at a time, in plan
+    order), while the export goes on; with the plan of every rank's tensors, it checks that those chunks are
+    the plan's first ones, collects and queues the rest, waits for the last answer and finishes.
+
+    Returns this rank's observations and the chunk plan. Seconds in `phases`: `gather` here is the
+    sender's wait for other ranks' tensors; `transfer` is the send thread's time per chunk less the
+    engine's reported load time (`load`), summed; `total_s` is the wall time (overlapped phases counted once)
+    less checksum time.
+
+    Raises:
+        RuntimeError: the plan does not begin with the chunks streamed during the export (a planner that is
+            not `plan_chunks`' greedy rule over owner-ordered tensors).
     """
     res = SyncReport(rank=rank)
     progress = progress or Progress(None)
     where = f"sync {sync_index}"
-    progress.at(f"{where}: exchanging tensor metadata with every rank (all_gather_object)")
-    metas = gather_metadata(named, rank, world_size)
-    plan = plan_chunks(metas, chunk_bytes)
-    by_name = dict(named)
-    if rank != SENDER:
-        progress.at(f"{where}: handing its tensors of {len(plan)} chunks to the sender point to point (gather)")
-        hand_off(plan, by_name, rank)
-        progress.at(f"{where}: handed every tensor it owns to the sender")
-        return res, plan
-    assert client is not None and channel is not None, "the sender needs the engine client and a channel"
-    t_recv = t_sum = t_load = 0.0
     t_loop0 = time.perf_counter()
-    # A rejected start is recorded in client.calls; the chunk schedule still runs so every rank stays in step.
-    progress.at(f"{where}: /start_weight_update in flight")
-    with contextlib.suppress(EngineRejected):
-        client.start(sync_index, weight_version)
-    for chunk in plan:
-        t0 = time.perf_counter()
-        progress.at(f"{where}: collecting chunk {chunk.index} of {len(plan)} from its owners (gather)")
-        tensors = collect(chunk, by_name)
-        t1 = time.perf_counter()
-        info = update_info(chunk)
-        entry = ChunkRecord(index=chunk.index, names=info.names, bytes=chunk.nbytes, sent=True)
-        if not client.session_open:
-            why = f"not sent: no open update session ({client.session_closed_by or 'unknown why'})"
-            res.chunks.append(entry.model_copy(update={"sent": False, "note": why}))
+    sender: _SendThread | None = None
+    plan: list[Chunk] = []
+    if rank == SENDER:
+        assert client is not None and channel is not None, "the sender needs the engine client and a channel"
+        sender = _SendThread(channel, client, sync_index, lambda: str(len(plan)) if plan else "?", progress)
+        # A rejected start is recorded in client.calls; the chunk schedule still runs so every rank stays in step.
+        progress.at(f"{where}: /start_weight_update in flight")
+        with contextlib.suppress(EngineRejected):
+            client.start(sync_index, weight_version)
+    progress.at(f"{where}: exporting (gather and convert)")
+    try:
+        own, streamed = _stream_own_chunks(named, chunk_bytes, rank, sender, progress, where)
+        progress.at(f"{where}: exchanging tensor metadata with every rank (all_gather_object)")
+        metas = gather_metadata(own, rank, world_size)
+        plan = plan_chunks(metas, chunk_bytes)
+        by_name = dict(own)
+        if rank != SENDER:
+            progress.at(f"{where}: handing its tensors of {len(plan)} chunks to the sender point to point (gather)")
+            hand_off(plan, by_name, rank)
+            progress.at(f"{where}: handed every tensor it owns to the sender")
+            res.total_s = time.perf_counter() - t_loop0
+            return res, plan
+        assert sender is not None and client is not None
+        if [c.tensors for c in plan[: len(streamed)]] != [c.tensors for c in streamed]:
+            raise RuntimeError(
+                f"{where}: the chunk plan does not begin with the {len(streamed)} chunks sent while exporting "
+                "(the planner must pack owner-ordered tensors greedily, as plan_chunks does)"
+            )
+        t_recv = 0.0
+        for chunk in plan[len(streamed) :]:
+            t0 = time.perf_counter()
+            progress.at(f"{where}: collecting chunk {chunk.index} of {len(plan)} from its owners (gather)")
+            tensors = collect(chunk, by_name)
+            t_recv += time.perf_counter() - t0
+            sender.put(chunk, tensors)
+    finally:
+        done = sender.drain() if sender is not None else []
+    assert client is not None
+    t_load = t_wire = 0.0
+    for sent in done:
+        t_load += sent.load_s
+        t_wire += sent.wire_s
+        res.chunks.append(sent.entry)
+        if not sent.entry.sent:
             continue
-        try:
-            progress.at(f"{where}: chunk {chunk.index} of {len(plan)} on the wire: /update_weights in flight")
-            answer = send_chunk(channel, client, tensors, info, sync_index)
-            entry.received = True
-            t_load += float(answer.get("load_s", 0.0))
-            res.names_accepted.extend(info.names)
-        except EngineRejected as e:
-            res.names_rejected.update(names_rejected(info.names, e))
-        res.chunks.append(entry)
-        res.names_sent.extend(info.names)
-        for n, shape, dtype in zip(info.names, info.shapes, info.dtype_names, strict=True):
+        if sent.answered:
+            res.names_accepted.extend(sent.info.names)
+        elif sent.rejected is not None:
+            res.names_rejected.update(names_rejected(sent.info.names, sent.rejected))
+        res.names_sent.extend(sent.info.names)
+        for n, shape, dtype in zip(sent.info.names, sent.info.shapes, sent.info.dtype_names, strict=True):
             res.sent_layout[n] = TensorLayout(shape=list(shape), dtype=dtype)  # as declared to the engine
-        res.bytes += chunk.nbytes
-        t2 = time.perf_counter()
-        for m, t in zip(chunk.tensors, tensors, strict=True):
-            res.sent_checksums[m.name] = tensor_checksum(t)
-        t_sum += time.perf_counter() - t2
-        t_recv += t1 - t0
+        res.bytes += sent.chunk.nbytes
     try:
         if client.session_open:  # else the engine already ended it: nothing to finish (not finished)
             progress.at(f"{where}: /finish_weight_update in flight (load)")
@@ -217,9 +339,14 @@ def run_sync(
             reset_engine_caches(client, sync_index)
     except EngineRejected:
         pass  # recorded in client.calls
-    loop = time.perf_counter() - t_loop0 - t_sum
-    res.phases = {"gather": t_recv, "transfer": max(loop - t_recv - t_load, 0.0), "load": t_load}
-    res.total_s = loop
+    res.total_s = time.perf_counter() - t_loop0
+    t2 = time.perf_counter()
+    for sent in done:  # what was sent, as collected (after the clock: never part of the sync's time)
+        if sent.entry.sent:
+            for m, t in zip(sent.chunk.tensors, sent.tensors, strict=True):
+                res.sent_checksums[m.name] = tensor_checksum(t)
+    progress.at(f"{where}: checksums of what was sent ({time.perf_counter() - t2:.2f} s)")
+    res.phases = {"gather": t_recv, "transfer": t_wire, "load": t_load}
     res.chunks_planned = len(plan)
     progress.at(f"{where}: finished")
     return res, plan

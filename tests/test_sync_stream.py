@@ -1,0 +1,122 @@
+"""The sender's sync loop streams: chunks of its own tensors go on the wire while its export still runs,
+one chunk at a time and in plan order, and the record is the same as a sync that exported first.
+
+One trainer rank (world size 1, no process group), a recording channel and a client that answers 200:
+stand-ins for the engine, so the order of export and sends is observable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from wsh_vllm_plugin.protocol import UpdateInfo
+
+from reference_impl.checksum import tensor_checksum
+from reference_impl.transport.plan import plan_chunks
+from reference_impl.transport.sync import run_sync
+
+
+class Client:
+    """Answers every route with 200, as an engine with nothing to refuse."""
+
+    session_open = False
+    session_closed_by = ""
+
+    def start(self, sync: int, weight_version: int | None = None) -> Any:
+        self.session_open = True
+        return {}
+
+    def finish(self, sync: int, weight_version: int) -> Any:
+        self.session_open = False
+        return {"update_counts": {}}
+
+    def reset_prefix_cache(self, sync: int | None = None) -> Any:
+        return {}
+
+    def reset_encoder_cache(self, sync: int | None = None) -> Any:
+        return {}
+
+
+class Channel:
+    """Records what it sent and the export's progress at that moment; one send takes `delay_s`."""
+
+    backend = "gloo"
+
+    def __init__(self, produced: list[str], delay_s: float) -> None:
+        self.produced, self.delay_s = produced, delay_s
+        self.sent: list[tuple[int, list[str], int]] = []  # chunk, names, tensors produced when it was sent
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.lock = threading.Lock()
+
+    def send(self, client: Any, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        self.sent.append((info.chunk_index or 0, list(info.names), len(self.produced)))
+        time.sleep(self.delay_s)
+        with self.lock:
+            self.in_flight -= 1
+        return {"load_s": 0.0}
+
+    def close(self) -> None:
+        pass
+
+
+def tensors() -> list[tuple[str, torch.Tensor]]:
+    return [(f"model.layers.{i}.mlp.down_proj.weight", torch.full((256,), float(i))) for i in range(12)]
+
+
+def test_chunks_go_on_the_wire_while_the_export_runs() -> None:
+    named = tensors()
+    produced: list[str] = []
+
+    def export() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named:
+            time.sleep(0.02)  # the export's gather and convert of one tensor
+            produced.append(name)
+            yield name, t
+
+    channel = Channel(produced, delay_s=0.01)
+    chunk_bytes = 3 * 1024  # 3 tensors of 1 KiB per chunk
+    res, plan = run_sync(
+        named=export(), rank=0, world_size=1, chunk_bytes=chunk_bytes, sync_index=0, weight_version=0,
+        client=Client(), channel=channel,  # type: ignore[arg-type]
+    )
+    # the plan of an export run first (hand-derived: 12 tensors of 1 KiB, 3 per chunk)
+    assert [[m.name for m in c.tensors] for c in plan] == [[n for n, _ in named[i : i + 3]] for i in (0, 3, 6, 9)]
+    assert plan == plan_chunks([m for c in plan for m in c.tensors], chunk_bytes)
+    assert [(i, names) for i, names, _ in channel.sent] == [(c.index, [m.name for m in c.tensors]) for c in plan]
+    # chunk 0 left while most of the export was still to come; only the last chunk waited for the end
+    assert channel.sent[0][2] <= 5 and all(at < len(named) for _, _, at in channel.sent[:-1])
+    assert channel.most_in_flight == 1  # one chunk on the wire at a time: a channel's one buffer is safe
+    assert res.finished and res.names_sent == [n for n, _ in named] == res.names_accepted
+    assert res.sent_checksums == {n: tensor_checksum(t) for n, t in named}
+    assert [c.index for c in res.chunks] == [0, 1, 2, 3] and all(c.sent and c.received for c in res.chunks)
+    assert res.bytes == 12 * 1024 and res.chunks_planned == 4
+
+
+def test_a_chunk_is_not_sent_once_the_engine_ended_the_session() -> None:
+    named = tensors()
+    client = Client()
+
+    class Ending(Channel):
+        def send(self, client: Any, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+            out = super().send(client, tensors, info, sync)
+            if info.chunk_index == 1:  # as vLLM does when a chunk fails
+                client.session_open, client.session_closed_by = False, "the engine ended the session"
+            return out
+
+    channel = Ending([], delay_s=0.0)
+    res, _ = run_sync(
+        named=iter(named), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=1, weight_version=1,
+        client=client, channel=channel,  # type: ignore[arg-type]
+    )
+    assert [i for i, _, _ in channel.sent] == [0, 1]
+    assert [c.sent for c in res.chunks] == [True, True, False, False]
+    assert "the engine ended the session" in res.chunks[2].note and not res.finished
+    assert set(res.sent_checksums) == {n for n, _ in named[:6]}
