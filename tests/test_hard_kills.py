@@ -188,14 +188,15 @@ def test_engine_killed_mid_chunk_is_a_crash_naming_the_engine(runner, seed: int)
         deadline_s=DEADLINE_S,
         suffix=f"kill-engine-{seed}",
     )
-    pattern = re.compile(rf"^sync {sync}: (collecting chunk|chunk) (\d+) of")
+    # the sender's lines: its main thread's (exporting, collecting) and its send thread's (on the wire)
+    pattern = re.compile(rf"^(?:sync-send_0: )?sync {sync}: (collecting chunk|chunk) (\d+) of", re.M)
 
     def reached(sender: str, _: str) -> bool:
-        m = pattern.match(sender)
-        return m is not None and int(m.group(2)) >= chunk
+        return any(int(m.group(2)) >= chunk for m in pattern.finditer(sender))
 
     rec, killer = _run_with_kill(runner, sc, lambda trace, pids: Killer(trace, reached, pids, "engine", "engine"))
-    assert re.match(rf"sync {sync}: chunk \d+ of \d+ on the wire", killer.in_flight), killer.in_flight
+    on_the_wire = rf"^sync-send_0: sync {sync}: chunk \d+ of (at least )?\d+ on the wire"
+    assert re.search(on_the_wire, killer.in_flight, re.M), killer.in_flight
     assert rec.verdict == "CRASH", [c for c in rec.checks if not c["ok"]]
     crash = next(c for c in rec.checks if c["name"] == "crash")
     assert crash["message"].startswith("engine raised EngineExited: the engine server (pid "), crash["message"]

@@ -212,6 +212,14 @@ class _SendThread:
         return [sent for sent, _ in self.queued]
 
 
+def _planned(plan: list[Chunk], sender: _SendThread | None) -> str:
+    """The chunk count for progress lines: the plan's, or while the plan is not made yet (the sender is still
+    exporting) "at least" the chunks queued plus the one being filled."""
+    if plan:
+        return str(len(plan))
+    return f"at least {len(sender.queued) + 1 if sender is not None else 1}"
+
+
 def _stream_own_chunks(
     named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int, rank: int, sender: _SendThread | None,
     progress: Progress, where: str,
@@ -230,8 +238,9 @@ def _stream_own_chunks(
         meta = TensorMeta(name, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank)
         if sender is not None and pending and size + meta.nbytes > chunk_bytes:
             chunk = Chunk(len(streamed), tuple(pending))
-            progress.at(f"{where}: exporting; chunk {chunk.index} queued for the wire")
             sender.put(chunk, collect(chunk, by_name))
+            queued = f"chunk {chunk.index} of at least {chunk.index + 2} queued"
+            progress.at(f"{where}: {queued}; exporting the next (gather and convert)")
             streamed.append(chunk)
             pending, size = [], 0
         pending.append(meta)
@@ -280,7 +289,7 @@ def run_sync(
     plan: list[Chunk] = []
     if rank == SENDER:
         assert client is not None and channel is not None, "the sender needs the engine client and a channel"
-        sender = _SendThread(channel, client, sync_index, lambda: str(len(plan)) if plan else "?", progress)
+        sender = _SendThread(channel, client, sync_index, lambda: _planned(plan, sender), progress)
         # A rejected start is recorded in client.calls; the chunk schedule still runs so every rank stays in step.
         progress.at(f"{where}: /start_weight_update in flight")
         with contextlib.suppress(EngineRejected):
