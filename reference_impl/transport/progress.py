@@ -42,7 +42,9 @@ class Progress:
 
 
 def read_progress(folder: Path) -> dict[str, str]:
-    """label -> last phase, for every `<label>.txt` in `folder` ({} when it does not exist)."""
+    """label -> last phase, for every `<label>.txt` in `folder` ({} when it does not exist); a rank with
+    one line per thread gets them on one line, joined by " | " (messages quote it whole)."""
     if not folder.is_dir():
         return {}
-    return {p.stem: p.read_text().strip() for p in sorted(folder.glob("*.txt"))}
+    return {p.stem: " | ".join(x.strip() for x in p.read_text().splitlines() if x.strip())
+            for p in sorted(folder.glob("*.txt"))}
