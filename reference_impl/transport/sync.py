@@ -65,9 +65,15 @@ class Channel(Protocol):
         ...
 
 
-def gather_metadata(named: list[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[TensorMeta]:
-    """Every rank's named tensors as `TensorMeta`, ordered by owner rank then export order."""
-    mine = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank) for n, t in named]
+def tensor_meta(name: str, t: torch.Tensor, rank: int) -> TensorMeta:
+    """One exported tensor's entry in the chunk plan: its HF name, shape, vLLM dtype name, bytes
+    (numel x element size) and owning trainer rank."""
+    return TensorMeta(name, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank)
+
+
+def gather_metadata(mine: list[TensorMeta], world_size: int) -> list[TensorMeta]:
+    """Every rank's tensor metadata (`mine` is this rank's, in export order), ordered by owner rank then
+    export order: one `all_gather_object` over the default group (none when `world_size` is 1)."""
     if world_size == 1:
         return mine
     everyone: list[list[TensorMeta] | None] = [None] * world_size
@@ -212,30 +218,28 @@ class _SendThread:
         return [sent for sent, _ in self.queued]
 
 
-def _planned(plan: list[Chunk], sender: _SendThread | None) -> str:
+def _planned(plan: list[Chunk], sender: _SendThread) -> str:
     """The chunk count for progress lines: the plan's, or while the plan is not made yet (the sender is still
     exporting) "at least" the chunks queued plus the one being filled."""
-    if plan:
-        return str(len(plan))
-    return f"at least {len(sender.queued) + 1 if sender is not None else 1}"
+    return str(len(plan)) if plan else f"at least {len(sender.queued) + 1}"
 
 
 def _stream_own_chunks(
     named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int, rank: int, sender: _SendThread | None,
     progress: Progress, where: str,
-) -> tuple[list[tuple[str, torch.Tensor]], list[Chunk]]:
+) -> tuple[list[TensorMeta], dict[str, torch.Tensor], list[Chunk]]:
     """Consume this rank's export; on the sender, queue each chunk of its own tensors as soon as the export
     produced the tensor after it (`plan_chunks`' greedy rule on the sender's tensors, which come first in the
     plan: those chunks are the plan's first ones whatever the other ranks own). The sender's last, partial
-    chunk waits for the plan (other owners' tensors may join it). Returns every (name, tensor) and the
-    chunks queued."""
-    own: list[tuple[str, torch.Tensor]] = []
+    chunk waits for the plan (other owners' tensors may join it). Returns this rank's tensor metadata in
+    export order, its tensors by HF name and the chunks queued."""
+    own: list[TensorMeta] = []
     streamed: list[Chunk] = []
     pending: list[TensorMeta] = []
     size = 0
     by_name: dict[str, torch.Tensor] = {}
     for name, t in named:
-        meta = TensorMeta(name, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(), rank)
+        meta = tensor_meta(name, t, rank)
         if sender is not None and pending and size + meta.nbytes > chunk_bytes:
             chunk = Chunk(len(streamed), tuple(pending))
             sender.put(chunk, collect(chunk, by_name))
@@ -245,9 +249,9 @@ def _stream_own_chunks(
             pending, size = [], 0
         pending.append(meta)
         size += meta.nbytes
-        own.append((name, t))
+        own.append(meta)
         by_name[name] = t
-    return own, streamed
+    return own, by_name, streamed
 
 
 def run_sync(
@@ -289,18 +293,17 @@ def run_sync(
     plan: list[Chunk] = []
     if rank == SENDER:
         assert client is not None and channel is not None, "the sender needs the engine client and a channel"
-        sender = _SendThread(channel, client, sync_index, lambda: _planned(plan, sender), progress)
+        send_thread = _SendThread(channel, client, sync_index, lambda: _planned(plan, send_thread), progress)
+        sender = send_thread
         # A rejected start is recorded in client.calls; the chunk schedule still runs so every rank stays in step.
         progress.at(f"{where}: /start_weight_update in flight")
         with contextlib.suppress(EngineRejected):
             client.start(sync_index, weight_version)
     progress.at(f"{where}: exporting (gather and convert)")
     try:
-        own, streamed = _stream_own_chunks(named, chunk_bytes, rank, sender, progress, where)
+        own, by_name, streamed = _stream_own_chunks(named, chunk_bytes, rank, sender, progress, where)
         progress.at(f"{where}: exchanging tensor metadata with every rank (all_gather_object)")
-        metas = gather_metadata(own, rank, world_size)
-        plan = plan_chunks(metas, chunk_bytes)
-        by_name = dict(own)
+        plan = plan_chunks(gather_metadata(own, world_size), chunk_bytes)
         if rank != SENDER:
             progress.at(f"{where}: handing its tensors of {len(plan)} chunks to the sender point to point (gather)")
             hand_off(plan, by_name, rank)
