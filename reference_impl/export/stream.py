@@ -27,7 +27,7 @@ from reference_impl.models.families import model_family
 from reference_impl.models.raw_rules import ConvertConfig, FamilyTable, convert
 from reference_impl.models.registry import ModelSpec
 from reference_impl.trainer.model import TrainerModel
-from reference_impl.trainer.parallel import RankLayout
+from reference_impl.trainer.parallel import RankLayout, gather_groups
 from reference_impl.trainer.params import (
     ep_gather,
     expert_id,
@@ -94,12 +94,8 @@ def iter_raw(
     K), and the expert leader (EP 0, ETP 0, EDP 0) converts and owns every expert of its stage. A family
     with a post-pass over all of a rank's tensors (e.g. fusing experts) produces them only at the end.
     """
-    from megatron.core import parallel_state as ps
-
     table = table or model_family(model.model_type).raw
-    tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
-    etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
-    ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
+    groups = gather_groups(layout)
     local_experts = config.num_experts // layout.ep if config.num_experts else 0
     held: NamedTensors = []  # a post-pass's input
     phases.setdefault("gather", 0.0)
@@ -107,15 +103,15 @@ def iter_raw(
     for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
         t0 = time.perf_counter()
         if is_expert_param(name):
-            full = tp_gather(p, etp_group, layout.etp)
-            per_rank = ep_gather(full, ep_group, layout.ep)
+            full = tp_gather(p, groups.etp, layout.etp)
+            per_rank = ep_gather(full, groups.ep, layout.ep)
             k = expert_id(name) - layout.ep_rank * local_experts
             full_tensors = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
             mine = layout.is_expert_leader
         elif layout.is_stage_leader:
-            full_tensors, mine = [(name, tp_gather(p, tp_group, layout.tp))], True
+            full_tensors, mine = [(name, tp_gather(p, groups.tp, layout.tp))], True
         else:  # its shard goes to the leader's all-gather; nothing to combine here
-            tp_shards(p, tp_group, layout.tp)
+            tp_shards(p, groups.tp, layout.tp)
             full_tensors, mine = [], False
         t1 = time.perf_counter()
         phases["gather"] += t1 - t0

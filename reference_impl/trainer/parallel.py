@@ -45,6 +45,27 @@ class RankLayout:
         return self.ep_rank == 0 and self.etp_rank == 0 and self.edp_rank == 0
 
 
+@dataclass(frozen=True)
+class GatherGroups:
+    """The groups an export all-gathers a rank's parameters over: TP (dense parameters), expert-TP then EP
+    (routed experts); None for a group of one rank (nothing to gather there)."""
+
+    tp: dist.ProcessGroup | None
+    etp: dist.ProcessGroup | None
+    ep: dist.ProcessGroup | None
+
+
+def gather_groups(layout: RankLayout) -> GatherGroups:
+    """This rank's `GatherGroups` from Megatron's parallel state (`init_model_parallel` must have run)."""
+    from megatron.core import parallel_state as ps
+
+    return GatherGroups(
+        tp=ps.get_tensor_model_parallel_group() if layout.tp > 1 else None,
+        etp=ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None,
+        ep=ps.get_expert_model_parallel_group() if layout.ep > 1 else None,
+    )
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 600) -> None:
     """Create the default process group once (gloo on CPU, NCCL with CUDA). Idempotent."""
     if dist.is_initialized():

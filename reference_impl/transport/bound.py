@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from reference_impl.trainer.model import TrainerModel
-from reference_impl.trainer.parallel import RankLayout
+from reference_impl.trainer.parallel import RankLayout, gather_groups
 from reference_impl.trainer.params import is_expert_param, iter_global_params
 from reference_impl.transport.client import EngineClient
 from reference_impl.transport.plan import Chunk
-from reference_impl.transport.replicas import ReplicaClient
+from reference_impl.transport.replicas import ReplicaClient, engines_of
 from reference_impl.transport.sync import SENDER, Channel
 
 
@@ -51,11 +51,7 @@ def gather_steps(model: TrainerModel, layout: RankLayout, num_experts: int) -> l
     the TP group (shard bytes); per routed expert parameter one over the expert-TP group when it is sharded
     there, then one over the EP group (the expert's full bytes). Replicated parameters gather nothing.
     Every rank of a group lists the same steps in the same order (the export's collective schedule)."""
-    from megatron.core import parallel_state as ps
-
-    tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
-    etp_group = ps.get_expert_tensor_parallel_group() if layout.etp > 1 else None
-    ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
+    groups = gather_groups(layout)
     local_experts = num_experts // layout.ep if num_experts else 0
     steps: list[GatherStep] = []
     for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
@@ -63,12 +59,12 @@ def gather_steps(model: TrainerModel, layout: RankLayout, num_experts: int) -> l
         sharded = bool(getattr(p, "tensor_model_parallel", False))
         if is_expert_param(name):
             if sharded and layout.etp > 1:
-                steps.append(GatherStep(nbytes, etp_group, layout.etp))
+                steps.append(GatherStep(nbytes, groups.etp, layout.etp))
                 nbytes *= layout.etp
             if layout.ep > 1:
-                steps.append(GatherStep(nbytes, ep_group, layout.ep))
+                steps.append(GatherStep(nbytes, groups.ep, layout.ep))
         elif sharded and layout.tp > 1:
-            steps.append(GatherStep(nbytes, tp_group, layout.tp))
+            steps.append(GatherStep(nbytes, groups.tp, layout.tp))
     return steps
 
 
@@ -112,13 +108,9 @@ def gather_bound(
     return time.perf_counter() - t0
 
 
-def _engines(client: EngineClient | ReplicaClient) -> list[EngineClient]:
-    return client.clients if isinstance(client, ReplicaClient) else [client]
-
-
 def _broadcast_bound(group: object, client: EngineClient | ReplicaClient, sizes: Sequence[int]) -> float:
     """Bare broadcasts of `sizes` over `group` (a `protocol.TransferGroup`) while every engine takes them."""
-    engines = _engines(client)
+    engines = engines_of(client)
     buffer = torch.empty(max(sizes), dtype=torch.uint8, device=group.device)  # type: ignore[attr-defined]
     with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="transfer-probe") as pool:
         answers = [pool.submit(c.transfer_probe, [1, *sizes]) for c in engines]

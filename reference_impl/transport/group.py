@@ -12,9 +12,14 @@ would claim the same ranks and leave others empty: the group never forms.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from wsh_vllm_plugin.protocol import GLOO, SENDER_RANK, InitInfo
+
+from reference_impl.transport.client import EngineClient
+from reference_impl.transport.replicas import ReplicaClient, engines_of
 
 
 def rank_offsets(engine_ranks: Sequence[int]) -> list[int]:
@@ -57,3 +62,36 @@ def init_infos(
         )
         for offset in rank_offsets(engine_ranks)
     ]
+
+
+def engine_clients(client: EngineClient | ReplicaClient, engine_ranks: Sequence[int]) -> list[EngineClient]:
+    """The engines of `client` (`replicas.engines_of`), one per entry of `engine_ranks` (each engine's workers
+    in the group: its TP).
+
+    Raises:
+        ValueError: `engine_ranks` does not have one entry per engine.
+    """
+    clients = engines_of(client)
+    if len(engine_ranks) != len(clients):
+        raise ValueError(f"{len(clients)} engines but transfer-group ranks for {list(engine_ranks)}")
+    return clients
+
+
+def init_while_joining[J](clients: Sequence[EngineClient], bodies: Sequence[Any], join: Callable[[], J]) -> J:
+    """POST /init_weight_transfer_engine `bodies[i]` (an `InitInfo` or vLLM's init_info dict) to engine i,
+    each in a thread, while this thread runs `join()` (an engine answers only once every rank of the group
+    joined); returns what `join` returned. A failed join does not wait for the HTTP calls.
+
+    Raises:
+        EngineRejected: an engine refused the init call.
+        What `join` raises (e.g. RuntimeError / DistStoreError when the engines did not join in time).
+    """
+    pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="init-transfer")
+    try:
+        answers = [pool.submit(c.init_transfer, body) for c, body in zip(clients, bodies, strict=True)]
+        joined = join()
+        for answer in answers:
+            answer.result()  # re-raises an init call's error here
+    finally:
+        pool.shutdown(wait=False)
+    return joined

@@ -82,25 +82,15 @@ def connect_broadcast(
         EngineRejected: an engine refused the init call.
         RuntimeError / DistStoreError: the engines did not join within `timeout_s` seconds.
     """
-    clients = client.clients if isinstance(client, ReplicaClient) else [client]
-    if len(engine_ranks) != len(clients):
-        raise ValueError(f"{len(clients)} engines but transfer-group ranks for {list(engine_ranks)}")
+    clients = group.engine_clients(client, engine_ranks)
     store = host_store(master_address, timeout_s=timeout_s)
     infos = group.init_infos(master_address, store.port, engine_ranks, timeout_s, backend)
-    pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="init-transfer")
-    try:
-        answers = [pool.submit(c.init_transfer, info) for c, info in zip(clients, infos, strict=True)]
-        joined = join_transfer_group(
-            master_address,
-            store.port,
-            SENDER,
-            group.world_size(engine_ranks),
-            timeout_s=timeout_s,
-            store=store,
-            backend=backend,
-        )
-        for answer in answers:
-            answer.result()  # re-raises an init call's error here
-    finally:
-        pool.shutdown(wait=False)  # a failed join does not wait for the HTTP calls
+    size = group.world_size(engine_ranks)
+    joined = group.init_while_joining(
+        clients,
+        infos,
+        lambda: join_transfer_group(
+            master_address, store.port, SENDER, size, timeout_s=timeout_s, store=store, backend=backend
+        ),
+    )
     return BroadcastChannel(joined, infos, backend)

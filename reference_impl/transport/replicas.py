@@ -228,3 +228,8 @@ class ReplicaClient:
         if failures:
             raise ReplicasRejected(failures)
         return outcomes[0]
+
+
+def engines_of(client: EngineClient | ReplicaClient) -> list[EngineClient]:
+    """The engines behind `client`, in engine order: a `ReplicaClient`'s clients, or `[client]`."""
+    return list(client.clients) if isinstance(client, ReplicaClient) else [client]

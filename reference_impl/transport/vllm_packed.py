@@ -101,36 +101,6 @@ class PackedBroadcastChannel:
         self.pool.shutdown(wait=True)
 
 
-def _engine_clients(client: EngineClient | ReplicaClient, engine_ranks: Sequence[int]) -> list[EngineClient]:
-    """The engines of `client`, one per entry of `engine_ranks` (each engine's workers in the group: its TP).
-
-    Raises:
-        ValueError: `engine_ranks` does not have one entry per engine.
-    """
-    clients = client.clients if isinstance(client, ReplicaClient) else [client]
-    if len(engine_ranks) != len(clients):
-        raise ValueError(f"{len(clients)} engines but transfer-group ranks for {list(engine_ranks)}")
-    return clients
-
-
-def _init_while(clients: Sequence[EngineClient], bodies: Sequence[dict[str, Any]], join: Any) -> Any:
-    """POST /init_weight_transfer_engine `bodies[i]` to engine i, each in a thread, while this thread runs
-    `join()` (an engine answers only once every rank joined); returns what `join` returned.
-
-    Raises:
-        EngineRejected: an engine refused the init call.
-    """
-    pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="init-transfer")
-    try:
-        answers = [pool.submit(c.init_transfer, body) for c, body in zip(clients, bodies, strict=True)]
-        joined = join()
-        for answer in answers:
-            answer.result()  # re-raises an init call's error here
-    finally:
-        pool.shutdown(wait=False)  # a failed join does not wait for the HTTP calls
-    return joined
-
-
 def connect_packed_gloo(
     client: EngineClient | ReplicaClient,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -149,7 +119,7 @@ def connect_packed_gloo(
         EngineRejected: an engine refused the init call.
         RuntimeError / DistStoreError: the engines did not join within `timeout_s` seconds.
     """
-    clients = _engine_clients(client, engine_ranks)
+    clients = group.engine_clients(client, engine_ranks)
     store = host_store(master_address, timeout_s=timeout_s)
     size = group.world_size(engine_ranks)
     bodies = [
@@ -162,7 +132,7 @@ def connect_packed_gloo(
         )
         for offset in group.rank_offsets(engine_ranks)
     ]
-    joined = _init_while(
+    joined = group.init_while_joining(
         clients, bodies, lambda: join_transfer_group(master_address, store.port, SENDER_RANK, size, timeout_s, store)
     )
     channel = PackedBroadcastChannel(
@@ -193,7 +163,7 @@ def connect_packed_nccl(
         raise RuntimeError("vLLM's nccl backend needs a CUDA device; on CPU use connect_packed_gloo")
     import torch.cuda.nccl as nccl
 
-    clients = _engine_clients(client, engine_ranks)
+    clients = group.engine_clients(client, engine_ranks)
     device = torch.device("cuda", torch.cuda.current_device())
     uid = nccl.unique_id()
     size = group.world_size(engine_ranks)
@@ -209,7 +179,7 @@ def connect_packed_nccl(
         torch.cuda.synchronize(device)
         return comm
 
-    comm = _init_while(clients, bodies, join)
+    comm = group.init_while_joining(clients, bodies, join)
 
     def broadcast(buf: torch.Tensor) -> None:
         nccl.broadcast([buf], root=SENDER_RANK, comms=[comm])  # torch's root indexes the list: the sender's buffer
