@@ -76,7 +76,7 @@ def tests(session: nox.Session) -> None:
     _install(session)
     session.run("ruff", "check", ".")
     env = _vllm_env(session) | {"WSH_REQUIRE_VLLM": "1"}
-    session.run("pytest", *(session.posargs or ["-q", "tests"]), env=env)
+    session.run("pytest", *(session.posargs or ["-q", "--durations=40", "tests"]), env=env)
 
 
 @nox.session(python=PYTHON)
