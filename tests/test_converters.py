@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from reference_impl.models.raw_rules import (
     split_gate_up,
     split_qkv,
 )
+from reference_impl.trainer import params
 from reference_impl.trainer.params import combine_shards, global_name
 
 FACTS = ConvertConfig(
@@ -67,6 +70,83 @@ def test_gate_up_split_after_stride_two_gather() -> None:
 def test_row_parallel_gather_concatenates_columns() -> None:
     a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]])
     assert combine_shards([a, b], dim=1).tolist() == [[1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "stride", "tp"),
+    [
+        ((6, 4), 0, 1, 2),
+        ((6, 4), 0, 2, 2),
+        ((6, 4), 1, 1, 2),
+        ((6, 4), 1, 2, 4),
+        ((4, 6, 3), 1, 3, 3),
+        ((2, 3, 4), 2, 2, 2),
+    ],
+)
+def test_tp_gather_layout_matches_concatenation(
+    shape: tuple[int, ...], dim: int, stride: int, tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tp_gather's one buffer and strided copy give what concatenating the blocks in rank order gives
+    # (combine_shards: block j of every rank before block j + 1); the all-gather hands rank r's shard.
+    n = torch.Size(shape).numel()
+    shards = [torch.arange(r * 1000, r * 1000 + n, dtype=torch.float32).view(shape) for r in range(tp)]
+
+    def all_gather_single(out: torch.Tensor, t: torch.Tensor, group: object = None) -> None:
+        assert out.dim() == t.dim() == 1 and torch.equal(t, shards[0].view(-1))  # gloo's flat form
+        out.copy_(torch.cat([sh.view(-1) for sh in shards]))
+
+    monkeypatch.setattr(params.dist, "all_gather_single", all_gather_single)
+    param = torch.nn.Parameter(shards[0].clone(), requires_grad=False)
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride  # type: ignore[attr-defined]
+    full = params.tp_gather(param, None, tp)
+    assert full.is_contiguous() and torch.equal(full, combine_shards(shards, dim, stride))
+    assert [torch.equal(a, b) for a, b in zip(params.tp_shards(param, None, tp), shards, strict=True)] == [True] * tp
+
+
+GLOO_LAYOUTS = [((6, 4), 0, 1), ((6, 4), 0, 2), ((6, 4), 1, 1), ((4, 6, 2), 1, 3)]
+
+
+def _gather_rank(rank: int, port: int, failures: Any) -> None:
+    """One TP rank of a real gloo group: tp_gather / tp_shards / ep_gather of bf16 shards, checked against
+    concatenating them (`combine_shards`)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        for shape, dim, stride in GLOO_LAYOUTS:
+            n = torch.Size(shape).numel()
+            shards = [torch.arange(r * 1000, r * 1000 + n, dtype=torch.bfloat16).view(shape) for r in range(2)]
+            param = torch.nn.Parameter(shards[rank].clone(), requires_grad=False)
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride  # type: ignore[attr-defined]
+            if not torch.equal(params.tp_gather(param, None, 2), combine_shards(shards, dim, stride)):
+                failures.put(f"rank {rank}: tp_gather {shape} dim {dim} stride {stride}")
+            gathered = {
+                "tp_shards": params.tp_shards(param, None, 2),
+                "ep_gather": params.ep_gather(shards[rank], None, 2),
+            }
+            for what, got in gathered.items():
+                if [torch.equal(a, b) for a, b in zip(got, shards, strict=True)] != [True, True]:
+                    failures.put(f"rank {rank}: {what} {shape}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gathers_over_a_real_gloo_group() -> None:
+    # The collective's own shape rules (gloo takes the flat form) and the layouts, on two real processes.
+    import torch.multiprocessing as mp
+
+    from reference_impl.engine.process import free_port
+
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_gather_rank, args=(r, port, failures)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert failures.empty(), failures.get()
 
 
 def test_vision_qkv_regrouped_from_per_head_to_q_k_v() -> None:

@@ -93,29 +93,44 @@ def iter_global_params(
             yield gname, p
 
 
+def _gather_stacked(t: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    """One all-gather of `t` from every rank of `group` into one new buffer of shape [size, *t.shape]
+    (entry r = rank r's tensor): `all_gather_single` writes each rank's bytes in place, with no per-rank
+    output tensors to allocate and no concatenation after it."""
+    out = torch.empty(size * t.numel(), dtype=t.dtype, device=t.device)
+    dist.all_gather_single(out, t.contiguous().view(-1), group=group)  # gloo takes the flat (concatenated) form
+    return out.view(size, *t.shape)
+
+
 def tp_gather(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int) -> torch.Tensor:
     """The full (unsharded) tensor of a TP-sharded parameter; replicated ones are returned as they are.
 
     Every TP rank of the group must call this for the same parameters in the same order (all-gather).
     Shapes: shard [n/tp, ...] (partition_dim 0) -> full [n, ...]; stride s splits each shard into s
-    blocks along partition_dim and concatenates block j of every rank before block j+1.
+    blocks along partition_dim and concatenates block j of every rank before block j+1 (what
+    `combine_shards` spells out). One all-gather into one buffer; partition_dim 0 with stride 1 (column-
+    parallel weights, the vocab-parallel embedding) is that buffer as it is, other layouts take one
+    strided copy of it. Raises what `torch.distributed` raises when a rank of the group does not take part.
     """
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
-    parts = tp_shards(param, tp_group, tp_size)
-    return combine_shards(parts, int(param.partition_dim), int(getattr(param, "partition_stride", 1)))
+    shard = param.detach()
+    dim, stride = int(param.partition_dim), int(getattr(param, "partition_stride", 1))
+    stacked = _gather_stacked(shard, tp_group, tp_size)  # [tp, *shard.shape]
+    pre, post = shard.shape[:dim], shard.shape[dim + 1 :]
+    blocks = stacked.view(tp_size, *pre, stride, shard.shape[dim] // stride, *post)
+    # [tp, *pre, stride, block, *post] -> [*pre, stride, tp, block, *post]: block j of every rank before j + 1
+    order = [*range(1, dim + 2), 0, *range(dim + 2, blocks.dim())]
+    return blocks.permute(order).contiguous().view(*pre, shard.shape[dim] * tp_size, *post)
 
 
 def tp_shards(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int) -> list[torch.Tensor]:
     """Every TP rank's shard of a TP-sharded parameter, in rank order (the all-gather of `tp_gather`,
     without combining them: what a TP rank that does not own the full tensor runs); [] for a replicated
-    parameter or TP 1 (nothing to gather)."""
+    parameter or TP 1 (nothing to gather). The shards are views of one buffer."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return []
-    shard = param.detach().contiguous()
-    parts = [torch.empty_like(shard) for _ in range(tp_size)]
-    dist.all_gather(parts, shard, group=tp_group)
-    return parts
+    return list(_gather_stacked(param.detach(), tp_group, tp_size).unbind(0))
 
 
 def combine_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
@@ -128,9 +143,8 @@ def combine_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torc
 
 def ep_gather(full: torch.Tensor, ep_group: dist.ProcessGroup | None, ep_size: int) -> list[torch.Tensor]:
     """One local expert's tensor from every EP rank, in EP rank order (every EP rank must call this for
-    the same local expert in the same order). Entry r is global expert r * num_local_experts + K."""
+    the same local expert in the same order). Entry r is global expert r * num_local_experts + K; the
+    entries are views of one buffer."""
     if ep_size == 1:
         return [full]
-    parts = [torch.empty_like(full) for _ in range(ep_size)]
-    dist.all_gather(parts, full.contiguous(), group=ep_group)
-    return parts
+    return list(_gather_stacked(full, ep_group, ep_size).unbind(0))
