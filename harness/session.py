@@ -302,13 +302,15 @@ class ScenarioSession:
                 for checker in self.checkers:
                     checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
         refs = [a.sync.remote(index, index, sc.export_mode, sc.chunk_bytes) for a in self.pool.actors]
-        expected = self.expected
-        sums = self.oracle("parity_expected", index, expected.checksums) if expected is not None else None
         sync = merge_sync(index, self.get(refs, self.deadline, f"sync {index}"), self.record)
         sync.perturbed = perturbed
-        sync.expected_checksums = sums or {}
         self.record.syncs.append(sync)  # before the engine is asked anything more: nothing of it is lost
         with self.checking():
+            # The expected state's checksums once the ranks are done, never while they sync: this process
+            # shares the host's cores with them, and every timed sync would pay for the oracle's hashing.
+            expected = self.expected
+            sums = self.oracle("parity_expected", index, expected.checksums) if expected is not None else None
+            sync.expected_checksums = sums or {}
             self._measure(sync, index)
             if self.after_sync is not None:
                 self.oracle("resources", index, functools.partial(self.after_sync, self.record, index, self.pids))
