@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from wsh_vllm_plugin.protocol import UpdateInfo
 
@@ -77,7 +78,7 @@ def test_chunks_go_on_the_wire_while_the_export_runs() -> None:
 
     def export() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in named:
-            time.sleep(0.02)  # the export's gather and convert of one tensor
+            time.sleep(0.05)  # the export's gather and convert of one tensor
             produced.append(name)
             yield name, t
 
@@ -91,8 +92,9 @@ def test_chunks_go_on_the_wire_while_the_export_runs() -> None:
     assert [[m.name for m in c.tensors] for c in plan] == [[n for n, _ in named[i : i + 3]] for i in (0, 3, 6, 9)]
     assert plan == plan_chunks([m for c in plan for m in c.tensors], chunk_bytes)
     assert [(i, names) for i, names, _ in channel.sent] == [(c.index, [m.name for m in c.tensors]) for c in plan]
-    # chunk 0 left while most of the export was still to come; only the last chunk waited for the end
-    assert channel.sent[0][2] <= 5 and all(at < len(named) for _, _, at in channel.sent[:-1])
+    # chunk 0 left while most of the export was still to come (queued once tensor 4 was produced; two more
+    # tensors of slack for a loaded host); only the last chunk waited for the end
+    assert channel.sent[0][2] <= 6 and all(at < len(named) for _, _, at in channel.sent[:-1])
     assert channel.most_in_flight == 1  # one chunk on the wire at a time: a channel's one buffer is safe
     assert res.finished and res.names_sent == [n for n, _ in named] == res.names_accepted
     assert res.sent_checksums == {n: tensor_checksum(t) for n, t in named}
@@ -120,3 +122,40 @@ def test_a_chunk_is_not_sent_once_the_engine_ended_the_session() -> None:
     assert [c.sent for c in res.chunks] == [True, True, False, False]
     assert "the engine ended the session" in res.chunks[2].note and not res.finished
     assert set(res.sent_checksums) == {n for n, _ in named[:6]}
+
+
+def test_a_send_that_raises_stops_the_chunks_after_it() -> None:
+    # A broken channel (a broadcast that timed out) sends nothing more: each later chunk would wait out the
+    # same timeout. The error reaches the caller.
+    named = tensors()
+
+    class Broken(Channel):
+        def send(self, client: Any, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+            if info.chunk_index == 1:
+                raise RuntimeError("gloo broadcast timed out")
+            return super().send(client, tensors, info, sync)
+
+    channel = Broken([], delay_s=0.0)
+    with pytest.raises(RuntimeError, match="timed out"):
+        run_sync(
+            named=iter(named), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=1, weight_version=1,
+            client=Client(), channel=channel,  # type: ignore[arg-type]
+        )
+    assert [i for i, _, _ in channel.sent] == [0]
+
+
+def test_chunks_queued_from_an_export_that_fails_are_not_sent() -> None:
+    # Chunk 0 is on the wire when the export raises; chunk 1, queued behind it, is not sent.
+    named = tensors()
+
+    def export() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from named[:7]  # chunk 0 queued at the 4th tensor, chunk 1 at the 7th
+        raise KeyError("model.layers.7.mlp.down_proj.weight")
+
+    channel = Channel([], delay_s=0.5)
+    with pytest.raises(KeyError):
+        run_sync(
+            named=export(), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=1, weight_version=1,
+            client=Client(), channel=channel,  # type: ignore[arg-type]
+        )
+    assert [i for i, _, _ in channel.sent] == [0]

@@ -179,8 +179,12 @@ class _SendThread:
                  progress: Progress) -> None:
         self.channel, self.client, self.sync_index = channel, client, sync_index
         self.n_planned, self.progress = n_planned, progress
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sync-send")
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.pool = ThreadPoolExecutor(  # a CUDA channel's buffers on the caller's device, not the thread's default
+            max_workers=1, thread_name_prefix="sync-send", initializer=_use_device, initargs=(device,)
+        )
         self.queued: list[tuple[_Sent, Future[None]]] = []
+        self.stopped: str | None = None  # why the chunks still queued are not sent
 
     def put(self, chunk: Chunk, tensors: list[torch.Tensor]) -> None:
         """Queue one collected chunk (its `update_info` is made now, in plan order)."""
@@ -189,11 +193,16 @@ class _SendThread:
                      info)
         self.queued.append((sent, self.pool.submit(self._send, sent)))
 
+    def stop(self, why: str) -> None:
+        """Send none of the chunks still queued (each is recorded as not sent, with `why`); the one on the
+        wire finishes."""
+        self.stopped = self.stopped or why
+
     def _send(self, sent: _Sent) -> None:
         where = f"sync {self.sync_index}"
-        if not self.client.session_open:
-            why = f"not sent: no open update session ({self.client.session_closed_by or 'unknown why'})"
-            sent.entry = sent.entry.model_copy(update={"sent": False, "note": why})
+        if self.stopped is not None or not self.client.session_open:
+            why = self.stopped or f"no open update session ({self.client.session_closed_by or 'unknown why'})"
+            sent.entry = sent.entry.model_copy(update={"sent": False, "note": f"not sent: {why}"})
             return
         t0 = time.perf_counter()
         try:
@@ -205,6 +214,9 @@ class _SendThread:
             sent.load_s = float(answer.get("load_s", 0.0))
         except EngineRejected as e:
             sent.rejected = e
+        except BaseException as e:  # the channel broke (a broadcast timed out, ...): no later chunk can follow
+            self.stop(f"the send of chunk {sent.chunk.index} raised {type(e).__name__}")
+            raise
         sent.wire_s = time.perf_counter() - t0 - sent.load_s
 
     def drain(self) -> list[_Sent]:
@@ -216,6 +228,11 @@ class _SendThread:
         finally:
             self.pool.shutdown(wait=True)
         return [sent for sent, _ in self.queued]
+
+
+def _use_device(device: int | None) -> None:
+    if device is not None:
+        torch.cuda.set_device(device)
 
 
 def _planned(plan: list[Chunk], sender: _SendThread) -> str:
@@ -323,8 +340,13 @@ def run_sync(
             tensors = collect(chunk, by_name)
             t_recv += time.perf_counter() - t0
             sender.put(chunk, tensors)
-    finally:
-        done = sender.drain() if sender is not None else []
+    except BaseException as e:
+        if sender is not None:  # the chunks queued from an export that failed are not sent
+            sender.stop(f"the sender's export or plan raised {type(e).__name__}")
+            with contextlib.suppress(Exception):
+                sender.drain()
+        raise
+    done = sender.drain() if sender is not None else []
     assert client is not None
     t_load = t_wire = 0.0
     for sent in done:
