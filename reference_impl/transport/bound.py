@@ -4,9 +4,9 @@ Measured after a scenario's syncs, in the same processes, on the same groups and
 as the last sync, with nothing of the reference path (no conversion, packing, HTTP per chunk, checksum
 or load):
 
-- gather (every trainer rank, collectively): one bare `all_gather` per sharded parameter over the group
-  the export gathers it on (TP for dense parameters, expert-TP then EP for routed experts: the shards of
-  `export.stream.export_raw`, the same for both export modes), into buffers allocated beforehand; then
+- gather (every trainer rank, collectively): one bare `all_gather_single` per sharded parameter over the
+  group the export gathers it on (TP for dense parameters, expert-TP then EP for routed experts: the shards
+  of `export.stream.export_raw`, the same for both export modes), into buffers allocated beforehand; then
   the bytes each non-sender owner holds in the plan, sent point to point to the sender in plan order
   (the hand-off of `transport.sync`).
 - wire (the sender): non-colocate, one bare broadcast of each chunk's size over the transfer group the
@@ -73,9 +73,8 @@ def _bare_gathers(steps: Sequence[GatherStep]) -> None:
         return
     src = torch.empty(max(s.nbytes for s in steps), dtype=torch.uint8)
     out = torch.empty(max(s.nbytes * s.size for s in steps), dtype=torch.uint8)
-    for s in steps:
-        parts = list(out[: s.nbytes * s.size].view(s.size, s.nbytes).unbind(0))
-        dist.all_gather(parts, src[: s.nbytes], group=s.group)
+    for s in steps:  # the collective the export runs (`trainer.params`), into one buffer
+        dist.all_gather_single(out[: s.nbytes * s.size], src[: s.nbytes], group=s.group)
 
 
 def _bare_hand_off(plan: Sequence[Chunk], rank: int) -> None:
