@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +46,24 @@ RAY_TAG_VAR = "WSH_RAY_OWNER"  # set while this driver starts Ray: every process
 _ray_tag: str | None = None  # the value this driver gave it, once it started a Ray of its own
 
 
+@contextlib.contextmanager
+def _keeping_signal_handlers() -> Iterator[None]:
+    """Put this process's SIGTERM and SIGINT handlers back after the block. `ray.init` installs its own
+    failure handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process:
+    the run's `close` never runs and its Ray, workers and engine servers are left behind. The harness's
+    handler (`cli.main`: SIGTERM ends a run like Ctrl-C) must stay the one that runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Start (or join, with `address`) Ray once per driver process, without the dashboard. A Ray this
     driver starts carries `RAY_TAG_VAR` in the environment of every process it starts (its node
@@ -56,14 +77,18 @@ def ensure_ray(address: str | None = None) -> None:
     env_vars |= {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env = {"env_vars": env_vars}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        with _keeping_signal_handlers():
+            ray.init(address=address, runtime_env=env, log_to_driver=False)
         return
     # Only for the length of ray.init: processes the driver starts itself later must not carry it.
     _ray_tag = _ray_tag or f"{os.getpid()}-{uuid.uuid4().hex}"
     previous = os.environ.get(RAY_TAG_VAR)
     os.environ[RAY_TAG_VAR] = _ray_tag
     try:
-        ray.init(num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False)
+        with _keeping_signal_handlers():
+            ray.init(
+                num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False
+            )
     finally:
         if previous is None:
             os.environ.pop(RAY_TAG_VAR, None)
