@@ -48,20 +48,19 @@ _ray_tag: str | None = None  # the value this driver gave it, once it started a 
 
 @contextlib.contextmanager
 def _keeping_signal_handlers() -> Iterator[None]:
-    """Put this process's SIGTERM and SIGINT handlers back after the block. `ray.init` installs its own
-    failure handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process:
-    the run's `close` never runs and its Ray, workers and engine servers are left behind. The harness's
-    handler (`cli.main`: SIGTERM ends a run like Ctrl-C) must stay the one that runs."""
-    if threading.current_thread() is not threading.main_thread():
+    """Put this process's own SIGTERM handler back after the block. `ray.init` installs its own failure
+    handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process: the run's
+    `close` never runs and its Ray, workers and engine servers are left behind. The harness's handler
+    (`cli.main`: SIGTERM ends a run like Ctrl-C) must stay the one that runs. Only a Python function is
+    put back: a driver without one of its own (a test session) keeps what Ray installs."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
         yield
         return
-    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        for sig, handler in kept.items():
-            if handler is not None:
-                signal.signal(sig, handler)
+        signal.signal(signal.SIGTERM, handler)
 
 
 def ensure_ray(address: str | None = None) -> None:
