@@ -47,7 +47,7 @@ _ray_tag: str | None = None  # the value this driver gave it, once it started a 
 
 
 @contextlib.contextmanager
-def _keeping_signal_handlers() -> Iterator[None]:
+def _keeping_sigterm_handler() -> Iterator[None]:
     """Put this process's own SIGTERM handler back after the block. `ray.init` installs its own failure
     handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process: the run's
     `close` never runs and its Ray, workers and engine servers are left behind. The harness's handler
@@ -76,7 +76,7 @@ def ensure_ray(address: str | None = None) -> None:
     env_vars |= {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env = {"env_vars": env_vars}
     if address:
-        with _keeping_signal_handlers():
+        with _keeping_sigterm_handler():
             ray.init(address=address, runtime_env=env, log_to_driver=False)
         return
     # Only for the length of ray.init: processes the driver starts itself later must not carry it.
@@ -84,7 +84,7 @@ def ensure_ray(address: str | None = None) -> None:
     previous = os.environ.get(RAY_TAG_VAR)
     os.environ[RAY_TAG_VAR] = _ray_tag
     try:
-        with _keeping_signal_handlers():
+        with _keeping_sigterm_handler():
             ray.init(
                 num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False
             )
