@@ -31,7 +31,7 @@ from reference_impl.models.registry import load_model
 from reference_impl.trainer import step as train_step
 from reference_impl.trainer.model import TrainerModel, build_model
 from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
-from reference_impl.trainer.params import iter_global_params
+from reference_impl.trainer.params import GatherBuffers, iter_global_params
 from reference_impl.transport import bound, sync
 from reference_impl.transport.channels import connect_channel
 from reference_impl.transport.client import EngineClient
@@ -81,6 +81,7 @@ class TrainerWorker:
         self.trace_dir: Path | None = None
         self.progress = Progress(None)
         self.last_plan: list[Chunk] = []
+        self.gather_buffers = GatherBuffers()  # the raw export's gather outputs, kept from sync to sync
 
     def pid(self) -> int:
         """OS process id (for stack dumps and cleanup)."""
@@ -171,7 +172,7 @@ class TrainerWorker:
         assert self.model is not None and self.layout is not None
         t0 = time.perf_counter()
         self.progress.at(f"sync {index}: {export_mode} export (gather and convert)")
-        ex = stream.export(export_mode, self.model, self.layout, self.convert_config)
+        ex = stream.export(export_mode, self.model, self.layout, self.convert_config, buffers=self.gather_buffers)
         named, phases = ex.tensors, ex.phases
         t_export = time.perf_counter() - t0
         res, self.last_plan = sync.run_sync(
@@ -246,7 +247,7 @@ class TrainerWorker:
         """Checksums of every HF tensor `export_mode` exports from the current state (complete on the sender)."""
         assert self.model is not None and self.layout is not None
         self.progress.at(f"second export path: {export_mode} export of the last state (gather and convert)")
-        ex = stream.export(export_mode, self.model, self.layout, self.convert_config)
+        ex = stream.export(export_mode, self.model, self.layout, self.convert_config, buffers=self.gather_buffers)
         mine = {n: tensor_checksum(t) for n, t in ex.tensors}
         if self.world_size == 1:
             return mine
@@ -267,6 +268,7 @@ class TrainerWorker:
         self.channel = None
         self.model = None
         self.last_plan = []
+        self.gather_buffers = GatherBuffers()
         destroy_model_parallel()
         gc.collect()
 

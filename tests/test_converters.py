@@ -72,6 +72,7 @@ def test_row_parallel_gather_concatenates_columns() -> None:
     assert combine_shards([a, b], dim=1).tolist() == [[1, 2, 3, 4]]
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["new-memory", "kept-buffers"])
 @pytest.mark.parametrize(
     ("shape", "dim", "stride", "tp"),
     [
@@ -84,23 +85,45 @@ def test_row_parallel_gather_concatenates_columns() -> None:
     ],
 )
 def test_tp_gather_layout_matches_concatenation(
-    shape: tuple[int, ...], dim: int, stride: int, tp: int, monkeypatch: pytest.MonkeyPatch
+    shape: tuple[int, ...], dim: int, stride: int, tp: int, kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # tp_gather's one buffer and strided copy give what concatenating the blocks in rank order gives
-    # (combine_shards: block j of every rank before block j + 1); the all-gather hands rank r's shard.
+    # (combine_shards: block j of every rank before block j + 1); the all-gather hands rank r's shard. With
+    # kept buffers, a second export of other values writes the same memory and is right again.
     n = torch.Size(shape).numel()
-    shards = [torch.arange(r * 1000, r * 1000 + n, dtype=torch.float32).view(shape) for r in range(tp)]
+    buffers = params.GatherBuffers() if kept else None
+    addresses = []
+    for step in range(2):
+        base = step * 10**5
+        shards = [torch.arange(base + r * 1000, base + r * 1000 + n, dtype=torch.float32).view(shape)
+                  for r in range(tp)]
 
-    def all_gather_single(out: torch.Tensor, t: torch.Tensor, group: object = None) -> None:
-        assert out.dim() == t.dim() == 1 and torch.equal(t, shards[0].view(-1))  # gloo's flat form
-        out.copy_(torch.cat([sh.view(-1) for sh in shards]))
+        def all_gather_single(out: torch.Tensor, t: torch.Tensor, group: object = None, shards=shards) -> None:  # type: ignore[no-untyped-def]
+            assert out.dim() == t.dim() == 1 and torch.equal(t, shards[0].view(-1))  # gloo's flat form
+            out.copy_(torch.cat([sh.view(-1) for sh in shards]))
 
-    monkeypatch.setattr(params.dist, "all_gather_single", all_gather_single)
-    param = torch.nn.Parameter(shards[0].clone(), requires_grad=False)
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride  # type: ignore[attr-defined]
-    full = params.tp_gather(param, None, tp)
-    assert full.is_contiguous() and torch.equal(full, combine_shards(shards, dim, stride))
-    assert [torch.equal(a, b) for a, b in zip(params.tp_shards(param, None, tp), shards, strict=True)] == [True] * tp
+        monkeypatch.setattr(params.dist, "all_gather_single", all_gather_single)
+        param = torch.nn.Parameter(shards[0].clone(), requires_grad=False)
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride  # type: ignore[attr-defined]
+        full = params.tp_gather(param, None, tp, buffers, "w")
+        assert full.is_contiguous() and torch.equal(full, combine_shards(shards, dim, stride))
+        addresses.append(full.data_ptr())
+        got = params.tp_shards(param, None, tp, buffers)
+        assert [torch.equal(a, b) for a, b in zip(got, shards, strict=True)] == [True] * tp
+    assert (addresses[0] == addresses[1]) is kept
+
+
+def test_gather_buffers_keep_one_buffer_per_key_and_grow_the_scratch() -> None:
+    buffers = params.GatherBuffers()
+    a = buffers.kept(("w", "tp"), 12, torch.bfloat16)
+    assert buffers.kept(("w", "tp"), 12, torch.bfloat16).data_ptr() == a.data_ptr()
+    assert buffers.kept(("v", "tp"), 12, torch.bfloat16).data_ptr() != a.data_ptr()
+    assert buffers.kept(("w", "tp"), 12, torch.float32).dtype == torch.float32  # another dtype: a new buffer
+    s = buffers.scratch(10, torch.float32)
+    assert s.numel() == 10 and s.dtype == torch.float32
+    assert buffers.scratch(20, torch.bfloat16).data_ptr() == s.data_ptr()  # 40 bytes fit in the scratch
+    assert buffers.scratch(11, torch.float32).numel() == 11  # grown
+    assert buffers.nbytes == 12 * 4 + 12 * 2 + 44
 
 
 GLOO_LAYOUTS = [((6, 4), 0, 1), ((6, 4), 0, 2), ((6, 4), 1, 1), ((4, 6, 2), 1, 3)]
@@ -118,11 +141,13 @@ def _gather_rank(rank: int, port: int, failures: Any) -> None:
             shards = [torch.arange(r * 1000, r * 1000 + n, dtype=torch.bfloat16).view(shape) for r in range(2)]
             param = torch.nn.Parameter(shards[rank].clone(), requires_grad=False)
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride  # type: ignore[attr-defined]
-            if not torch.equal(params.tp_gather(param, None, 2), combine_shards(shards, dim, stride)):
-                failures.put(f"rank {rank}: tp_gather {shape} dim {dim} stride {stride}")
+            for buffers in (None, params.GatherBuffers()):
+                if not torch.equal(params.tp_gather(param, None, 2, buffers, "w"), combine_shards(shards, dim, stride)):
+                    failures.put(f"rank {rank}: tp_gather {shape} dim {dim} stride {stride} buffers {buffers}")
             gathered = {
                 "tp_shards": params.tp_shards(param, None, 2),
                 "ep_gather": params.ep_gather(shards[rank], None, 2),
+                "ep_gather into kept buffers": params.ep_gather(shards[rank], None, 2, params.GatherBuffers(), "w"),
             }
             for what, got in gathered.items():
                 if [torch.equal(a, b) for a, b in zip(got, shards, strict=True)] != [True, True]:

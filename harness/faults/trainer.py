@@ -62,8 +62,8 @@ def noncolocate_ignores_bridge() -> None:
     """The non-colocate path calls the raw exporter whatever mode was asked for."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def export(mode, model, layout, config):  # type: ignore[no-untyped-def]
-            return orig("raw", model, layout, config)
+        def export(mode, model, layout, config, **kw):  # type: ignore[no-untyped-def]
+            return orig("raw", model, layout, config, **kw)
 
         return export
 
@@ -92,7 +92,7 @@ def gqa_split_wrong() -> None:
 def ep_local_expert_ids() -> None:
     """Experts keep their local ids at EP = 2: each EP rank's expert K is sent as expert K, so the
     experts of EP rank 1 collide with rank 0's and experts E/2..E-1 are never updated."""
-    seams.replace("ep_gather", lambda orig: lambda full, group, size: [full])
+    seams.replace("ep_gather", lambda orig: lambda full, group, size, *_: [full])
 
 
 def drop_last_chunk() -> None:
@@ -245,8 +245,8 @@ def transposed_fused_experts() -> None:
     checkpoints' (the layout bug of a public report)."""
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def export(mode, model, layout, config):  # type: ignore[no-untyped-def]
-            ex = orig(mode, model, layout, config)
+        def export(mode, model, layout, config, **kw):  # type: ignore[no-untyped-def]
+            ex = orig(mode, model, layout, config, **kw)
             fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
             ex.tensors = [(n, t.transpose(1, 2).contiguous() if n.endswith(fused) else t) for n, t in ex.tensors]
             return ex

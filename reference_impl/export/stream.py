@@ -29,6 +29,7 @@ from reference_impl.models.registry import ModelSpec
 from reference_impl.trainer.model import TrainerModel
 from reference_impl.trainer.parallel import RankLayout, gather_groups
 from reference_impl.trainer.params import (
+    GatherBuffers,
     ep_gather,
     expert_id,
     is_expert_param,
@@ -80,6 +81,7 @@ def iter_raw(
     config: ConvertConfig,
     phases: dict[str, float],
     table: FamilyTable | None = None,
+    buffers: GatherBuffers | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's named HF tensors via the family's raw table (see module doc), produced as the export
     runs: each parameter's collectives run when the consumer asks for the tensors after it (every rank of a
@@ -87,6 +89,8 @@ def iter_raw(
     runs.
 
     `table` defaults to the raw table of the model's family (`ModelFamily.raw`, looked up per call).
+    `buffers`: where the gathers write, kept from one export to the next (`trainer.params.GatherBuffers`:
+    the tensors produced are valid until this rank's next export with the same buffers); None: new memory.
 
     Dense parameters: all TP ranks all-gather, the stage leader (TP 0, DP 0) combines the shards, converts
     and owns them (the other TP ranks only take part in the all-gather). Expert parameters: the expert-TP
@@ -103,15 +107,15 @@ def iter_raw(
     for name, p in iter_global_params(model.chunks, layout.ep_rank, local_experts):
         t0 = time.perf_counter()
         if is_expert_param(name):
-            full = tp_gather(p, groups.etp, layout.etp)
-            per_rank = ep_gather(full, groups.ep, layout.ep)
+            full = tp_gather(p, groups.etp, layout.etp, buffers, name)
+            per_rank = ep_gather(full, groups.ep, layout.ep, buffers, name)
             k = expert_id(name) - layout.ep_rank * local_experts
             full_tensors = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
             mine = layout.is_expert_leader
         elif layout.is_stage_leader:
-            full_tensors, mine = [(name, tp_gather(p, groups.tp, layout.tp))], True
+            full_tensors, mine = [(name, tp_gather(p, groups.tp, layout.tp, buffers, name))], True
         else:  # its shard goes to the leader's all-gather; nothing to combine here
-            tp_shards(p, groups.tp, layout.tp)
+            tp_shards(p, groups.tp, layout.tp, buffers)
             full_tensors, mine = [], False
         t1 = time.perf_counter()
         phases["gather"] += t1 - t0
@@ -148,15 +152,22 @@ class Export:
     export_mode: str
 
 
-def export(export_mode: str, model: TrainerModel, layout: RankLayout, config: ConvertConfig) -> Export:
-    """Dispatch on `export_mode` ("raw" | "bridge"); the tensors are produced as they are consumed.
+def export(
+    export_mode: str,
+    model: TrainerModel,
+    layout: RankLayout,
+    config: ConvertConfig,
+    buffers: GatherBuffers | None = None,
+) -> Export:
+    """Dispatch on `export_mode` ("raw" | "bridge"); the tensors are produced as they are consumed. `buffers`:
+    the raw export's gather buffers, kept between exports (`iter_raw`); the bridge export allocates its own.
 
     Raises:
         ValueError: an unknown export mode.
     """
     phases: dict[str, float] = {"gather": 0.0, "convert": 0.0}
     if export_mode == "raw":
-        return Export(iter_raw(model, layout, config, phases), phases, export_mode="raw")
+        return Export(iter_raw(model, layout, config, phases, buffers=buffers), phases, export_mode="raw")
     if export_mode == "bridge":
         return Export(iter_bridge(model, layout, phases), phases, export_mode="bridge")
     raise ValueError(f"unknown export mode {export_mode!r}; use one of {MODES}")

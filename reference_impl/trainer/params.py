@@ -93,16 +93,70 @@ def iter_global_params(
             yield gname, p
 
 
-def _gather_stacked(t: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
-    """One all-gather of `t` from every rank of `group` into one new buffer of shape [size, *t.shape]
-    (entry r = rank r's tensor): `all_gather_single` writes each rank's bytes in place, with no per-rank
-    output tensors to allocate and no concatenation after it."""
-    out = torch.empty(size * t.numel(), dtype=t.dtype, device=t.device)
+class GatherBuffers:
+    """The export's gather outputs, kept by one trainer rank from one export to the next.
+
+    A TP or EP gather writes a parameter's full bytes into memory; a new allocation per parameter and export
+    costs a page fault per 4 KiB page the collective writes, every sync (on this CPU host the faults of a
+    1.2 GB export took the gather from 0.9 s to 2.5-3.5 s once the host had run a while: measured per thread
+    in the kernel). A GPU trainer does not pay this (CUDA's caching allocator keeps freed blocks), so the
+    export keeps its buffers as that allocator would: one per (parameter, purpose) for the tensors it hands on,
+    and one scratch buffer, grown as needed, for what is consumed at once (the intermediate of a strided
+    layout, a non-owner's all-gather output).
+
+    A buffer is rewritten by the next export that uses the same key: an export must be consumed (sent,
+    checksummed) before the next export of the same rank starts, and nothing keeps its tensors past that.
+    Memory: the bytes of the tensors this rank's exports hand on (all of the model on the stage leader),
+    plus the largest scratch use.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, str], torch.Tensor] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def kept(self, key: tuple[str, str], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The flat buffer of `numel` elements of `dtype` kept under `key` (made on first use or when the
+        size or dtype changed)."""
+        buf = self._kept.get(key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            self._kept.pop(key, None)
+            buf = self._kept[key] = torch.empty(numel, dtype=dtype)
+        return buf
+
+    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer of `numel` elements of `dtype` that the next `scratch` call overwrites."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(0, dtype=torch.uint8)  # freed before the larger one is made
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (kept buffers and scratch)."""
+        return self._scratch.numel() + sum(b.numel() * b.element_size() for b in self._kept.values())
+
+
+def _gather_stacked(
+    t: torch.Tensor, group: dist.ProcessGroup | None, size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One all-gather of `t` from every rank of `group` into one buffer of shape [size, *t.shape] (entry r =
+    rank r's tensor): `all_gather_single` writes each rank's bytes in place, with no per-rank output tensors
+    to allocate and no concatenation after it. `out`: a flat buffer of size * t.numel() elements of t's
+    dtype to gather into (default: a new one)."""
+    if out is None:
+        out = torch.empty(size * t.numel(), dtype=t.dtype, device=t.device)
     dist.all_gather_single(out, t.contiguous().view(-1), group=group)  # gloo takes the flat (concatenated) form
     return out.view(size, *t.shape)
 
 
-def tp_gather(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int) -> torch.Tensor:
+def tp_gather(
+    param: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    tp_size: int,
+    buffers: GatherBuffers | None = None,
+    key: str = "",
+) -> torch.Tensor:
     """The full (unsharded) tensor of a TP-sharded parameter; replicated ones are returned as they are.
 
     Every TP rank of the group must call this for the same parameters in the same order (all-gather).
@@ -110,27 +164,47 @@ def tp_gather(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: 
     blocks along partition_dim and concatenates block j of every rank before block j+1 (what
     `combine_shards` spells out). One all-gather into one buffer; partition_dim 0 with stride 1 (column-
     parallel weights, the vocab-parallel embedding) is that buffer as it is, other layouts take one
-    strided copy of it. Raises what `torch.distributed` raises when a rank of the group does not take part.
+    strided copy of it. With `buffers`, the full tensor is a view of the buffer kept under (`key`, "tp"),
+    which the next export that gathers `key` overwrites (`GatherBuffers`); without, new memory. Raises what
+    `torch.distributed` raises when a rank of the group does not take part.
     """
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
     shard = param.detach()
     dim, stride = int(param.partition_dim), int(getattr(param, "partition_stride", 1))
-    stacked = _gather_stacked(shard, tp_group, tp_size)  # [tp, *shard.shape]
+    numel, dtype = shard.numel() * tp_size, shard.dtype
+    as_is = dim == 0 and stride == 1
+    kept = buffers.kept((key, "tp"), numel, dtype) if buffers is not None else None
+    stacked = _gather_stacked(shard, tp_group, tp_size, kept if as_is else _scratch(buffers, numel, dtype))
     pre, post = shard.shape[:dim], shard.shape[dim + 1 :]
+    full_shape = (*pre, shard.shape[dim] * tp_size, *post)
+    if as_is:
+        return stacked.view(full_shape)
     blocks = stacked.view(tp_size, *pre, stride, shard.shape[dim] // stride, *post)
     # [tp, *pre, stride, block, *post] -> [*pre, stride, tp, block, *post]: block j of every rank before j + 1
     order = [*range(1, dim + 2), 0, *range(dim + 2, blocks.dim())]
-    return blocks.permute(order).contiguous().view(*pre, shard.shape[dim] * tp_size, *post)
+    moved = blocks.permute(order)
+    if kept is None:
+        return moved.contiguous().view(full_shape)
+    return kept.view(moved.shape).copy_(moved).view(full_shape)
 
 
-def tp_shards(param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int) -> list[torch.Tensor]:
+def _scratch(buffers: GatherBuffers | None, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    return buffers.scratch(numel, dtype) if buffers is not None else None
+
+
+def tp_shards(
+    param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int, buffers: GatherBuffers | None = None
+) -> list[torch.Tensor]:
     """Every TP rank's shard of a TP-sharded parameter, in rank order (the all-gather of `tp_gather`,
     without combining them: what a TP rank that does not own the full tensor runs); [] for a replicated
-    parameter or TP 1 (nothing to gather). The shards are views of one buffer."""
+    parameter or TP 1 (nothing to gather). The shards are views of one buffer: with `buffers`, its scratch
+    buffer (valid until the next gather that uses it)."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return []
-    return list(_gather_stacked(param.detach(), tp_group, tp_size).unbind(0))
+    shard = param.detach()
+    out = _scratch(buffers, shard.numel() * tp_size, shard.dtype)
+    return list(_gather_stacked(shard, tp_group, tp_size, out).unbind(0))
 
 
 def combine_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
@@ -141,10 +215,17 @@ def combine_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torc
     return torch.cat([blocks[r][j] for j in range(stride) for r in range(len(parts))], dim=dim)
 
 
-def ep_gather(full: torch.Tensor, ep_group: dist.ProcessGroup | None, ep_size: int) -> list[torch.Tensor]:
+def ep_gather(
+    full: torch.Tensor,
+    ep_group: dist.ProcessGroup | None,
+    ep_size: int,
+    buffers: GatherBuffers | None = None,
+    key: str = "",
+) -> list[torch.Tensor]:
     """One local expert's tensor from every EP rank, in EP rank order (every EP rank must call this for
     the same local expert in the same order). Entry r is global expert r * num_local_experts + K; the
-    entries are views of one buffer."""
+    entries are views of one buffer: with `buffers`, the one kept under (`key`, "ep") (`GatherBuffers`)."""
     if ep_size == 1:
         return [full]
-    return list(_gather_stacked(full, ep_group, ep_size).unbind(0))
+    kept = buffers.kept((key, "ep"), full.numel() * ep_size, full.dtype) if buffers is not None else None
+    return list(_gather_stacked(full, ep_group, ep_size, kept).unbind(0))

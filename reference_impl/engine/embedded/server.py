@@ -228,6 +228,7 @@ def create_app(
                     world_size=info.world_size,
                     timeout_s=info.timeout_s,
                     backend=info.backend,
+                    reuse_receive_buffer=True,  # the loader copies every chunk before the next is received
                 )
             st.backend = info.backend
         return {"ok": True, "backend": info.backend, "rank": info.rank_offset, "world_size": info.world_size}

@@ -91,6 +91,7 @@ class TpRanks:
                 info.world_size,
                 info.timeout_s,
                 backend=info.backend,
+                reuse_receive_buffer=True,  # each rank copies its pieces before the next chunk is received
             )
 
         futures = [self.pool.submit(one, r) for r in range(self.tp)]

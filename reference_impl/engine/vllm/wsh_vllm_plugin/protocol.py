@@ -424,6 +424,11 @@ class TransferGroup:
     world_size: int
     store: TCPStore
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # True: `receive_chunk` returns a view of one receive buffer kept between chunks (grown as needed), so a
+    # receive writes into memory already mapped instead of a new allocation per chunk; the caller must copy
+    # what it keeps before the next receive (the embedded engine's loader does).
+    reuse_receive_buffer: bool = False
+    _received: torch.Tensor | None = field(default=None, repr=False)
 
     def send_chunk(self, payload: torch.Tensor) -> None:
         """Broadcast one packed chunk from this rank (the sender): int64 byte-count header, then payload.
@@ -435,11 +440,20 @@ class TransferGroup:
         self.broadcast(payload.to(self.device), self.rank)
 
     def receive_chunk(self, src: int = SENDER_RANK) -> torch.Tensor:
-        """Receive one packed chunk broadcast by `src`: the header, then a new flat uint8 tensor of that
-        many bytes (returned). Raises RuntimeError from gloo when `src` does not send within the timeout."""
+        """Receive one packed chunk broadcast by `src`: the header, then a flat uint8 tensor of that many
+        bytes (returned): a new one, or with `reuse_receive_buffer` a view of the group's receive buffer,
+        which the next receive overwrites. Raises RuntimeError from gloo when `src` does not send within the
+        timeout."""
         header = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.broadcast(header, src)
-        payload = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
+        nbytes = int(header.item())
+        if not self.reuse_receive_buffer:
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            if self._received is None or self._received.numel() < nbytes:
+                self._received = None  # the old buffer is freed before the larger one is made
+                self._received = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            payload = self._received[:nbytes]
         self.broadcast(payload, src)
         return payload
 
@@ -470,13 +484,14 @@ def join_transfer_group(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     store: TCPStore | None = None,
     backend: str = GLOO,
+    reuse_receive_buffer: bool = False,
 ) -> TransferGroup:
     """Join the transfer group as `rank`; blocks until all `world_size` ranks arrive.
 
     The sender (rank 0) passes the store it made with `host_store`; an engine rank connects to
     `master_address:master_port` (the `InitInfo` it was sent). `backend` "gloo" (host memory) or "nccl"
     (GPU only: a `ProcessGroupNCCL` on the same store, broadcasting on this process's current CUDA device;
-    not exercised on CPU hosts).
+    not exercised on CPU hosts). `reuse_receive_buffer`: see `TransferGroup`.
 
     Raises:
         ValueError: another backend.
@@ -494,6 +509,6 @@ def join_transfer_group(
 
         device = torch.device("cuda", torch.cuda.current_device())
         pg: Any = ProcessGroupNCCL(store, rank, world_size, timeout)
-        return TransferGroup(pg=pg, rank=rank, world_size=world_size, store=store, device=device)
+        return TransferGroup(pg, rank, world_size, store, device, reuse_receive_buffer)
     pg = ProcessGroupGloo(store, rank, world_size, timeout)
-    return TransferGroup(pg=pg, rank=rank, world_size=world_size, store=store)
+    return TransferGroup(pg, rank, world_size, store, reuse_receive_buffer=reuse_receive_buffer)
