@@ -159,3 +159,18 @@ def test_chunks_queued_from_an_export_that_fails_are_not_sent() -> None:
             client=Client(), channel=channel,  # type: ignore[arg-type]
         )
     assert [i for i, _, _ in channel.sent] == [0]
+
+
+def test_a_finished_send_thread_leaves_no_progress_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A watchdog quotes a rank's progress lines when it hangs later (in the checks, in the next step): the
+    # send thread's last "chunk k on the wire" must not outlive the sync it belongs to.
+    from reference_impl.transport.progress import Progress, read_progress
+
+    progress = Progress(tmp_path / "rank0.txt")
+    run_sync(
+        named=iter(tensors()), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=4, weight_version=4,
+        client=Client(), channel=Channel([], delay_s=0.0), progress=progress,  # type: ignore[arg-type]
+    )
+    assert read_progress(tmp_path) == {"rank0": "sync 4: finished"}
+    progress.at("step 5: the trainer's step on every parameter")
+    assert read_progress(tmp_path) == {"rank0": "step 5: the trainer's step on every parameter"}

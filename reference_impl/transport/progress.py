@@ -36,9 +36,22 @@ class Progress:
                 self.lines = {"": phase, **{k: v for k, v in self.lines.items() if k}}
             else:
                 self.lines[thread.name] = f"{thread.name}: {phase}"
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("\n".join(self.lines.values()) + "\n")
-            os.replace(tmp, self.path)
+            self._write()
+
+    def ended(self, thread_prefix: str) -> None:
+        """Threads whose names begin with `thread_prefix` have ended: their lines go (a finished send
+        thread's last phase must not be quoted when the rank later hangs elsewhere)."""
+        if self.path is None:
+            return
+        with self.lock:
+            self.lines = {k: v for k, v in self.lines.items() if not k or not k.startswith(thread_prefix)}
+            self._write()
+
+    def _write(self) -> None:
+        assert self.path is not None
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("\n".join(self.lines.values()) + "\n")
+        os.replace(tmp, self.path)
 
 
 def read_progress(folder: Path) -> dict[str, str]:

@@ -44,6 +44,7 @@ from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
 from reference_impl.transport.progress import Progress
 
 SENDER = SENDER_RANK
+SEND_THREAD = "sync-send"  # the send thread's name prefix (its progress lines begin with it)
 
 
 class Channel(Protocol):
@@ -181,7 +182,7 @@ class _SendThread:
         self.n_planned, self.progress = n_planned, progress
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self.pool = ThreadPoolExecutor(  # a CUDA channel's buffers on the caller's device, not the thread's default
-            max_workers=1, thread_name_prefix="sync-send", initializer=_use_device, initargs=(device,)
+            max_workers=1, thread_name_prefix=SEND_THREAD, initializer=_use_device, initargs=(device,)
         )
         self.queued: list[tuple[_Sent, Future[None]]] = []
         self.stopped: str | None = None  # why the chunks still queued are not sent
@@ -221,12 +222,14 @@ class _SendThread:
 
     def drain(self) -> list[_Sent]:
         """Wait for every queued chunk; returns them in order. Re-raises what a send raised (other than the
-        engine's refusal, which is in its `_Sent`)."""
+        engine's refusal, which is in its `_Sent`). Once every send returned, the thread's progress line goes
+        (one that raised keeps it: the phase it failed in)."""
         try:
             for _, future in self.queued:
                 future.result()
         finally:
             self.pool.shutdown(wait=True)
+        self.progress.ended(SEND_THREAD)
         return [sent for sent, _ in self.queued]
 
 
