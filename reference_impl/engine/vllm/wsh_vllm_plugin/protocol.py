@@ -426,7 +426,9 @@ class TransferGroup:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # True: `receive_chunk` returns a view of one receive buffer kept between chunks (grown as needed), so a
     # receive writes into memory already mapped instead of a new allocation per chunk; the caller must copy
-    # what it keeps before the next receive (the embedded engine's loader does).
+    # what it keeps before the next receive (the embedded engine's loader does). The vLLM plugin does not:
+    # vLLM's layerwise reload keeps the tensors it was given until their layer is complete
+    # (`model_loader/reload/layerwise.py`, `info.loaded_weights`), which may be chunks later.
     reuse_receive_buffer: bool = False
     _received: torch.Tensor | None = field(default=None, repr=False)
 
