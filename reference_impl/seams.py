@@ -16,6 +16,7 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 | `convert` | raw export: one full Megatron parameter -> its HF (name, tensor) pairs |
 | `export` | the export mode dispatch (raw / bridge) |
 | `ep_gather` | one local expert's tensor from every EP rank |
+| `gather_buffer` | the raw export's kept buffer a gather writes a parameter's full tensor into |
 | `plan_chunks` | the chunk (bucket) plan every rank computes |
 | `update_info` | one chunk's `update_info` body |
 | `send_chunk` | the sender hands one chunk to its channel |
@@ -49,6 +50,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "convert": ("reference_impl.export.stream", "convert"),
     "export": ("reference_impl.export.stream", "export"),
     "ep_gather": ("reference_impl.export.stream", "ep_gather"),
+    "gather_buffer": ("reference_impl.trainer.params", "GatherBuffers.kept"),
     "plan_chunks": ("reference_impl.transport.sync", "plan_chunks"),
     "update_info": ("reference_impl.transport.sync", "update_info"),
     "send_chunk": ("reference_impl.transport.sync", "send_chunk"),

@@ -82,6 +82,8 @@ MESSAGE_SAYS = {
     "planner_key_error": "raised KeyError",
     "second_init_from_pp_stage": "accepted 2 /init_weight_transfer_engine calls",
     "drop_last_chunk": "/update_weights calls with 200",
+    # gate, up, o_proj and down_proj of 3 of the 4 layers (q/k/v are copies the split makes; the last layer keeps)
+    "gather_buffers_keyed_by_size": "12 of 46 tensors differ",
     "engine_dies_after_rejected_chunk": "the engine died after the failed sync",
     "no_prefix_cache_reset": "a cache (the prefix cache?) answered with the old weights",
     "encoder_cache_survives_update": "log-prob max |diff|",
@@ -91,7 +93,14 @@ MESSAGE_SAYS = {
 }
 
 
+# Checks a fault passes by design: what they compare agrees under it (so only the oracles that share no code
+# with the export can fail it).
+STILL_PASSES = {"gather_buffers_keyed_by_size": ("parity_sent", "parity_cross_mode")}
+
+
 def _assert_the_fault_is_named(name: str, rec: RunRecord) -> None:
+    results = {c["name"]: c for c in rec.checks}
+    assert all(results[check]["ok"] for check in STILL_PASSES.get(name, ())), rec.checks
     if name not in MESSAGE_SAYS:
         return
     deciding = next(c for c in rec.checks if not c["ok"] and not c["skipped"] and c["verdict_on_fail"] == rec.verdict)

@@ -122,6 +122,14 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.wrong_dtype,
         ),
         Fault(
+            "gather_buffers_keyed_by_size",
+            "the raw export's kept gather buffers are shared by parameters of one shape: each layer's gather "
+            "overwrites the layer before it while its chunk still waits",
+            "PARITY_FAIL",
+            {"model": "qwen3", "tp": 2, "syncs": 2, "chunk_bytes": 64 << 20},  # one chunk: every tensor waits
+            trainer=trainer.gather_buffers_keyed_by_size,
+        ),
+        Fault(
             "ipc_buffer_reused_early",
             "the colocate producer overwrites its buffer before the engine acknowledged the chunk",
             "PARITY_FAIL",

@@ -95,6 +95,22 @@ def ep_local_expert_ids() -> None:
     seams.replace("ep_gather", lambda orig: lambda full, group, size, *_: [full])
 
 
+def gather_buffers_keyed_by_size() -> None:
+    """The raw export's kept gather buffers are looked up by size and dtype instead of by parameter (a pool
+    keyed by what fits): parameters of one shape share one buffer, so every layer's gather overwrites the
+    tensor the layer before it handed on while that tensor still waits for its chunk. What was sent and
+    what the engine holds still agree (both are the overwritten bytes); only a state computed without the
+    export tells them wrong."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def kept(self, key, numel, dtype):  # type: ignore[no-untyped-def]
+            return orig(self, (f"{numel} elements", str(dtype)), numel, dtype)
+
+        return kept
+
+    seams.replace("gather_buffer", make)
+
+
 def drop_last_chunk() -> None:
     """The sender's loop is off by one at the end: it records the last chunk of the plan as sent and
     answered, but never hands it to the channel (nothing reaches the engine)."""
