@@ -7,7 +7,8 @@ update (PARITY_FAIL).
   (which skip vLLM's prefix cache, so they cannot see it); the generated token's log-prob after the sync
   must be what the expected state gives that token. A prefix cache that survived the update answers from
   keys/values of the old weights. (A vision-encoder cache that survived shows in the image prompt's
-  log-probs, `logprobs.check_logprobs_expected`.)
+  log-probs, `logprobs.check_logprobs_expected`.) When the engine's reported checksums of that sync already
+  differ from the expected state's, the message blames the weights, not a cache.
 """
 
 from __future__ import annotations
@@ -50,11 +51,19 @@ def check_engine_caches(record: RunRecord) -> CheckResult:
         p = s.probe
         diff = abs(p["engine"] - p["expected"])
         if diff > budget:
+            wrong = sorted(n for n, c in s.expected_checksums.items() if s.engine_checksums.get(n, c) != c)
+            cause = (
+                f"the engine's weights themselves differ from the expected state ({len(wrong)} "
+                f"tensor{'s' if len(wrong) > 1 else ''}, e.g. "
+                f"{wrong[0]!r}), so no cache is to blame for it yet"
+                if wrong
+                else "a cache (the prefix cache?) answered with the old weights"
+            )
             return failed(
                 name,
                 VERDICT,
                 f"sync {s.index}: the probe prompt served again after the sync generated token {p['token']} with "
                 f"log-prob {p['engine']:.6f} on the engine but {p['expected']:.6f} under the expected state "
-                f"(|diff| {diff:.3g} > {budget:.3g}): a cache (the prefix cache?) answered with the old weights",
+                f"(|diff| {diff:.3g} > {budget:.3g}): {cause}",
             )
     return passed(name, VERDICT)

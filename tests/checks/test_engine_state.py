@@ -31,6 +31,20 @@ def test_stale_prefix_cache_is_parity_fail_naming_the_probe(record: RunRecord) -
     assert "(|diff| 0.25 > 0.0001)" in message and "prefix cache" in message
 
 
+def test_a_probe_off_on_wrong_weights_blames_the_weights_not_a_cache(record: RunRecord) -> None:
+    sync = record.syncs[2]
+    assert sync.expected_checksums and sync.engine_checksums == sync.expected_checksums
+    name = sorted(sync.expected_checksums)[0]
+    sync.engine_checksums = {**sync.engine_checksums, name: "0" * 16}
+    sync.probe = {"token": 7, "engine": -2.25, "expected": -2.5}
+    message = check_engine_caches(record).message
+    assert message.endswith(
+        f"the engine's weights themselves differ from the expected state (1 tensor, e.g. {name!r}), so no cache "
+        "is to blame for it yet"
+    ), message
+    assert "prefix cache" not in message
+
+
 def test_probe_within_budget_passes_and_its_oracle_failure_is_a_note(record: RunRecord) -> None:
     assert check_engine_caches(record).ok
     record.oracle_failures.append(OracleFailure(check="engine_caches", sync=1, reason="RuntimeError: no view"))
