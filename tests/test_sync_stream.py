@@ -174,3 +174,29 @@ def test_a_finished_send_thread_leaves_no_progress_line(tmp_path) -> None:  # ty
     assert read_progress(tmp_path) == {"rank0": "sync 4: finished"}
     progress.at("step 5: the trainer's step on every parameter")
     assert read_progress(tmp_path) == {"rank0": "step 5: the trainer's step on every parameter"}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_plan_that_does_not_begin_with_the_streamed_chunks_stops_every_rank(rank: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A planner that is not plan_chunks' greedy rule (here: the sender's tensors in reverse) makes the sender's
+    # streamed chunks a wrong prefix. Every rank sees it from the same metadata and raises before any hand-off;
+    # a rank that went on would wait for ever on a sender that stopped.
+    from reference_impl.transport import sync
+    from reference_impl.transport.plan import TensorMeta
+
+    sender = [TensorMeta(f"s{i}", (256,), "float32", 1024, 0) for i in range(7)]  # what rank 0 exported
+    mine = [(f"r1.{i}", torch.zeros(256)) for i in range(2)]  # rank 1's own export
+    metas = sender + [sync.tensor_meta(n, t, 1) for n, t in mine]
+    monkeypatch.setattr(sync, "gather_metadata", lambda own, world_size: metas)
+    monkeypatch.setattr(sync, "plan_chunks", lambda tensors, chunk_bytes: plan_chunks(tensors[::-1], chunk_bytes))
+    handed: list[Any] = []
+    monkeypatch.setattr(sync, "hand_off", lambda *args: handed.append(args))
+    named = [(m.name, torch.zeros(256)) for m in sender] if rank == 0 else mine
+    channel = Channel([], delay_s=0.0)
+    with pytest.raises(RuntimeError, match="does not begin with the 2 chunks sent while exporting"):
+        run_sync(
+            named=iter(named), rank=rank, world_size=2, chunk_bytes=3 * 1024, sync_index=0, weight_version=0,
+            client=Client() if rank == 0 else None, channel=channel if rank == 0 else None,  # type: ignore[arg-type]
+        )
+    assert handed == []
+    assert sync.streamed_by_sender(metas, 3 * 1024) == [tuple(sender[0:3]), tuple(sender[3:6])]  # hand-derived

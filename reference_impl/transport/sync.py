@@ -244,6 +244,32 @@ def _planned(plan: list[Chunk], sender: _SendThread) -> str:
     return str(len(plan)) if plan else f"at least {len(sender.queued) + 1}"
 
 
+class _Greedy:
+    """`plan_chunks`' greedy rule, one tensor at a time (tensors in plan order)."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.pending: list[TensorMeta] = []
+        self.size = 0
+
+    def add(self, meta: TensorMeta) -> tuple[TensorMeta, ...] | None:
+        """Add `meta`; returns the tensors of the chunk completed by it (the ones before it, when it does not fit
+        beside them), else None."""
+        full = None
+        if self.pending and self.size + meta.nbytes > self.chunk_bytes:
+            full, self.pending, self.size = tuple(self.pending), [], 0
+        self.pending.append(meta)
+        self.size += meta.nbytes
+        return full
+
+
+def streamed_by_sender(metas: list[TensorMeta], chunk_bytes: int) -> list[tuple[TensorMeta, ...]]:
+    """The chunks the sender queues while it exports (`_stream_own_chunks`), from every rank's metadata: what
+    every rank checks the plan's first chunks against."""
+    greedy = _Greedy(chunk_bytes)
+    return [full for m in metas if m.owner == SENDER and (full := greedy.add(m)) is not None]
+
+
 def _stream_own_chunks(
     named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int, rank: int, sender: _SendThread | None,
     progress: Progress, where: str,
@@ -255,20 +281,17 @@ def _stream_own_chunks(
     export order, its tensors by HF name and the chunks queued."""
     own: list[TensorMeta] = []
     streamed: list[Chunk] = []
-    pending: list[TensorMeta] = []
-    size = 0
+    greedy = _Greedy(chunk_bytes)
     by_name: dict[str, torch.Tensor] = {}
     for name, t in named:
         meta = tensor_meta(name, t, rank)
-        if sender is not None and pending and size + meta.nbytes > chunk_bytes:
-            chunk = Chunk(len(streamed), tuple(pending))
+        full = greedy.add(meta) if sender is not None else None
+        if sender is not None and full is not None:
+            chunk = Chunk(len(streamed), full)
             sender.put(chunk, collect(chunk, by_name))
             queued = f"chunk {chunk.index} of at least {chunk.index + 2} queued"
             progress.at(f"{where}: {queued}; exporting the next (gather and convert)")
             streamed.append(chunk)
-            pending, size = [], 0
-        pending.append(meta)
-        size += meta.nbytes
         own.append(meta)
         by_name[name] = t
     return own, by_name, streamed
@@ -303,7 +326,8 @@ def run_sync(
 
     Raises:
         RuntimeError: the plan does not begin with the chunks streamed during the export (a planner that is
-            not `plan_chunks`' greedy rule over owner-ordered tensors).
+            not `plan_chunks`' greedy rule over owner-ordered tensors); raised on every rank, before any
+            hand-off.
     """
     res = SyncReport(rank=rank)
     progress = progress or Progress(None)
@@ -323,7 +347,15 @@ def run_sync(
     try:
         own, by_name, streamed = _stream_own_chunks(named, chunk_bytes, rank, sender, progress, where)
         progress.at(f"{where}: exchanging tensor metadata with every rank (all_gather_object)")
-        plan = plan_chunks(gather_metadata(own, world_size), chunk_bytes)
+        metas = gather_metadata(own, world_size)
+        plan = plan_chunks(metas, chunk_bytes)
+        # Every rank checks (the same metadata, the same answer): a rank that went on would wait for ever.
+        queued = [c.tensors for c in streamed] if rank == SENDER else streamed_by_sender(metas, chunk_bytes)
+        if [c.tensors for c in plan[: len(queued)]] != queued:
+            raise RuntimeError(
+                f"{where}: the chunk plan does not begin with the {len(queued)} chunks sent while exporting "
+                "(the planner must pack owner-ordered tensors greedily, as plan_chunks does)"
+            )
         if rank != SENDER:
             progress.at(f"{where}: handing its tensors of {len(plan)} chunks to the sender point to point (gather)")
             hand_off(plan, by_name, rank)
@@ -331,11 +363,6 @@ def run_sync(
             res.total_s = time.perf_counter() - t_loop0
             return res, plan
         assert sender is not None and client is not None
-        if [c.tensors for c in plan[: len(streamed)]] != [c.tensors for c in streamed]:
-            raise RuntimeError(
-                f"{where}: the chunk plan does not begin with the {len(streamed)} chunks sent while exporting "
-                "(the planner must pack owner-ordered tensors greedily, as plan_chunks does)"
-            )
         t_recv = 0.0
         for chunk in plan[len(streamed) :]:
             t0 = time.perf_counter()
