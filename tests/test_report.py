@@ -282,8 +282,8 @@ def test_verdict_change(base_ok: bool, run_ok: bool, base_v: str, run_v: str, ex
 
 
 def test_the_committed_baseline_reads_and_matches_itself(tmp_path: Path) -> None:
-    """The committed tables compare with themselves: every row unchanged at ratio 1, measured by the host
-    calibration their env.json carries."""
+    """The committed tables compare with themselves: every row unchanged at ratio 1, measured as efficiency
+    where a row carries one, else by the host calibration their env.json carries."""
     folder = Path(__file__).resolve().parents[1] / "results" / "baselines" / "cpu"
     baseline = load_run(folder)
     assert "export_mode" in baseline.table and baseline.table["expect_met"].all()
@@ -291,3 +291,4 @@ def test_the_committed_baseline_reads_and_matches_itself(tmp_path: Path) -> None
     assert exit_status(report) == 0 and set(report.rows["change"]) == {"unchanged"}
     timed = report.rows.dropna(subset=["ratio"])
     assert len(timed) == len(baseline.table) and timed["ratio"].tolist() == pytest.approx([1.0] * len(timed))
+    assert set(report.rows["measure"]) == {"efficiency (steady time / same-run bound)"}  # every row has a bound
