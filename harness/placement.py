@@ -39,7 +39,6 @@ TRAINER_NODE = "wsh_trainer_node"  # a node offering this custom resource hosts 
 ENGINE_NODE = "wsh_engine_node"  # a node offering this custom resource hosts the engines
 NODE_SLICE = 0.001  # what one actor or bundle asks of a node resource (any number of them fit)
 LOOPBACK = "127.0.0.1"
-RANK_EXIT_GRACE_S = 10.0  # how long a dropped pool's rank processes get to end after ray.kill before SIGKILL
 FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
 
 
@@ -237,12 +236,6 @@ class EngineActor:
         return popen.returncode, self.proc.log_tail(tail_chars) if self.proc is not None else ""
 
 
-def _children_of(proc: psutil.Process) -> list[psutil.Process]:
-    with contextlib.suppress(psutil.Error):
-        return proc.children(recursive=True)
-    return []
-
-
 @dataclass
 class TrainerPool:
     """Trainer actors of one world size, in one placement group (bundle i = rank i)."""
@@ -302,25 +295,15 @@ class TrainerPool:
 
     def kill(self) -> None:
         """End every rank process and free the placement group, then unlink the shared-memory segments the
-        ranks held that are still there: a killed sender never unlinks its own (`harness.shm`).
-
-        A rank process on this host that `ray.kill` has not ended within `RANK_EXIT_GRACE_S` seconds (seen
-        after an engine died under a rank blocked in its transfer) is sent SIGKILL, and so are the processes
-        it started (multiprocessing's resource tracker) that outlive it by as long."""
+        ranks held that are still there: a killed sender never unlinks its own (`harness.shm`)."""
         ranks = self._local_processes()
-        started = [c for p in ranks for c in _children_of(p)]
         held = set().union(*(shm.held_by(p.pid) for p in ranks))
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
         remove_placement_group(self.pg)
-        for group in (ranks, started):
-            _, alive = psutil.wait_procs(group, timeout=RANK_EXIT_GRACE_S)
-            for proc in alive:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-            psutil.wait_procs(alive, timeout=RANK_EXIT_GRACE_S)
         if held:
+            psutil.wait_procs(ranks, timeout=10)
             shm.unlink(held)
 
     def _local_processes(self) -> list[psutil.Process]:
