@@ -53,13 +53,29 @@ def plan_chunks(tensors: Sequence[TensorMeta], chunk_bytes: int) -> list[Chunk]:
         if t.name in seen:
             raise ValueError(f"{t.name} is named by ranks {seen[t.name]} and {t.owner}; exactly one must send it")
         seen[t.name] = t.owner
-    chunks: list[list[TensorMeta]] = []
-    size = 0
-    for t in tensors:
-        if chunks and chunks[-1] and size + t.nbytes <= chunk_bytes:
-            chunks[-1].append(t)
-            size += t.nbytes
-        else:
-            chunks.append([t])
-            size = t.nbytes
-    return [Chunk(i, tuple(c)) for i, c in enumerate(chunks)]
+    greedy = Greedy(chunk_bytes)
+    full = [c for t in tensors if (c := greedy.add(t)) is not None]
+    if greedy.pending:
+        full.append(tuple(greedy.pending))
+    return [Chunk(i, c) for i, c in enumerate(full)]
+
+
+class Greedy:
+    """The plan's greedy rule, one tensor at a time (tensors in plan order): a tensor joins the current chunk
+    while the chunk stays within `chunk_bytes`, else it starts the next one. `plan_chunks` runs it over every
+    tensor; the sender runs it over its own tensors as its export produces them (`transport.sync`)."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.pending: list[TensorMeta] = []
+        self.size = 0
+
+    def add(self, meta: TensorMeta) -> tuple[TensorMeta, ...] | None:
+        """Add `meta`; returns the tensors of the chunk completed by it (the ones before it, when it does not
+        fit beside them), else None."""
+        full = None
+        if self.pending and self.size + meta.nbytes > self.chunk_bytes:
+            full, self.pending, self.size = tuple(self.pending), [], 0
+        self.pending.append(meta)
+        self.size += meta.nbytes
+        return full

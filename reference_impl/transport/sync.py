@@ -40,7 +40,7 @@ from wsh_vllm_plugin.protocol import SENDER_RANK, UpdateInfo, dtype_from_name, d
 from reference_impl.checksum import tensor_checksum
 from reference_impl.transport.client import EngineClient, EngineRejected
 from reference_impl.transport.observed import GENERIC_REJECTION, ChunkRecord, SyncReport, TensorLayout
-from reference_impl.transport.plan import Chunk, TensorMeta, plan_chunks
+from reference_impl.transport.plan import Chunk, Greedy, TensorMeta, plan_chunks
 from reference_impl.transport.progress import Progress
 
 SENDER = SENDER_RANK
@@ -244,29 +244,10 @@ def _planned(plan: list[Chunk], sender: _SendThread) -> str:
     return str(len(plan)) if plan else f"at least {len(sender.queued) + 1}"
 
 
-class _Greedy:
-    """`plan_chunks`' greedy rule, one tensor at a time (tensors in plan order)."""
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.pending: list[TensorMeta] = []
-        self.size = 0
-
-    def add(self, meta: TensorMeta) -> tuple[TensorMeta, ...] | None:
-        """Add `meta`; returns the tensors of the chunk completed by it (the ones before it, when it does not fit
-        beside them), else None."""
-        full = None
-        if self.pending and self.size + meta.nbytes > self.chunk_bytes:
-            full, self.pending, self.size = tuple(self.pending), [], 0
-        self.pending.append(meta)
-        self.size += meta.nbytes
-        return full
-
-
 def streamed_by_sender(metas: list[TensorMeta], chunk_bytes: int) -> list[tuple[TensorMeta, ...]]:
     """The chunks the sender queues while it exports (`_stream_own_chunks`), from every rank's metadata: what
     every rank checks the plan's first chunks against."""
-    greedy = _Greedy(chunk_bytes)
+    greedy = Greedy(chunk_bytes)
     return [full for m in metas if m.owner == SENDER and (full := greedy.add(m)) is not None]
 
 
@@ -281,12 +262,12 @@ def _stream_own_chunks(
     export order, its tensors by HF name and the chunks queued."""
     own: list[TensorMeta] = []
     streamed: list[Chunk] = []
-    greedy = _Greedy(chunk_bytes)
+    greedy = Greedy(chunk_bytes)
     by_name: dict[str, torch.Tensor] = {}
     for name, t in named:
         meta = tensor_meta(name, t, rank)
         full = greedy.add(meta) if sender is not None else None
-        if sender is not None and full is not None:
+        if full is not None and sender is not None:
             chunk = Chunk(len(streamed), full)
             sender.put(chunk, collect(chunk, by_name))
             queued = f"chunk {chunk.index} of at least {chunk.index + 2} queued"
