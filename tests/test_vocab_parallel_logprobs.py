@@ -85,7 +85,9 @@ def _shard_rank(rank: int, world: int, port: int, v_padded: int, temperature: fl
         v_local = v_padded // world
         shard = logits[:, rank * v_local : (rank + 1) * v_local].contiguous()
         got = vocab_parallel_logprobs(shard, targets, temperature, rank * v_local, V_REAL, dist.group.WORLD, 4)
-        out.put((rank, got))
+        # A list, not the tensor: torch shares a tensor's storage through a file descriptor that the
+        # receiver fetches from this process, which may have exited by then.
+        out.put((rank, got.tolist()))
     finally:
         dist.destroy_process_group()
 
@@ -115,4 +117,4 @@ def test_sharded_over_gloo_matches_the_full_vocabulary(world: int, v_padded: int
     logits, targets = full_logits(v_padded)
     want = expected(logits, targets, 0.7)
     for rank in range(world):
-        assert torch.allclose(results[rank], want, atol=1e-5, rtol=0), rank
+        assert torch.allclose(torch.tensor(results[rank]), want, atol=1e-5, rtol=0), rank
