@@ -28,7 +28,7 @@ from harness.faults import FAULTS
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
-from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
+from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into, sync_failed
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from harness.watch import EngineWatch
@@ -186,15 +186,20 @@ class Runner:
                 checker.close()
             if not healthy:
                 self._recover_calls(record)
-                for engine_watch in session.watches if session is not None else []:  # a dead engine first
-                    engine_watch.name_the_engine(record.errors, "the scenario")
+            # A dead engine first, also when the syncs ended without a rank raising (a colocated sender
+            # records its calls to a dead engine as status 0 and returns): its end is the cause to name.
+            for engine_watch in session.watches if session is not None else []:
+                engine_watch.name_the_engine(record.errors, "the scenario")
             stops = [e.stop.remote() for e in engines]  # type: ignore[attr-defined]
             with contextlib.suppress(Exception):
                 ray.get(stops, timeout=30)
             for i, e in enumerate(engines):
                 ray.kill(e, no_restart=True)
                 kind.reap(pids.get(engine_label(i)))
-            if not healthy or sc.fault:  # a fault's patches live in these processes: never reuse them
+            # A fault's patches live in these processes, and ranks that saw a sync fail (an engine that died
+            # under their transfer, an answer that was not 200) may hold what that failure left: reuse a pool
+            # only after a clean scenario.
+            if not healthy or sc.fault or record.errors or any(sync_failed(record, s) for s in record.syncs):
                 self.drop_pool(sc.world_size)
                 shm.unlink(shm.held_in(record.resources))  # what its dead ranks left in /dev/shm
             marks["end"] = time.perf_counter()
