@@ -27,6 +27,7 @@ import httpx
 import pytest
 import torch
 from wsh_vllm_plugin import protocol
+from wsh_vllm_plugin.group import TransferGroup, host_store, join_transfer_group
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
@@ -78,7 +79,7 @@ class Engine:
     checkpoint: Path
     proc: subprocess.Popen
     url: str
-    group: protocol.TransferGroup | None = None
+    group: TransferGroup | None = None
 
     def post(self, route: str, body: dict | None = None) -> httpx.Response:
         return httpx.post(f"{self.url}{route}", json=body if body is not None else {}, timeout=60)
@@ -158,7 +159,7 @@ def _wait_port(proc: subprocess.Popen, port_file: Path, log: Path, deadline_s: f
 
 def _link(engine: Engine) -> None:
     """Join the transfer group: rank 0 here, the engine as rank 1 via /init_weight_transfer_engine."""
-    store = protocol.host_store(timeout_s=60)
+    store = host_store(timeout_s=60)
     init = {
         "init_info": {
             "backend": "gloo",
@@ -170,9 +171,7 @@ def _link(engine: Engine) -> None:
     }
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(engine.post, "/init_weight_transfer_engine", init)
-        engine.group = protocol.join_transfer_group(
-            "127.0.0.1", store.port, rank=0, world_size=2, timeout_s=60, store=store
-        )
+        engine.group = join_transfer_group("127.0.0.1", store.port, rank=0, world_size=2, timeout_s=60, store=store)
         r = fut.result(timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["ok"] is True

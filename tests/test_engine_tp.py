@@ -141,7 +141,8 @@ def test_the_server_joins_every_tp_rank_and_reports_each_ranks_shards(checkpoint
     from pathlib import Path
 
     from fastapi.testclient import TestClient
-    from wsh_vllm_plugin.protocol import InitInfo, UpdateInfo, host_store, join_transfer_group
+    from wsh_vllm_plugin.group import host_store, join_transfer_group
+    from wsh_vllm_plugin.protocol import InitInfo, UpdateInfo
 
     from reference_impl.engine.embedded.server import create_app
 

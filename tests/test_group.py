@@ -40,7 +40,7 @@ def _join_all(infos, engine_ranks: list[int], timeout_s: float) -> tuple[object,
     joins as the sender; returns (the sender's group, futures of each worker's group)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from wsh_vllm_plugin.protocol import join_transfer_group
+    from wsh_vllm_plugin.group import join_transfer_group
 
     pool = ThreadPoolExecutor(max_workers=sum(engine_ranks))
     futures = [
@@ -54,7 +54,7 @@ def _join_all(infos, engine_ranks: list[int], timeout_s: float) -> tuple[object,
 
 def test_one_broadcast_reaches_every_worker_of_every_engine() -> None:
     import torch
-    from wsh_vllm_plugin.protocol import host_store, join_transfer_group
+    from wsh_vllm_plugin.group import host_store, join_transfer_group
 
     ranks = [2, 1]
     store = host_store(timeout_s=30)
@@ -75,7 +75,7 @@ def test_one_broadcast_reaches_every_worker_of_every_engine() -> None:
 def test_two_engines_with_one_offset_never_form_the_group() -> None:
     """What the fault `duplicate_rank_offsets` does: both engines claim rank 1, rank 2 stays empty, and
     nobody's join returns before the timeout."""
-    from wsh_vllm_plugin.protocol import host_store, join_transfer_group
+    from wsh_vllm_plugin.group import host_store, join_transfer_group
 
     from harness.faults import trainer as trainer_faults
     from reference_impl import seams

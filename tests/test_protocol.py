@@ -1,4 +1,4 @@
-"""The protocol module: torch-only, its bodies' rules, handle layouts, and one chunk over the transfer group."""
+"""The protocol module: torch-only, its bodies' rules, handle layouts; one chunk over the transfer group (group.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ from dataclasses import asdict
 import pytest
 import torch
 from wsh_vllm_plugin import protocol
+from wsh_vllm_plugin.group import host_store, join_transfer_group
 from wsh_vllm_plugin.protocol import CudaIpcHandle, InitInfo, ProtocolError, ShmHandle, UpdateInfo
 
 from reference_impl.transport.handles import SharedMemoryBuffer
 
 
 def test_protocol_imports_only_torch() -> None:
-    """Both environments import it: nothing of vLLM, pydantic or the harness may come with it."""
+    """Both environments import it and the transfer group (`group.py`): nothing of vLLM, pydantic or the
+    harness may come with them."""
     code = (
-        "import sys, json, wsh_vllm_plugin.protocol\n"
+        "import sys, json, wsh_vllm_plugin.protocol, wsh_vllm_plugin.group\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -85,18 +87,18 @@ def test_dtype_names() -> None:
 def test_one_chunk_over_the_transfer_group() -> None:
     """Sender and engine rank in two threads: the receiver learns the size from the header, also for a
     payload whose size no declared shape predicts."""
-    store = protocol.host_store(timeout_s=30)
+    store = host_store(timeout_s=30)
     tensors = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([7], dtype=torch.int64)]
     payload = protocol.pack(tensors)
     assert payload.numel() == 6 * 4 + 8
 
     def engine() -> torch.Tensor:
-        group = protocol.join_transfer_group("127.0.0.1", store.port, rank=1, world_size=2, timeout_s=30)
+        group = join_transfer_group("127.0.0.1", store.port, rank=1, world_size=2, timeout_s=30)
         return group.receive_chunk(protocol.SENDER_RANK)
 
     with ThreadPoolExecutor(1) as ex:
         got = ex.submit(engine)
-        sender = protocol.join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
+        sender = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
         sender.send_chunk(payload)
         received = got.result(timeout=60)
     assert received.dtype == torch.uint8 and torch.equal(received, payload)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from wsh_vllm_plugin import packed, protocol
+from wsh_vllm_plugin.group import host_store, join_transfer_group
 from wsh_vllm_plugin.protocol import ProtocolError
 
 from reference_impl.engine.vllm.env import EngineEnvMissing, plugin_import_dir, vllm_python
@@ -96,13 +97,13 @@ def test_bodies_are_vllms_fields() -> None:
 def test_packed_sender_over_a_gloo_group() -> None:
     """The sender's buffers, received on an engine rank in another thread, are the chunk's bytes cut where
     the rule says (bound 20 over 12 + 12 + 4 + 8 bytes: [12, 12] then [4, 8])."""
-    store = protocol.host_store(timeout_s=30)
+    store = host_store(timeout_s=30)
     tensors = [torch.arange(3, dtype=torch.float32), torch.arange(3, 6, dtype=torch.float32),
                torch.tensor([1, 2], dtype=torch.int16), torch.tensor([-1], dtype=torch.int64)]  # fmt: skip
     whole = b"".join(t.numpy().tobytes() for t in tensors)
 
     def engine() -> list[bytes]:
-        group = protocol.join_transfer_group("127.0.0.1", store.port, rank=1, world_size=2, timeout_s=30)
+        group = join_transfer_group("127.0.0.1", store.port, rank=1, world_size=2, timeout_s=30)
         out = []
         for n in (24, 12):
             buf = torch.empty(n, dtype=torch.uint8)
@@ -112,7 +113,7 @@ def test_packed_sender_over_a_gloo_group() -> None:
 
     with ThreadPoolExecutor(1) as ex:
         got = ex.submit(engine)
-        group = protocol.join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
+        group = join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
         sender = packed.PackedSender(lambda b: group.broadcast(b, protocol.SENDER_RANK), buffer_size_bytes=20)
         sent = sender.send(tensors, [12, 12, 4, 8])
         received = got.result(timeout=60)

@@ -90,17 +90,18 @@ def test_the_harness_protocol_names_an_nccl_group_for_gpu_hosts() -> None:
     """The embedded engine's non-colocate backend on GPU: the same rules as gloo; joining needs CUDA."""
     import torch
     from wsh_vllm_plugin import protocol
+    from wsh_vllm_plugin.group import host_store, join_transfer_group
 
     assert protocol.GROUP_BACKENDS == ("gloo", "nccl") and "nccl" in protocol.BACKENDS
     with pytest.raises(protocol.ProtocolError, match="Field required for backend 'nccl'") as e:
         protocol.InitInfo(backend="nccl", master_port=1).check()
     assert (e.value.field, e.value.required) == ("master_address", True)
     with pytest.raises(ValueError, match="transfer group backend 'shm'"):
-        protocol.join_transfer_group("127.0.0.1", 1, 0, 2, backend="shm")
+        join_transfer_group("127.0.0.1", 1, 0, 2, backend="shm")
     if not torch.cuda.is_available():
-        store = protocol.host_store(timeout_s=5)
+        store = host_store(timeout_s=5)
         with pytest.raises(RuntimeError, match="needs a CUDA device; use 'gloo' on CPU"):
-            protocol.join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=5, store=store, backend="nccl")
+            join_transfer_group("127.0.0.1", store.port, 0, 2, timeout_s=5, store=store, backend="nccl")
 
 
 class _VllmWorkers:
@@ -114,7 +115,8 @@ class _VllmWorkers:
         self.threads: list[threading.Thread] = []
 
     def init_transfer(self, body: dict) -> dict:
-        from wsh_vllm_plugin.protocol import SENDER_RANK, join_transfer_group
+        from wsh_vllm_plugin.group import join_transfer_group
+        from wsh_vllm_plugin.protocol import SENDER_RANK
 
         self.bodies.append(body)
 

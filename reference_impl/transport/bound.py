@@ -108,7 +108,8 @@ def gather_bound(
 
 
 def _broadcast_bound(group: object, client: EngineClient | ReplicaClient, sizes: Sequence[int]) -> float:
-    """Bare broadcasts of `sizes` over `group` (a `protocol.TransferGroup`) while every engine takes them."""
+    """Bare broadcasts of `sizes` over `group` (a `wsh_vllm_plugin.group.TransferGroup`) while every engine
+    takes them."""
     engines = engines_of(client)
     buffer = torch.empty(max(sizes), dtype=torch.uint8, device=group.device)  # type: ignore[attr-defined]
     with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="transfer-probe") as pool:

@@ -14,16 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from wsh_vllm_plugin.protocol import (
-    DEFAULT_TIMEOUT_S,
-    GLOO,
-    InitInfo,
-    TransferGroup,
-    UpdateInfo,
-    host_store,
-    join_transfer_group,
-    pack,
-)
+from wsh_vllm_plugin.group import TransferGroup, host_store, join_transfer_group
+from wsh_vllm_plugin.protocol import DEFAULT_TIMEOUT_S, GLOO, InitInfo, UpdateInfo, pack
 
 from reference_impl.transport import group
 from reference_impl.transport.client import EngineClient

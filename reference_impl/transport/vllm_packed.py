@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from wsh_vllm_plugin.group import host_store, join_transfer_group
 from wsh_vllm_plugin.packed import (
     DEFAULT_BUFFER_BYTES,
     VLLM_GLOO,
@@ -41,7 +42,7 @@ from wsh_vllm_plugin.packed import (
     nccl_update_info,
     pack_declared,
 )
-from wsh_vllm_plugin.protocol import DEFAULT_TIMEOUT_S, SENDER_RANK, UpdateInfo, host_store, join_transfer_group
+from wsh_vllm_plugin.protocol import DEFAULT_TIMEOUT_S, SENDER_RANK, UpdateInfo
 
 from reference_impl.transport import group
 from reference_impl.transport.client import EngineClient

@@ -3,7 +3,7 @@
 Backends (`init_info.backend` of /init_weight_transfer_engine):
 
 - "gloo" (non-colocate): the engine joins the trainer's transfer group; each /update_weights receives
-  the packed chunk by broadcast (`protocol.TransferGroup.receive_chunk`).
+  the packed chunk by broadcast (`wsh_vllm_plugin.group.TransferGroup.receive_chunk`).
 - "shm" (colocate on CPU) and "cuda_ipc" (colocate on GPU): nothing to join; each /update_weights
   carries `update_info.handle` (`protocol.ShmHandle` / `protocol.CudaIpcHandle`, opened by
   `reference_impl.transport.handles`) and the engine reads the packed chunk from the producer's

@@ -89,6 +89,7 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, HTTPException
+from wsh_vllm_plugin.group import TransferGroup, join_transfer_group
 from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
     GROUP_BACKENDS,
@@ -96,9 +97,7 @@ from wsh_vllm_plugin.protocol import (
     NCCL,
     SENDER_RANK,
     InitInfo,
-    TransferGroup,
     UpdateInfo,
-    join_transfer_group,
 )
 
 from reference_impl.engine.embedded import bodies, receive

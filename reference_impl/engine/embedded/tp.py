@@ -25,14 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from wsh_vllm_plugin.protocol import (
-    InitInfo,
-    TransferGroup,
-    dtype_from_name,
-    join_transfer_group,
-    pack,
-    unpack,
-)
+from wsh_vllm_plugin.group import TransferGroup, join_transfer_group
+from wsh_vllm_plugin.protocol import InitInfo, dtype_from_name, pack, unpack
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.loader import EngineLoader

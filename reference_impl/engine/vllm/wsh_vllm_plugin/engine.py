@@ -7,7 +7,7 @@ vLLM's protocol and packed format (`packed.py` beside this module) unchanged:
 - `init_info` is parsed by vLLM's `NCCLWeightTransferInitInfo` (the body a trainer sends to `nccl`),
   with the TCPStore rendezvous (`master_address`, `master_port`; a `nccl_unique_id_b64` is refused):
   this worker joins the trainer's gloo group on that store as rank `rank_offset` + its global worker
-  index (`protocol.join_transfer_group`), where vLLM's would build a `PyNcclCommunicator`.
+  index (`group.join_transfer_group`), where vLLM's would build a `PyNcclCommunicator`.
 - `update_info` is parsed by vLLM's `NCCLWeightTransferUpdateInfo` (names, dtype_names, shapes).
 - `start_weight_update` / `finish_weight_update` are vLLM's (`initialize_layerwise_reload` /
   `finalize_layerwise_reload`), plus the two CPU fixes below.
@@ -47,8 +47,9 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 from vllm.logger import init_logger
 
+from wsh_vllm_plugin.group import TransferGroup, join_transfer_group
 from wsh_vllm_plugin.packed import VLLM_GLOO, buffer_spans, declared_nbytes
-from wsh_vllm_plugin.protocol import DEFAULT_TIMEOUT_S, SENDER_RANK, TransferGroup, dtype_name, join_transfer_group
+from wsh_vllm_plugin.protocol import DEFAULT_TIMEOUT_S, SENDER_RANK, dtype_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
