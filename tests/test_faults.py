@@ -14,23 +14,23 @@ from pathlib import Path
 
 import psutil
 import pytest
+from fault_runs import fault_scenario, run_once
 
 from harness import shm
 from harness.checks import expectation_met
 from harness.faults import FAULTS, fault_scenarios
 from harness.record import RunRecord
-from harness.scenario import Scenario
 
 pytestmark = pytest.mark.e2e
 
-SCENARIOS = {e["fault"]: Scenario(**e) for e in fault_scenarios()}
+SCENARIOS = {e["fault"]: fault_scenario(e["fault"]) for e in fault_scenarios()}
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))
 def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
     sc = SCENARIOS[name]
     t0 = time.monotonic()
-    rec = runner.run_scenario(sc)
+    rec = run_once(runner, sc)
     elapsed = time.monotonic() - t0
     assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
     assert expectation_met(rec, rec.verdict), (sc.expect_note, rec.checks)  # and the note it expects, if any

@@ -33,6 +33,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from fault_runs import VLLM_FAULTS, fault_scenario, run_once
 from safetensors.torch import load_file
 from vllm_env import require_vllm as _require_vllm
 from wsh_vllm_plugin.protocol import UpdateInfo
@@ -432,28 +433,15 @@ def test_vllm_moe_scenario_through_the_runner(runner: Runner) -> None:
     assert all(len(s.engine_logprobs) == 3 for s in rec.syncs)  # two text prompts and the image prompt
 
 
-# Trainer-side faults that a non-colocate Qwen3 or Qwen3-VL scenario shows, each run against real vLLM and
-# against the embedded engine in the same test: both verdicts must be the fault's.
-VLLM_FAULTS = (
-    "tied_lm_head_sent",
-    "wrong_dtype",
-    "drop_last_chunk",
-    "gqa_split_wrong",
-    "pp_barrier_in_chunk_loop",
-    "legacy_vision_names",
-)
-
-
 @pytest.mark.parametrize("name", VLLM_FAULTS)
 def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, name: str) -> None:
-    from harness.faults import FAULTS, fault_scenarios
+    from harness.faults import FAULTS
 
     _require_vllm()
-    entry = next(e for e in fault_scenarios() if e["fault"] == name)
-    sc = Scenario(**{**entry, "engine": "vllm", "logprob_temperature": 1.0})
+    sc = fault_scenario(name, "vllm")
     assert validate(sc) is None
     rec = runner.run_scenario(sc)
-    embedded = runner.run_scenario(Scenario(**{**entry, "engine": "embedded", "logprob_temperature": 1.0}))
+    embedded = run_once(runner, fault_scenario(name))  # the record test_faults.py made, when it ran
     assert rec.verdict == embedded.verdict == FAULTS[name].expect, (
         [c for c in rec.checks if not c["ok"]],
         [c for c in embedded.checks if not c["ok"]],

@@ -1,0 +1,41 @@
+"""The fault scenarios of `tests/test_faults.py`, run once per test session: `tests/test_vllm_engine.py`
+compares real vLLM's verdict for some of them (`VLLM_FAULTS`) with the embedded engine's, and takes the
+embedded engine's record of the same scenario from here instead of running it a second time."""
+
+from __future__ import annotations
+
+from harness.faults import fault_scenarios
+from harness.record import RunRecord
+from harness.runner import Runner
+from harness.scenario import Scenario
+
+# Trainer-side faults that a non-colocate Qwen3 or Qwen3-VL scenario shows, each run against real vLLM and
+# against the embedded engine: both verdicts must be the fault's. They run at temperature 1.0 on both
+# engines (vLLM's prompt log-probs do not honour the temperature); the other faults at the embedded
+# engine's default (0.7, which exercises the temperature's path).
+VLLM_FAULTS = (
+    "tied_lm_head_sent",
+    "wrong_dtype",
+    "drop_last_chunk",
+    "gqa_split_wrong",
+    "pp_barrier_in_chunk_loop",
+    "legacy_vision_names",
+)
+
+_RECORDS: dict[str, RunRecord] = {}
+
+
+def fault_scenario(name: str, engine: str = "embedded") -> Scenario:
+    """The registered scenario of fault `name` on `engine` (temperature 1.0 for `VLLM_FAULTS`)."""
+    entry = next(e for e in fault_scenarios() if e["fault"] == name)
+    extra = {"logprob_temperature": 1.0} if name in VLLM_FAULTS else {}
+    return Scenario(**{**entry, **extra, "engine": engine})
+
+
+def run_once(runner: Runner, sc: Scenario) -> RunRecord:
+    """`runner.run_scenario(sc)`, or the record of the same scenario (every field equal) run earlier in this
+    test session."""
+    key = sc.model_dump_json()
+    if key not in _RECORDS:
+        _RECORDS[key] = runner.run_scenario(sc)
+    return _RECORDS[key]
