@@ -1,8 +1,8 @@
 """Sessions: `tests` (pytest, CI; `nox -s tests -- scenarios --matrix cpu -k ...` runs scenarios as
 tests), `cpu_matrix` (the CPU scenario matrix), `cpu_matrix_vllm` (Qwen3 dense, Qwen3-VL and MoE on real
 vLLM beside the embedded engine), `gpu_matrix` (full-size models on GPU runners, as pytest tests), `report`
-(a run against a baseline) and `soak` (one scenario for 200 syncs per placement, resource growth per 100
-syncs).
+(a run against a baseline), `soak` (one scenario for 200 syncs per placement, resource growth per 100
+syncs) and `hard_kills` (every seed of the hard-kill tests).
 
 The harness runs on Python 3.12 (megatron-core 0.19.2 and Megatron-Bridge 0.6.2 require it). Where
 Python 3.12 is installed through pyenv but not active, it is found under `$(pyenv root)/versions/3.12.*`.
@@ -94,6 +94,16 @@ def cpu_matrix_vllm(session: nox.Session) -> None:
     _install(session)
     env = _vllm_env(session)
     session.run("python", "-m", "harness", "run", "--matrix", "cpu_vllm", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def hard_kills(session: nox.Session) -> None:
+    """Every seed of `tests/test_hard_kills.py` (8 engine kills, 6 rank kills, 6 signals to the harness and
+    the SIGTERM once a scenario runs); `tests` runs the seeds that cover each kind once (11 of 21)."""
+    _install(session)
+    session.run(
+        "pytest", *(session.posargs or ["-q", "tests/test_hard_kills.py"]), env={"WSH_HARD_KILL_SEEDS": "all"}
+    )
 
 
 @nox.session(python=PYTHON)
