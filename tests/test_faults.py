@@ -18,12 +18,12 @@ from fault_runs import fault_scenario, run_once
 
 from harness import shm
 from harness.checks import expectation_met
-from harness.faults import FAULTS, fault_scenarios
+from harness.faults import FAULTS
 from harness.record import RunRecord
 
 pytestmark = pytest.mark.e2e
 
-SCENARIOS = {e["fault"]: fault_scenario(e["fault"]) for e in fault_scenarios()}
+SCENARIOS = {name: fault_scenario(name) for name in FAULTS}
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))

@@ -266,8 +266,7 @@ def _stream_own_chunks(
     by_name: dict[str, torch.Tensor] = {}
     for name, t in named:
         meta = tensor_meta(name, t, rank)
-        full = greedy.add(meta) if sender is not None else None
-        if full is not None and sender is not None:
+        if sender is not None and (full := greedy.add(meta)) is not None:
             chunk = Chunk(len(streamed), full)
             sender.put(chunk, collect(chunk, by_name))
             queued = f"chunk {chunk.index} of at least {chunk.index + 2} queued"
