@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
-from reference_impl.engine.process import ServerProcess, free_port
+from reference_impl.engine.process import EngineStartError, ServerProcess, free_port
 
 SETUP_TIMEOUT_S = 900.0
 TRAINER_NODE = "wsh_trainer_node"  # a node offering this custom resource hosts the trainer ranks
@@ -215,6 +215,17 @@ class EngineActor:
         host = ray.util.get_node_ip_address() if reachable else LOOPBACK
         self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook, colocate, tp=tp, host=host, token=token)
         return self.proc.start(kind.start_timeout_s)
+
+    def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1) -> str:
+        """Make the running server a fresh engine of `checkpoint` with the dummy weights of `seed` (its kind's
+        `ServerProcess.restart`; only kinds with `Capabilities.restart_in_place`); returns its base URL.
+
+        Raises:
+            EngineStartError: never started, or the server refused or failed the restart.
+        """
+        if self.proc is None:
+            raise EngineStartError("the engine was never started; start it instead of restarting it")
+        return self.proc.restart(checkpoint, seed, log_path, tp)
 
     def pid(self) -> int | None:
         return self.proc.pid() if self.proc else None

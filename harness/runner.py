@@ -11,7 +11,6 @@ next scenario gets fresh ones. Every record is written as soon as its scenario e
 
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
 import shutil
@@ -19,11 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 
 from harness import shm
 from harness.checks import group_differences, judged
+from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
@@ -66,6 +67,7 @@ class Runner:
     on_record: Callable[[RunRecord], None] | None = None
     after_sync: SyncHook | None = None
     pools: dict[int, TrainerPool] = field(default_factory=dict)
+    shelf: EngineShelf = field(default_factory=EngineShelf)  # engines of clean scenarios, restarted for later ones
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def pool(self, world_size: int) -> TrainerPool:
@@ -79,13 +81,15 @@ class Runner:
         return self.pools[world_size]
 
     def drop_pool(self, world_size: int) -> None:
-        """Kill a pool whose processes may be in a bad state."""
+        """Kill a pool whose processes may be in a bad state, and the shelved engines in its placement group."""
+        self.shelf.drop(lambda k: k.colocate and k.world_size == world_size)
         pool = self.pools.pop(world_size, None)
         if pool is not None:
             pool.kill()
 
     def close(self) -> None:
-        """Kill every pool."""
+        """End every shelved engine and kill every pool."""
+        self.shelf.close()
         for ws in list(self.pools):
             self.drop_pool(ws)
 
@@ -125,23 +129,28 @@ class Runner:
             deadline = sc.deadline_s or 120.0 + ckpt_bytes / 20e6
             pool = self.pool(sc.world_size)
             fault = FAULTS[sc.fault] if sc.fault else None
-            options = pool.engine_options(sc.colocate, sc.engine_tp)
-            engines = [EngineActor.options(**options).remote() for _ in range(sc.engines)]
             trace = self.trace_dir(sc.id)
             shutil.rmtree(trace, ignore_errors=True)
             setup = TrainerSetup(sc.model, str(ckpt), sc.dtype, sc.tp, sc.pp, sc.ep, sc.etp, trace_dir=str(trace))
             setup_refs = [a.setup.remote(setup) for a in pool.actors]
             hook = fault.hook if fault is not None else None
             reachable = multi_node()  # engines another node must reach bind to their node's address
-            starts = [  # every replica from dummy weights of its own seed
-                e.start.remote(
-                    sc.engine, str(ckpt), sc.engine_seed + i, str(self.engine_log(sc.id, i)), sc.dtype, hook,
-                    sc.colocate, sc.engine_tp, reachable, self.token,
-                )
-                for i, e in enumerate(engines)
-            ]
+            key = EngineKey.of(sc, reachable)
+            reusable = kind.capabilities.restart_in_place and hook is None
+            engines, urls = self._restarted(key, sc, ckpt, record) if reusable else ([], [])
+            if not engines:
+                options = pool.engine_options(sc.colocate, sc.engine_tp)
+                engines = [EngineActor.options(**options).remote() for _ in range(sc.engines)]
+                starts = [  # every replica from dummy weights of its own seed
+                    e.start.remote(
+                        sc.engine, str(ckpt), sc.engine_seed + i, str(self.engine_log(sc.id, i)), sc.dtype, hook,
+                        sc.colocate, sc.engine_tp, reachable, self.token,
+                    )
+                    for i, e in enumerate(engines)
+                ]
             session = ScenarioSession(sc, record, kind, pool, engines, deadline, trace, ckpt, fault)
-            urls = session.get(starts, kind.start_timeout_s, "engine start")
+            if not urls:
+                urls = session.get(starts, kind.start_timeout_s, "engine start")
             checkers = session.checkers = [
                 EngineClient(
                     url,
@@ -190,21 +199,46 @@ class Runner:
             # records its calls to a dead engine as status 0 and returns): its end is the cause to name.
             for engine_watch in session.watches if session is not None else []:
                 engine_watch.name_the_engine(record.errors, "the scenario")
-            stops = [e.stop.remote() for e in engines]  # type: ignore[attr-defined]
-            with contextlib.suppress(Exception):
-                ray.get(stops, timeout=30)
-            for i, e in enumerate(engines):
-                ray.kill(e, no_restart=True)
-                kind.reap(pids.get(engine_label(i)))
-            # A fault's patches live in these processes, and ranks that saw a sync fail (an engine that died
-            # under their transfer, an answer that was not 200) may hold what that failure left: reuse a pool
-            # only after a clean scenario.
-            if not healthy or sc.fault or record.errors or any(sync_failed(record, s) for s in record.syncs):
+            # A fault's patches live in these processes, and ranks or engines that saw a sync fail (an engine
+            # that died under a transfer, an answer that was not 200) may hold what that failure left: reuse a
+            # pool or an engine only after a clean scenario.
+            clean = healthy and not sc.fault and not record.errors
+            clean = clean and not any(sync_failed(record, s) for s in record.syncs)
+            engine_pids = [pids.get(engine_label(i)) for i in range(len(engines))]
+            if clean and reusable:
+                self.shelf.put(key, engines, engine_pids)
+            elif engines:
+                end_engines(engines, engine_pids, sc.engine)
+            if not clean:
                 self.drop_pool(sc.world_size)
                 shm.unlink(shm.held_in(record.resources))  # what its dead ranks left in /dev/shm
             marks["end"] = time.perf_counter()
             record.wall = wall_split(marks, session.checks_s if session is not None else 0.0)
         return self._finish(record)
+
+    def _restarted(self, key: EngineKey, sc: Scenario, ckpt: Path, record: RunRecord) -> tuple[list[Any], list[str]]:
+        """Shelved engines of `key` restarted in place as fresh engines of this scenario (`ckpt`, each replica's
+        own seed, its own log), and their URLs; ([], []) when none is shelved or a restart failed (those are
+        ended, said in a note, and the caller starts new ones)."""
+        shelved = self.shelf.take(key)
+        if shelved is None:
+            return [], []
+        engines, pids = shelved
+        restarts = [
+            e.restart.remote(str(ckpt), sc.engine_seed + i, str(self.engine_log(sc.id, i)), sc.engine_tp)
+            for i, e in enumerate(engines)
+        ]
+        try:
+            urls = ray.get(restarts, timeout=engine_kind(sc.engine).start_timeout_s)
+        except Exception as e:
+            record.notes.append(f"a shelved engine did not restart ({type(e).__name__}: {str(e)[:300]}); started anew")
+            end_engines(engines, pids, sc.engine)
+            return [], []
+        record.notes.append(
+            f"engine process reused: restarted in place as a fresh engine (pid {', '.join(map(str, pids))}; "
+            "a new model with this scenario's dummy weights, state and caches)"
+        )
+        return engines, list(urls)
 
     def engine_log(self, scenario_id: str, engine: int) -> Path:
         """Where engine replica `engine`'s server log goes (`<scenario>.engine.log`, `<scenario>.engine1.log`, ...)."""

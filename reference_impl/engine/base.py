@@ -39,6 +39,8 @@ class Capabilities(BaseModel):
         tensor_parallel: can run with TP > 1 on the engine side.
         replicas: several engines of this kind can be fed by one transfer group.
         fault_hooks: loads a fault hook (`--fault MODULE:FUNCTION`) at start, for mutation tests.
+        restart_in_place: its server process can become a fresh engine of another checkpoint and seed
+            without a new process (`ServerProcess.restart`), so a harness may reuse it across scenarios.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -51,6 +53,7 @@ class Capabilities(BaseModel):
     tensor_parallel: bool = False
     replicas: bool = False
     fault_hooks: bool = False
+    restart_in_place: bool = False
 
 
 WIRE_HARNESS = "harness"  # the harness's own protocol and wire format (wsh_vllm_plugin/protocol.py)

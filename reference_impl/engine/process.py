@@ -125,6 +125,15 @@ class ServerProcess(ABC):
             raise
         return self.url
 
+    def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, timeout_s: float = 300.0) -> str:
+        """Make the running server a fresh engine of `checkpoint` and `seed` without a new process; returns
+        its base URL. Only engine kinds with `Capabilities.restart_in_place` can.
+
+        Raises:
+            EngineStartError: this kind cannot (here, always).
+        """
+        raise EngineStartError(f"{type(self).__name__} cannot restart in place; stop it and start a new one")
+
     def pid(self) -> int | None:
         """The server's pid (leader of its process group), None before start."""
         return self.proc.pid if self.proc else None

@@ -27,6 +27,7 @@ class EmbeddedEngine(EngineKind):
         tensor_parallel=True,
         replicas=True,
         fault_hooks=True,
+        restart_in_place=True,
     )
     start_timeout_s = 300.0  # loads a small transformers model
 

@@ -2,6 +2,8 @@
 [--host H] [--port P] [--port-file FILE] [--threads T] [--tensor-parallel-size TP] [--fault MODULE:FUNCTION]
 [--exit-with-parent PID]` builds the app (`reference_impl.engine.embedded.server.create_app`) and serves it
 with uvicorn on one socket bound here (TCP_NODELAY), writing the port to FILE once it accepts requests.
+The app is served behind `restart.RestartableApp`: `POST /wsh/restart` replaces it with a fresh one
+(`build_app`, the same path as this start) without a new process.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from pathlib import Path
 
 import torch
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware
 
 from reference_impl.engine.embedded.loader import EngineLoader
-from reference_impl.engine.embedded.server import create_app
+from reference_impl.engine.embedded.restart import RestartableApp, RestartRequest
+from reference_impl.engine.embedded.server import EngineState, create_app
 
 
 def _write_port_file(path: Path, port: int) -> None:
@@ -32,7 +36,32 @@ def _write_port_file(path: Path, port: int) -> None:
     os.replace(tmp, path)
 
 
-async def _serve(app: FastAPI, host: str, port: int, port_file: Path | None) -> None:
+def build_app(req: RestartRequest) -> FastAPI:
+    """A fresh engine app: a model of `req.checkpoint`'s architecture with the dummy weights of `req.seed`
+    (`EngineLoader.from_checkpoint`) and `req.tensor_parallel_size` TP ranks: what the server starts with,
+    and what `POST /wsh/restart` replaces it with (`restart.RestartableApp`)."""
+    loader = EngineLoader.from_checkpoint(req.checkpoint, req.seed)
+    config = json.loads((req.checkpoint / "config.json").read_text())
+    return create_app(loader, config=config, served_name=str(req.checkpoint), tp=req.tensor_parallel_size)
+
+
+def _state(app: ASGIApp) -> EngineState:
+    assert isinstance(app, FastAPI)
+    return app.state.engine  # type: ignore[no-any-return]
+
+
+def engine_busy(app: ASGIApp) -> str | None:
+    """Why the engine app must not be replaced now (an update session open, a chunk or forward under its
+    lock), or None."""
+    st = _state(app)
+    if st.session_open:
+        return "an update session is open"
+    if st.lock.locked():
+        return "a chunk or a forward is in progress"
+    return None
+
+
+async def _serve(app: ASGIApp, host: str, port: int, port_file: Path | None) -> None:
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -115,11 +144,10 @@ def main(argv: list[str] | None = None) -> None:
         doc = (hook.__doc__ or "").strip().splitlines()
         print(f"wsh engine: FAULT ACTIVE: {args.fault}: {doc[0] if doc else ''}", file=sys.stderr, flush=True)
     torch.set_num_threads(args.threads)
-    loader = EngineLoader.from_checkpoint(args.checkpoint, args.seed)
-    config = json.loads((args.checkpoint / "config.json").read_text())
-    app = create_app(loader, config=config, served_name=str(args.checkpoint), tp=args.tensor_parallel_size)
+    first = build_app(RestartRequest(args.checkpoint, args.seed, args.tensor_parallel_size))
+    app: ASGIApp = RestartableApp(build_app, first, engine_busy, lambda old: _state(old).close(), args.fault)
     if os.environ.get(TOKEN_ENV):  # every route asks for the run's bearer token (`wsh_vllm_plugin.auth`)
-        app.add_middleware(BearerTokenMiddleware)
+        app = BearerTokenMiddleware(app)
     asyncio.run(_serve(app, args.host, args.port, args.port_file))
 
 

@@ -131,6 +131,13 @@ class EngineState:
         self.paused = False
         self.lock = threading.Lock()  # one chunk received + loaded at a time, in arrival order
 
+    def close(self) -> None:
+        """Release what this state holds beyond memory: the TP ranks' threads and the transfer group
+        (`restart.RestartableApp` replaced the app it serves)."""
+        if self.ranks is not None:
+            self.ranks.pool.shutdown(wait=False)
+        self.group = None
+
     def commit_version(self, version: int) -> None:
         """The weights now in place are `version` (what /finish_weight_update commits, and what
         /weight_info and completions report). A seam (`reference_impl.seams`)."""

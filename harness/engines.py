@@ -1,0 +1,81 @@
+"""Engine servers kept between scenarios: which may serve a later scenario, and how every one is ended.
+
+Starting an engine costs a process start (Ray actor, interpreter, torch and FastAPI imports, the model
+build): about 6 s for a tiny model on a 2-core host, most of a small scenario's wall time. An engine kind
+with `Capabilities.restart_in_place` (the embedded engine) can instead become a fresh engine of the next
+scenario's checkpoint and seed in the same process (`ServerProcess.restart`: a new model with that seed's
+dummy weights, new state, empty caches, no transfer backend; nothing of the old app is kept), so the
+runner shelves such an engine after a clean scenario and restarts it for the next scenario of the same
+`EngineKey`. A shelved engine is one that ended a scenario with no fault, no error and no failed sync,
+and was never given a fault hook (the server refuses to restart one that was).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from harness.scenario import Scenario
+from reference_impl.engine import engine_kind
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """What an engine server must share with a scenario to serve it: its kind, TP ranks and replica count,
+    where it is placed (colocated engines live in the trainer pool's placement group, so also the pool's
+    world size) and whether other nodes reach it (the address it bound to)."""
+
+    engine: str
+    colocate: bool
+    world_size: int  # of the pool whose placement group holds a colocated engine; 0 when not colocated
+    engine_tp: int
+    engines: int
+    reachable: bool
+
+    @classmethod
+    def of(cls, sc: Scenario, reachable: bool) -> EngineKey:
+        """The key of scenario `sc`'s engines."""
+        return cls(sc.engine, sc.colocate, sc.world_size if sc.colocate else 0, sc.engine_tp, sc.engines, reachable)
+
+
+def end_engines(engines: Sequence[Any], pids: Sequence[int | None], engine: str) -> None:
+    """Stop every engine server (30 s for all), kill their actors, and let the kind reap what it leaves
+    (`EngineKind.reap`, e.g. vLLM's engine core). `pids[i]` is engine `i`'s server pid (None if unknown)."""
+    stops = [e.stop.remote() for e in engines]
+    with contextlib.suppress(Exception):
+        ray.get(stops, timeout=30)
+    kind = engine_kind(engine)
+    for e, pid in zip(engines, [*pids, *[None] * (len(engines) - len(pids))], strict=False):
+        ray.kill(e, no_restart=True)
+        kind.reap(pid)
+
+
+@dataclass
+class EngineShelf:
+    """Idle engine servers of clean scenarios, at most one set per `EngineKey`, with their server pids."""
+
+    idle: dict[EngineKey, tuple[list[Any], list[int | None]]] = field(default_factory=dict)
+
+    def take(self, key: EngineKey) -> tuple[list[Any], list[int | None]] | None:
+        """The idle engines (actors, server pids) of `key`, now no longer on the shelf; None when there are none."""
+        return self.idle.pop(key, None)
+
+    def put(self, key: EngineKey, engines: list[Any], pids: list[int | None]) -> None:
+        """Shelve `engines` (which ended a clean scenario) for a later scenario of `key`; a set already there
+        is ended first."""
+        self.drop(lambda k: k == key)
+        self.idle[key] = (engines, pids)
+
+    def drop(self, which: Callable[[EngineKey], bool]) -> None:
+        """End every idle set whose key `which` selects (e.g. the colocated engines of a pool being killed)."""
+        for key in [k for k in self.idle if which(k)]:
+            engines, pids = self.idle.pop(key)
+            end_engines(engines, pids, key.engine)
+
+    def close(self) -> None:
+        """End every idle engine."""
+        self.drop(lambda _: True)

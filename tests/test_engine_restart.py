@@ -1,0 +1,135 @@
+"""The embedded engine's in-place restart (`POST /wsh/restart`): what the runner reuses an engine process with.
+
+The oracle is a fresh engine process started with the same checkpoint and seed: after a restart, an engine
+that held another model, another seed's weights, a committed weight version, a paused flag and a filled
+prefix cache must answer exactly as that fresh process does (checksums, shards, version, pause state,
+log-probs of a prompt it served before). Restarts are refused while an update session is open, for a
+body that names no checkpoint, and in a process that loaded a fault hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
+from reference_impl.models.checkpoint import make_checkpoint
+from reference_impl.models.registry import load_model
+
+CKPT_SEED = 1234
+ENGINE_SEED = 4321
+PROMPT = [3, 17, 42, 5, 99, 7]
+
+
+def _post(url: str, route: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return httpx.post(url + route, json=body if body is not None else {}, timeout=120)
+
+
+def _state(url: str) -> dict[str, Any]:
+    """What a fresh engine and a restarted one must agree on, read through the engine's own routes."""
+    completion = _post(
+        url,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "logprobs": 0},
+    )
+    assert completion.status_code == 200, completion.text
+    choice = completion.json()["choices"][0]
+    return {
+        "checksums": _post(url, "/weight_checker", {"action": "checksum"}).json()["checksums"],
+        "shards": _post(url, "/weight_checker", {"action": "shards"}).json()["shards"],
+        "weight_version": httpx.get(url + "/weight_info").json()["weight_version"],
+        "is_paused": httpx.get(url + "/is_paused").json()["is_paused"],
+        "prompt_logprobs": choice["prompt_logprobs"],
+        "logprobs": choice["logprobs"],
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> dict[str, Path]:
+    return {m: make_checkpoint(load_model(m), CKPT_SEED, "float32") for m in ("qwen3", "qwen3-moe")}
+
+
+@pytest.fixture(scope="module")
+def fresh(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The oracle: a fresh engine process of qwen3 with the engine seed, its state read once."""
+    proc = EngineProcess(str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path_factory.mktemp("fresh") / "engine.log"))
+    try:
+        url = proc.start(timeout_s=300)
+        yield _state(url)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def other(checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[EngineProcess]:
+    """An engine process of another model and seed."""
+    proc = EngineProcess(str(checkpoints["qwen3-moe"]), 7, str(tmp_path / "first.log"))
+    try:
+        proc.start(timeout_s=300)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_restarted_engine_answers_as_a_fresh_one(
+    fresh: dict[str, Any], other: EngineProcess, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    url, pid = other.url, other.pid()
+    # Leave state behind: a committed version, zeroed weights, a paused engine, a served prompt in its caches.
+    assert _post(url, "/start_weight_update").status_code == 200
+    assert _post(url, "/finish_weight_update", {"weight_version": 7}).json()["weight_version"] == 7
+    assert _post(url, "/weight_checker", {"action": "reset"}).status_code == 200
+    assert _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "logprobs": 0}).status_code == 200
+    assert _post(url, "/pause").status_code == 200
+
+    log = tmp_path / "second.log"
+    assert other.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(log)) == url
+    assert other.pid() == pid  # the same process
+    assert _state(url) == fresh
+    assert "restarted in place" in log.read_text()
+    assert other.log_path == log  # log tails of later failures come from the new log
+
+
+def test_restart_is_refused_inside_an_update_session(other: EngineProcess, checkpoints: dict[str, Path]) -> None:
+    before = _post(other.url, "/weight_checker", {"action": "checksum"}).json()["checksums"]
+    assert _post(other.url, "/start_weight_update").status_code == 200
+    with pytest.raises(EngineStartError, match=r"409.*an update session is open"):
+        other.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(other.log_path))
+    # Nothing changed: the session is still open, the weights are the first model's.
+    assert _post(other.url, "/finish_weight_update", {"weight_version": 1}).status_code == 200
+    assert _post(other.url, "/weight_checker", {"action": "checksum"}).json()["checksums"] == before
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"seed": 1}, "checkpoint must name a checkpoint folder"),
+        ({"checkpoint": "/nonexistent", "seed": 1}, "checkpoint must name a checkpoint folder"),
+        ({"checkpoint": "CKPT", "seed": "1"}, "seed must be an integer"),
+        ({"checkpoint": "CKPT", "seed": 1, "tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
+        ({"checkpoint": "CKPT", "seed": 1, "threads": 2}, "unknown field(s) ['threads']"),
+    ],
+)
+def test_a_body_it_cannot_read_is_a_400_naming_the_field(
+    other: EngineProcess, checkpoints: dict[str, Path], body: dict[str, Any], says: str
+) -> None:
+    body = {k: (str(checkpoints["qwen3"]) if v == "CKPT" else v) for k, v in body.items()}
+    resp = _post(other.url, "/wsh/restart", body)
+    assert resp.status_code == 400, resp.text
+    assert says in resp.json()["detail"]["error"]
+    assert httpx.get(other.url + "/health").status_code == 200
+
+
+def test_an_engine_with_a_fault_hook_is_never_restarted(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    hook = "harness.faults.engine:weight_version_not_committed"
+    proc = EngineProcess(str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path / "e.log"), fault=hook)
+    try:
+        proc.start(timeout_s=300)
+        with pytest.raises(EngineStartError, match=f"409.*fault hook {hook}"):
+            proc.restart(str(checkpoints["qwen3"]), ENGINE_SEED + 1, str(tmp_path / "e2.log"))
+    finally:
+        proc.stop()
