@@ -244,6 +244,9 @@ class RunRecord(BaseModel):
     checkpoint_checksums: dict[str, str] = Field(default_factory=dict)  # ground truth, HF names
     checkpoint_layout: dict[str, TensorLayout] = Field(default_factory=dict)  # HF name -> shape and dtype
     engine_shards: list[str] = Field(default_factory=list)  # every engine parameter shard (HF names)
+    # Each engine replica's checksums (HF names) before sync 0, where the engine reports them: a tensor that
+    # already held the checkpoint's bytes then is one that sync 0 cannot show moved (`check_engine_fresh`).
+    engine_start_checksums: list[dict[str, str]] = Field(default_factory=list)
     # Both exports of one trainer state (after the last sync): mode -> HF name -> checksum.
     cross_mode_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
     # Scenarios of one group (`Scenario.group_key`) must leave bit-identical engine weights; filled
@@ -279,6 +282,7 @@ class RunRecord(BaseModel):
             update={
                 "http": [c for c in self.http if c.engine == engine],
                 "syncs": [s.engine_view(engine) for s in self.syncs],
+                "engine_start_checksums": self.engine_start_checksums[engine : engine + 1],
             }
         )
 

@@ -262,6 +262,9 @@ class ScenarioSession:
             self.record.trainer_logprob_budget = {k: v + gap for k, v in budget.items()}
         with self.checking():
             self.expected = self.oracle("parity_expected", None, lambda: ExpectedState(self.checkpoint, sc.seed))
+            if self.kind.capabilities.per_tensor_reports:  # what each engine holds before sync 0
+                sums = lambda: [c.checksum_report()["checksums"] for c in self.checkers]  # noqa: E731
+                self.record.engine_start_checksums = self.oracle("engine_fresh", None, sums) or []
         try:
             for i in range(sc.syncs + 1):
                 if 0 < i < sc.syncs:

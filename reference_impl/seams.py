@@ -31,6 +31,7 @@ Engine side (replaced inside the embedded engine's process by a fault hook it lo
 
 | seam | what runs there |
 | --- | --- |
+| `engine_initial_weights` | the model the engine starts with: the checkpoint's architecture, its seed's dummy weights |
 | `engine_validate` | the loader checks a chunk's names, dtypes and shapes before anything is loaded |
 | `engine_load` | the loader copies one validated chunk into the engine's parameters |
 | `engine_commit_version` | /finish_weight_update commits the new weight version |
@@ -61,6 +62,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "colocate_pack": ("reference_impl.transport.colocate", "pack"),
     "megatron_forward_kwargs": ("reference_impl.forward.megatron", "forward_kwargs"),
     "megatron_logprobs_kernel": ("reference_impl.forward.megatron", "vocab_parallel_logprobs"),
+    "engine_initial_weights": ("reference_impl.engine.embedded.loader", "build_engine_model"),
     "engine_validate": ("reference_impl.engine.embedded.loader", "EngineLoader.validate"),
     "engine_load": ("reference_impl.engine.embedded.loader", "EngineLoader.load"),
     "engine_commit_version": ("reference_impl.engine.embedded.server", "EngineState.commit_version"),

@@ -13,7 +13,7 @@ re-sync), `engine_state` (weight version, caches), `engine_tp` (each engine TP r
 from __future__ import annotations
 
 from harness.checks.base import CheckResult
-from harness.checks.engine_state import check_engine_caches, check_weight_version
+from harness.checks.engine_state import check_engine_caches, check_engine_fresh, check_weight_version
 from harness.checks.engine_tp import check_engine_tp_shards
 from harness.checks.logprobs import (
     LOGPROB_BUDGETS,
@@ -65,6 +65,7 @@ __all__ = [
     "check_crash",
     "check_deadlock",
     "check_engine_caches",
+    "check_engine_fresh",
     "check_engine_tp_shards",
     "check_group",
     "check_http_status",

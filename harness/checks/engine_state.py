@@ -1,5 +1,11 @@
-"""The engine's state beyond its weights: the version it commits, and caches that must not outlive an
-update (PARITY_FAIL).
+"""The engine's state beyond its weights after a sync: the weights it started from, the version it
+commits, and caches that must not outlive an update (PARITY_FAIL).
+
+- `engine_fresh`: before sync 0 no tensor of the engine holds the checkpoint's bytes. Sync 0's parity
+  (`parity.check_parity_sync0`) shows that the update moved the checkpoint into the engine only for
+  tensors that held something else before: an engine started from the checkpoint itself (vLLM without
+  `--load-format dummy`, or an engine process reused from an earlier scenario that kept its weights)
+  passes sync 0 whatever the update did.
 
 - `weight_version`: after every finished sync the engine reports (`GET /weight_info`) the version that
   sync committed: rollouts tagged with another version are attributed to the wrong policy.
@@ -13,10 +19,35 @@ update (PARITY_FAIL).
 
 from __future__ import annotations
 
-from harness.checks.base import CheckResult, failed, oracle_failure, passed, skipped
+from harness.checks.base import CheckResult, engine_reports_tensors, failed, oracle_failure, passed, skipped
 from harness.record import RunRecord
 
 VERDICT = "PARITY_FAIL"
+
+
+def check_engine_fresh(record: RunRecord) -> CheckResult:
+    """Before sync 0 no checkpoint tensor's checksum on the engine equals the checkpoint's (engines that report
+    per-tensor checksums; judged by sync 0's log-probs elsewhere)."""
+    name = "engine_fresh"
+    if not engine_reports_tensors(record):
+        return skipped(name, VERDICT, "the engine reports no per-tensor checksums")
+    why = oracle_failure(record, name)
+    if why is not None:
+        return skipped(name, VERDICT, why)
+    if not record.engine_start_checksums:
+        return skipped(name, VERDICT, "the engine's weights were not read before sync 0 (it did not run)")
+    start = record.engine_start_checksums[0]
+    same = [n for n, c in record.checkpoint_checksums.items() if start.get(n) == c]
+    if same:
+        return failed(
+            name,
+            VERDICT,
+            f"before sync 0 the engine already held the checkpoint's bytes in {len(same)} of "
+            f"{len(record.checkpoint_checksums)} tensors (e.g. {same[0]!r}): sync 0 cannot show that the update "
+            "moved them; start the engine from other weights (vLLM: --load-format dummy; embedded: an engine "
+            "seed other than the checkpoint's)",
+        )
+    return passed(name, VERDICT)
 
 
 def check_weight_version(record: RunRecord) -> CheckResult:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from harness.checks.base import CheckResult
-from harness.checks.engine_state import check_engine_caches, check_weight_version
+from harness.checks.engine_state import check_engine_caches, check_engine_fresh, check_weight_version
 from harness.checks.engine_tp import check_engine_tp_shards
 from harness.checks.logprobs import check_logprobs, check_logprobs_expected, check_resync_unchanged
 from harness.checks.names import check_coverage, check_names
@@ -72,6 +72,7 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_chunks,
     check_coverage,
     check_parity_sync0,
+    check_engine_fresh,
     check_parity_sent,
     check_parity_expected,
     check_parity_cross_mode,

@@ -115,6 +115,13 @@ FAULTS: dict[str, Fault] = {
             engine=engine.ok_without_transfer,
         ),
         Fault(
+            "engine_starts_from_checkpoint",
+            "the engine starts holding the checkpoint's weights instead of dummy ones: sync 0 proves nothing",
+            "PARITY_FAIL",
+            {"model": "qwen3", **_SMALL},
+            engine=engine.starts_from_checkpoint,
+        ),
+        Fault(
             "wrong_dtype",
             "chunks declared bfloat16 but sent as float32",
             "HTTP_ERROR",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +49,37 @@ def finalize_per_chunk() -> None:
 
     seams.replace("engine_session_start", at_start)
     seams.replace("engine_load", at_load)
+
+
+def starts_from_checkpoint() -> None:
+    """The engine starts holding the checkpoint's weights instead of dummy ones (a vLLM server started from
+    the trainer's own checkpoint without `--load-format dummy`, or an engine reused from an earlier run
+    that kept its weights): sync 0 then finds the checkpoint in the engine whatever the update moved."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def build(checkpoint, seed):  # type: ignore[no-untyped-def]
+            from safetensors.torch import load_file
+            from wsh_vllm_plugin.protocol import dtype_name
+
+            from reference_impl.engine.embedded.loader import EngineLoader
+
+            model, model_type = orig(checkpoint, seed)
+            loader = EngineLoader(model, model_type)  # the engine's own placement of checkpoint tensors
+            tensors: dict[str, torch.Tensor] = {}
+            for f in sorted(Path(checkpoint).glob("*.safetensors")):
+                tensors.update(load_file(f))
+            names = [n for n in tensors if n in loader.shards]
+            loader.load(
+                names,
+                [dtype_name(tensors[n].dtype) for n in names],
+                [list(tensors[n].shape) for n in names],
+                [tensors[n] for n in names],
+            )
+            return model, model_type
+
+        return build
+
+    seams.replace("engine_initial_weights", make)
 
 
 def ok_without_transfer() -> None:
@@ -101,6 +133,8 @@ def tp_row_split_as_column() -> None:
         return pieces
 
     seams.replace("engine_tp_pieces", make)
+
+
 def engine_keeps_received_chunks() -> None:
     """The engine keeps a copy of every chunk it loaded (a received-chunk list that is never cleared after
     /finish_weight_update): the engine's memory grows by the model's bytes per sync."""

@@ -89,6 +89,7 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
         checkpoint_checksums=dict(checkpoint),
         checkpoint_layout={name: LAYOUT for name in NAMES},
         engine_shards=list(NAMES),
+        engine_start_checksums=[{name: f"dummy-{i:02d}" for i, name in enumerate(NAMES)}],
         cross_mode_checksums={"raw": dict(last), "bridge": dict(last)},
         logprob_budget=dict(LOGPROB_BUDGETS["float32"]),
         trainer_logprob_budget=dict(LOGPROB_BUDGETS["float32"]),

@@ -2,10 +2,41 @@
 
 from __future__ import annotations
 
-from harness.checks import check_engine_caches, check_weight_version
+from harness.checks import check_engine_caches, check_engine_fresh, check_weight_version
 from harness.record import OracleFailure, RunRecord
 
-from .records import verdict_of
+from .records import verdict_of, vllm_record
+
+
+def test_engine_started_from_the_checkpoint_is_parity_fail(record: RunRecord) -> None:
+    record.engine_start_checksums = [dict(record.checkpoint_checksums)]  # every sync still looks right
+    assert [c.name for c in (check_engine_fresh(record),) if not c.ok] == ["engine_fresh"]
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        "before sync 0 the engine already held the checkpoint's bytes in 3 of 3 tensors (e.g. "
+        "'model.embed_tokens.weight'): sync 0 cannot show that the update moved them; start the engine from "
+        "other weights (vLLM: --load-format dummy; embedded: an engine seed other than the checkpoint's)",
+    )
+
+
+def test_one_tensor_already_in_place_is_named(record: RunRecord) -> None:
+    record.engine_start_checksums[0]["lm_head.weight"] = record.checkpoint_checksums["lm_head.weight"]
+    result = check_engine_fresh(record)
+    assert not result.ok and "in 1 of 3 tensors (e.g. 'lm_head.weight')" in result.message
+
+
+def test_engine_start_not_read_is_skipped_and_its_oracle_failure_said(record: RunRecord) -> None:
+    record.engine_start_checksums = []
+    assert check_engine_fresh(record).skipped
+    record.oracle_failures.append(OracleFailure(check="engine_fresh", reason="RuntimeError: no answer"))
+    result = check_engine_fresh(record)
+    assert result.skipped and "oracle could not run: RuntimeError: no answer" in result.reason
+
+
+def test_an_engine_without_per_tensor_checksums_is_not_judged_by_it() -> None:
+    rec = vllm_record()
+    rec.engine_start_checksums = []
+    assert check_engine_fresh(rec).skipped
 
 
 def test_weight_version_not_committed_is_parity_fail(record: RunRecord) -> None:
