@@ -63,6 +63,7 @@ def build_hf_model(spec: ModelSpec, dtype: str, seed: int | None):
     sync that moves nothing visible in checksums.
     """
     import transformers
+    from transformers.initialization import no_init_weights
 
     cfg = hf_config(spec, dtype)
     cls = getattr(transformers, spec.hf_architecture)
@@ -70,7 +71,12 @@ def build_hf_model(spec: ModelSpec, dtype: str, seed: int | None):
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
     try:
-        model = cls(cfg)
+        # Without transformers' own initialisation (about half of a 0.6B model's build on CPU): the seeded
+        # fill below, or the caller's load, writes every parameter. Buffers (rotary inv_freq) are computed
+        # in __init__ and kept; the skipped `init_weights` is also what ties a tied lm_head, so that is done.
+        with no_init_weights():
+            model = cls(cfg)
+        model.tie_weights()
     finally:
         torch.set_default_dtype(prev)
     model.eval()
