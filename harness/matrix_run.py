@@ -3,9 +3,10 @@
 
 A `MatrixRun` writes env.json at the start (versions, commit, command line, the host calibration),
 runs scenarios one at a time on one `harness.runner.Runner` (Ray and trainer pools started on the first
-scenario that validates, reused after), rewrites records, summary.csv/.parquet/.md and the plots as
-each scenario ends, compares a scenario group's members once the last of them ran, and on `close`
-stops every process it started and adds the run's end to env.json.
+scenario that validates, reused after), rewrites records and summary.csv/.parquet/.md as each scenario
+ends and the plots at most once every `PLOTS_EVERY_S` seconds (and at the end), compares a scenario
+group's members once the last of them ran, and on `close` stops every process it started and adds the
+run's end to env.json.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import TYPE_CHECKING
 from harness.record import RunRecord
 from harness.scenario import Scenario
 from harness.validate import validate
+
+# The plots of a run (`harness.plots`) take 0.4-1.2 s per write on a 2-core host: rewritten after every
+# scenario they cost about a minute of a 79-scenario matrix. Records and summaries still go out at once.
+PLOTS_EVERY_S = 60.0
 
 if TYPE_CHECKING:
     from harness.runner import SyncHook
@@ -64,6 +69,7 @@ class MatrixRun:
         self.finished_groups: dict[str, list[RunRecord]] = {}  # group key -> members, judged together
         self.runner = None
         self.closed = False
+        self._plotted_at: float | None = None  # time.monotonic() of the last plots written
 
     def run(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
         """Run one scenario and return its record (as judged after its group, when it closed one). Unless
@@ -97,15 +103,21 @@ class MatrixRun:
         if self.after_each is not None:
             self.after_each(self.records, self.out)
 
-    def write_outputs(self) -> None:
-        """summary.csv / .parquet / .md (rows in matrix order) and the plots of the records so far."""
+    def write_outputs(self, plots: bool | None = None) -> None:
+        """summary.csv / .parquet / .md (rows in matrix order) of the records so far, and their plots when
+        `plots`; by default when none were written yet or the last were `PLOTS_EVERY_S` seconds ago."""
         from harness.plots import write_run_plots
         from harness.results import summarize, write_summary
 
         rank = {sid: i for i, sid in enumerate(self.order)}
         df = summarize(sorted(self.records, key=lambda r: rank.get(r.scenario_id, len(rank))))
         write_summary(df, self.out, run_id=self.run_id, env=self.env)
-        write_run_plots(df, self.out / "plots")
+        now = time.monotonic()
+        if plots is None:
+            plots = self._plotted_at is None or now - self._plotted_at >= PLOTS_EVERY_S
+        if plots:
+            write_run_plots(df, self.out / "plots")
+            self._plotted_at = now
 
     def close(self) -> None:
         """Stop every process the run started (trainer pools, Ray, then whatever an interrupt in the middle
@@ -125,6 +137,8 @@ class MatrixRun:
             shutdown_ray()
             end_leftovers(started)
             self.env = finish_env(self.out)
+            if self.records:  # the plots of every record (the last writes may have skipped them)
+                self.write_outputs(plots=True)
 
     def report(self, baseline: Path) -> tuple[int, Path]:
         """Compare this run with `baseline` (`harness.report.write_report`): (exit status, report.md)."""
