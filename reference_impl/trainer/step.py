@@ -11,7 +11,10 @@ sync from the checkpoint alone, sharing no code with the export or the transport
 
 EPS = 2**-6 makes every element change in every dtype used here: the relative change lies in
 [2**-7, 2**-6], at least the largest half-spacing of bfloat16 (2**-8), so a rounded step never
-leaves a bf16 value as it was (zeros stay zero). The arithmetic is int32 hashing and fp32 math,
+leaves a bf16 value as it was (zeros stay zero). The exception is subnormal values, spaced absolutely:
+a float16 one (below 6.1e-5 in magnitude) may keep its value; fp32 and bf16 subnormals (below 1.2e-38)
+do not occur in the checkpoints here (tests/test_step.py checks all of this against a second
+implementation). The arithmetic is int32 hashing and fp32 math,
 rounded to the tensor's dtype, elementwise on CPU: reproducible bit for bit in any process. It walks
 the tensor in blocks of 64 Ki elements (about 8 ms per million elements on one core here).
 """
