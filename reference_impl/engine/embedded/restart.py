@@ -13,13 +13,17 @@ start on a 2-core host), so a harness may run many scenarios on one engine proce
 lose is the fresh start's state, which is why nothing of the old app is kept. It is refused with a 409
 while the old engine is inside an update session or loading a chunk, and when the process loaded a
 fault hook at start (a hook patches the engine's seams for the life of the process: such an engine is
-never reused), and with a 400 for a body it cannot read (what to change is named). A checkpoint that
-does not build is a 500 that leaves the old app serving.
+never reused), and with a 400 for a body it cannot read (what to change is named). The old app is
+dropped before the new one is built (never two models in memory); a checkpoint that does not build is
+a 500, after which every route answers 503 until a restart succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -104,13 +108,21 @@ class RestartableApp:
         close: Callable[[ASGIApp], None],
         fault: str | None = None,
     ) -> None:
-        self.build, self.app, self.busy, self.close, self.fault = build, first, busy, close, fault
+        self.build, self.busy, self.close, self.fault = build, busy, close, fault
+        self.app: ASGIApp | None = first
+        self.broken = ""  # why there is no app (a restart in progress, or one that failed)
         self._lock = asyncio.Lock()  # one restart at a time
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == RESTART_ROUTE:
             response = await self._restart(Request(scope, receive))
             await response(scope, receive, send)
+            return
+        if self.app is None:
+            if scope["type"] == "http":
+                why = f"the engine has no app: {self.broken}"
+                body = {"detail": {"error": why, "rejected": {scope["path"]: why}, "kinds": {scope["path"]: "session"}}}
+                await JSONResponse(body, status_code=503)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -131,21 +143,35 @@ class RestartableApp:
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             return refused(400, f"{RESTART_ROUTE}: {e}")
         async with self._lock:
-            why = self.busy(self.app)
+            why = self.busy(self.app) if self.app is not None else None
             if why:
                 return refused(409, f"{RESTART_ROUTE} refused: {why}; finish the update first")
             t0 = time.perf_counter()
             if req.log_path is not None:
                 redirect_output(req.log_path)
+            # The old app goes first, so a restart never holds two models: its state's close drops the
+            # weights, a collection frees the app's cycles, and the freed pages go back to the system.
+            old, self.app, self.broken = self.app, None, "a restart is in progress"
+            if old is not None:
+                self.close(old)
+            del old
+            await asyncio.to_thread(_release_memory)
             try:
-                app = await asyncio.to_thread(self.build, req)
-            except Exception as e:  # the old app keeps serving
+                self.app = await asyncio.to_thread(self.build, req)
+            except Exception as e:  # no app now: every route answers 503 until a restart builds one
+                self.broken = f"its restart failed: {type(e).__name__}: {e}; restart it again or start a new engine"
                 return JSONResponse(
                     {"detail": {"error": f"{RESTART_ROUTE}: the new engine did not build: {type(e).__name__}: {e}"}},
                     status_code=500,
                 )
-            old, self.app = self.app, app
-            self.close(old)  # its state and weights go with the last reference, here
-            del old
+            self.broken = ""
             print(f"wsh engine: restarted in place from {req.checkpoint} (seed {req.seed})", flush=True)
             return JSONResponse({"ok": True, "pid": os.getpid(), "restart_s": time.perf_counter() - t0})
+
+
+def _release_memory() -> None:
+    """Collect cycles, then hand the allocator's free pages back to the system (glibc's `malloc_trim`;
+    nothing where there is no glibc): freed tensors otherwise keep the process's resident size at its peak."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -130,13 +130,17 @@ class EngineState:
         self.session_load_s = 0.0
         self.paused = False
         self.lock = threading.Lock()  # one chunk received + loaded at a time, in arrival order
+        self.completer: CompletionEngine  # set by `create_app`
 
     def close(self) -> None:
-        """Release what this state holds beyond memory: the TP ranks' threads and the transfer group
-        (`restart.RestartableApp` replaced the app it serves)."""
+        """Release what this state holds (`restart.RestartableApp` replaced the app it serves): the TP ranks'
+        threads, the transfer group, the model and its caches. The app's handlers may outlive the app
+        (FastAPI keeps each endpoint function in a module-level cache of its dependency analysis, and the
+        handlers close over this state), so the weights must not hang on this object."""
         if self.ranks is not None:
             self.ranks.pool.shutdown(wait=False)
-        self.group = None
+        self.group = self.ranks = None
+        del self.loader, self.applier, self.completer
 
     def commit_version(self, version: int) -> None:
         """The weights now in place are `version` (what /finish_weight_update commits, and what
@@ -159,7 +163,7 @@ def create_app(
     app = FastAPI(title="wsh embedded engine")
     st = EngineState(loader, tp, config)
     app.state.engine = st
-    completer = CompletionEngine(
+    st.completer = CompletionEngine(
         loader.model, config if config is not None else loader.model.config.to_dict(), served_name
     )
 
@@ -178,14 +182,14 @@ def create_app(
     def reset_prefix_cache() -> dict[str, bool]:
         """vLLM's `POST /reset_prefix_cache`: drop every cached prompt prefix (`caches.PrefixCache`)."""
         with st.lock:
-            completer.prefix_cache.reset()
+            st.completer.prefix_cache.reset()
         return {"success": True}
 
     @app.post("/reset_encoder_cache")
     def reset_encoder_cache() -> dict[str, bool]:
         """vLLM's `POST /reset_encoder_cache`: drop every cached image's features (`caches.EncoderCache`)."""
         with st.lock:
-            completer.encoder_cache.reset()
+            st.completer.encoder_cache.reset()
         return {"success": True}
 
     @app.get("/get_world_size")
@@ -399,7 +403,7 @@ def create_app(
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> dict[str, Any]:
         try:
-            inputs = completer.prepare(req)  # reads no weights: outside the lock
+            inputs = st.completer.prepare(req)  # reads no weights: outside the lock
             with st.lock:
                 if st.session_open or st.paused:
                     why = "an update session is open" if st.session_open else "the engine is paused"
@@ -410,7 +414,7 @@ def create_app(
                         {"/v1/completions": why},
                         kind="session",
                     )
-                return completer.complete(req, inputs, st.weight_version)
+                return st.completer.complete(req, inputs, st.weight_version)
         except CompletionError as e:
             raise bodies.http_error(e.status, e.error, e.rejected, e.kinds) from None
 
