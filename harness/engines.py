@@ -56,9 +56,12 @@ def end_engines(engines: Sequence[Any], pids: Sequence[int | None], engine: str)
 
 @dataclass
 class EngineShelf:
-    """Idle engine servers of clean scenarios, at most one set per `EngineKey`, with their server pids."""
+    """Idle engine servers of clean scenarios, at most one set per `EngineKey` and `max_idle` sets in all (an
+    idle engine process holds about 0.7 GB with torch loaded; two serve a matrix, which alternates colocated
+    and separate engines), with their server pids."""
 
     idle: dict[EngineKey, tuple[list[Any], list[int | None]]] = field(default_factory=dict)
+    max_idle: int = 2
 
     def take(self, key: EngineKey) -> tuple[list[Any], list[int | None]] | None:
         """The idle engines (actors, server pids) of `key`, now no longer on the shelf; None when there are none."""
@@ -68,6 +71,8 @@ class EngineShelf:
         """Shelve `engines` (which ended a clean scenario) for a later scenario of `key`; a set already there
         is ended first."""
         self.drop(lambda k: k == key)
+        for oldest in list(self.idle)[: max(0, len(self.idle) - self.max_idle + 1)]:  # insertion order
+            self.drop(lambda k, o=oldest: k == o)  # type: ignore[misc]
         self.idle[key] = (engines, pids)
 
     def drop(self, which: Callable[[EngineKey], bool]) -> None:

@@ -247,6 +247,10 @@ class RunRecord(BaseModel):
     # Each engine replica's checksums (HF names) before sync 0, where the engine reports them: a tensor that
     # already held the checkpoint's bytes then is one that sync 0 cannot show moved (`check_engine_fresh`).
     engine_start_checksums: list[dict[str, str]] = Field(default_factory=list)
+    # What a fresh engine of each replica's checkpoint and seed holds (`harness.oracles.fresh`), and each
+    # replica's weight version before sync 0: an engine that did not start fresh differs (`check_engine_fresh`).
+    engine_fresh_checksums: list[dict[str, str]] = Field(default_factory=list)
+    engine_start_versions: list[str] = Field(default_factory=list)
     # Both exports of one trainer state (after the last sync): mode -> HF name -> checksum.
     cross_mode_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
     # Scenarios of one group (`Scenario.group_key`) must leave bit-identical engine weights; filled
@@ -283,6 +287,8 @@ class RunRecord(BaseModel):
                 "http": [c for c in self.http if c.engine == engine],
                 "syncs": [s.engine_view(engine) for s in self.syncs],
                 "engine_start_checksums": self.engine_start_checksums[engine : engine + 1],
+                "engine_fresh_checksums": self.engine_fresh_checksums[engine : engine + 1],
+                "engine_start_versions": self.engine_start_versions[engine : engine + 1],
             }
         )
 

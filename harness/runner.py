@@ -202,7 +202,9 @@ class Runner:
             # A fault's patches live in these processes, and ranks or engines that saw a sync fail (an engine
             # that died under a transfer, an answer that was not 200) may hold what that failure left: reuse a
             # pool or an engine only after a clean scenario.
-            clean = healthy and not sc.fault and not record.errors
+            clean = healthy and not sc.fault and not record.errors and record.recovery is None
+            # every sync ran (the harness's own call to an engine that refused stops them, raising nothing)
+            clean = clean and len(record.syncs) == sc.syncs + 1
             clean = clean and not any(sync_failed(record, s) for s in record.syncs)
             engine_pids = [pids.get(engine_label(i)) for i in range(len(engines))]
             if clean and reusable:

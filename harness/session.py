@@ -24,6 +24,7 @@ import ray
 from harness.checks import LOGPROB_BUDGETS, check_transfer_init, logprob_parity
 from harness.faults import Fault
 from harness.oracles.expected import ExpectedState
+from harness.oracles.fresh import fresh_engine_checksums
 from harness.oracles.tp_shards import expected_tp_checksums
 from harness.placement import TrainerPool
 from harness.record import (
@@ -262,9 +263,8 @@ class ScenarioSession:
             self.record.trainer_logprob_budget = {k: v + gap for k, v in budget.items()}
         with self.checking():
             self.expected = self.oracle("parity_expected", None, lambda: ExpectedState(self.checkpoint, sc.seed))
-            if self.kind.capabilities.per_tensor_reports:  # what each engine holds before sync 0
-                sums = lambda: [c.checksum_report()["checksums"] for c in self.checkers]  # noqa: E731
-                self.record.engine_start_checksums = self.oracle("engine_fresh", None, sums) or []
+            if self.kind.capabilities.per_tensor_reports:  # what each engine holds before sync 0, and should
+                self._read_engine_start()
         try:
             for i in range(sc.syncs + 1):
                 if 0 < i < sc.syncs:
@@ -285,6 +285,18 @@ class ScenarioSession:
         failed = [s.index for s in self.record.syncs if sync_failed(self.record, s)]
         if failed or len(self.record.syncs) < sc.syncs + 1:
             self.recover(after=failed[-1] if failed else len(self.record.syncs) - 1)
+
+    def _read_engine_start(self) -> None:
+        """Each engine's checksums and weight version before sync 0 (its answers), and what a fresh engine of
+        its checkpoint and seed holds (`oracles.fresh`, built in this process): `check_engine_fresh`."""
+        rec, checkers = self.record, self.checkers
+        sums = lambda: [c.checksum_report()["checksums"] for c in checkers]  # noqa: E731
+        rec.engine_start_checksums = self.oracle("engine_fresh", None, sums) or []
+        versions = lambda: [c.weight_version() for c in checkers]  # noqa: E731
+        rec.engine_start_versions = self.oracle("engine_fresh", None, versions) or []
+        seeds = [self.sc.engine_seed + i for i in range(len(checkers))]
+        fresh = lambda: [fresh_engine_checksums(self.checkpoint, s) for s in seeds]  # noqa: E731
+        rec.engine_fresh_checksums = self.oracle("engine_fresh", None, fresh) or []
 
     def _arm(self, index: int) -> bool:
         """Apply a trainer fault armed for sync `index` only; returns whether it was applied."""

@@ -1,11 +1,12 @@
 """The engine's state beyond its weights after a sync: the weights it started from, the version it
 commits, and caches that must not outlive an update (PARITY_FAIL).
 
-- `engine_fresh`: before sync 0 no tensor of the engine holds the checkpoint's bytes. Sync 0's parity
+- `engine_fresh`: before sync 0 the engine holds a fresh engine's weights: its seed's dummy weights
+  (`oracles.fresh`), none of the checkpoint's bytes, at weight version 0. Sync 0's parity
   (`parity.check_parity_sync0`) shows that the update moved the checkpoint into the engine only for
   tensors that held something else before: an engine started from the checkpoint itself (vLLM without
-  `--load-format dummy`, or an engine process reused from an earlier scenario that kept its weights)
-  passes sync 0 whatever the update did.
+  `--load-format dummy`) passes sync 0 whatever the update did, and one reused from an earlier scenario
+  that kept its weights hides, at every later sync, a tensor the update skipped.
 
 - `weight_version`: after every finished sync the engine reports (`GET /weight_info`) the version that
   sync committed: rollouts tagged with another version are attributed to the wrong policy.
@@ -26,8 +27,9 @@ VERDICT = "PARITY_FAIL"
 
 
 def check_engine_fresh(record: RunRecord) -> CheckResult:
-    """Before sync 0 no checkpoint tensor's checksum on the engine equals the checkpoint's (engines that report
-    per-tensor checksums; judged by sync 0's log-probs elsewhere)."""
+    """Before sync 0 the engine holds what a fresh engine of its checkpoint and seed holds (its seed's dummy
+    weights, `oracles.fresh`), none of the checkpoint's bytes, and weight version 0 (engines that report
+    per-tensor checksums)."""
     name = "engine_fresh"
     if not engine_reports_tensors(record):
         return skipped(name, VERDICT, "the engine reports no per-tensor checksums")
@@ -37,15 +39,32 @@ def check_engine_fresh(record: RunRecord) -> CheckResult:
     if not record.engine_start_checksums:
         return skipped(name, VERDICT, "the engine's weights were not read before sync 0 (it did not run)")
     start = record.engine_start_checksums[0]
+    total = len(record.checkpoint_checksums)
     same = [n for n, c in record.checkpoint_checksums.items() if start.get(n) == c]
     if same:
         return failed(
             name,
             VERDICT,
-            f"before sync 0 the engine already held the checkpoint's bytes in {len(same)} of "
-            f"{len(record.checkpoint_checksums)} tensors (e.g. {same[0]!r}): sync 0 cannot show that the update "
-            "moved them; start the engine from other weights (vLLM: --load-format dummy; embedded: an engine "
-            "seed other than the checkpoint's)",
+            f"before sync 0 the engine already held the checkpoint's bytes in {len(same)} of {total} tensors "
+            f"(e.g. {same[0]!r}): sync 0 cannot show that the update moved them; start the engine from other "
+            "weights (vLLM: --load-format dummy; embedded: an engine seed other than the checkpoint's)",
+        )
+    fresh = record.engine_fresh_checksums[0] if record.engine_fresh_checksums else {}
+    stale = [n for n in start if n in fresh and start[n] != fresh[n]]
+    if stale:
+        return failed(
+            name,
+            VERDICT,
+            f"before sync 0 the engine held other weights than a fresh engine of seed {record.scenario.engine_seed} "
+            f"in {len(stale)} of {len(start)} tensors (e.g. {stale[0]!r}): it did not start fresh (an engine "
+            "reused from an earlier scenario that kept its weights?), so an update that skips a tensor can pass",
+        )
+    version = record.engine_start_versions[0] if record.engine_start_versions else "0"
+    if version != "0":
+        return failed(
+            name,
+            VERDICT,
+            f"before sync 0 the engine reports weight version {version!r}, not '0': it did not start fresh",
         )
     return passed(name, VERDICT)
 

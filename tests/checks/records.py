@@ -90,6 +90,8 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
         checkpoint_layout={name: LAYOUT for name in NAMES},
         engine_shards=list(NAMES),
         engine_start_checksums=[{name: f"dummy-{i:02d}" for i, name in enumerate(NAMES)}],
+        engine_fresh_checksums=[{name: f"dummy-{i:02d}" for i, name in enumerate(NAMES)}],
+        engine_start_versions=["0"],
         cross_mode_checksums={"raw": dict(last), "bridge": dict(last)},
         logprob_budget=dict(LOGPROB_BUDGETS["float32"]),
         trainer_logprob_budget=dict(LOGPROB_BUDGETS["float32"]),

@@ -25,6 +25,23 @@ def test_one_tensor_already_in_place_is_named(record: RunRecord) -> None:
     assert not result.ok and "in 1 of 3 tensors (e.g. 'lm_head.weight')" in result.message
 
 
+def test_an_engine_that_kept_an_earlier_scenarios_weights_is_parity_fail(record: RunRecord) -> None:
+    # what a reused engine that kept its weights holds: the last state of the scenario before, not the checkpoint
+    record.engine_start_checksums = [{name: f"earlier-{i:02d}" for i, name in enumerate(record.engine_shards)}]
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        "before sync 0 the engine held other weights than a fresh engine of seed 4321 in 3 of 3 tensors (e.g. "
+        "'model.embed_tokens.weight'): it did not start fresh (an engine reused from an earlier scenario that "
+        "kept its weights?), so an update that skips a tensor can pass",
+    )
+
+
+def test_a_version_left_from_before_is_parity_fail(record: RunRecord) -> None:
+    record.engine_start_versions = ["5"]
+    result = check_engine_fresh(record)
+    assert not result.ok and "weight version '5', not '0'" in result.message
+
+
 def test_engine_start_not_read_is_skipped_and_its_oracle_failure_said(record: RunRecord) -> None:
     record.engine_start_checksums = []
     assert check_engine_fresh(record).skipped
