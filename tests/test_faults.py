@@ -91,6 +91,7 @@ MESSAGE_SAYS = {
     "duplicate_rank_offsets": "connect: /init_weight_transfer_engine in flight",
     "tp_row_split_as_column": "TP rank 0: 'model.layers.0.",
     "engine_starts_from_checkpoint": "before sync 0 the engine already held the checkpoint's bytes in 46 of 46",
+    "engine_starts_from_other_weights": "held other weights than a fresh engine of seed 4321 in 46 of 46 tensors",
 }
 
 
@@ -100,6 +101,7 @@ STILL_PASSES = {
     "gather_buffers_keyed_by_size": ("parity_sent", "parity_cross_mode"),
     # every sync then looks right: only the engine's weights before sync 0 show that sync 0 proved nothing
     "engine_starts_from_checkpoint": ("parity_sync0", "parity_expected", "coverage", "logprob_parity"),
+    "engine_starts_from_other_weights": ("parity_sync0", "parity_expected", "coverage", "logprob_parity"),
 }
 
 

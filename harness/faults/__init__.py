@@ -122,6 +122,13 @@ FAULTS: dict[str, Fault] = {
             engine=engine.starts_from_checkpoint,
         ),
         Fault(
+            "engine_starts_from_other_weights",
+            "the engine starts from weights other than its seed's (as one reused with an earlier run's weights)",
+            "PARITY_FAIL",
+            {"model": "qwen3", **_SMALL},
+            engine=engine.starts_from_other_weights,
+        ),
+        Fault(
             "wrong_dtype",
             "chunks declared bfloat16 but sent as float32",
             "HTTP_ERROR",

@@ -82,6 +82,20 @@ def starts_from_checkpoint() -> None:
     seams.replace("engine_initial_weights", make)
 
 
+def starts_from_other_weights() -> None:
+    """The engine starts from weights other than its seed's (here the next seed's dummy weights; in the field,
+    an engine process reused from an earlier run that kept or warm-started from that run's weights): nothing
+    is the checkpoint's, so sync 0 still looks right, and a tensor a later update skips keeps a stale value."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def build(checkpoint, seed):  # type: ignore[no-untyped-def]
+            return orig(checkpoint, seed + 1)
+
+        return build
+
+    seams.replace("engine_initial_weights", make)
+
+
 def ok_without_transfer() -> None:
     """/update_weights receives each chunk's bytes but loads nothing, still counts the chunk's shards as
     updated and answers 200 (an HTTP 200 that moved nothing)."""
