@@ -26,6 +26,7 @@ from reference_impl.transport.sync import SENDER
 
 SLICE_S = 1.0  # seconds between liveness checks while ranks are busy
 ASK_TIMEOUT_S = 5.0  # how long the engine's actor may take to answer (it is idle during syncs)
+NAME_TIMEOUT_S = 30.0  # the same, when the scenario has ended (`EngineWatch.name_the_engine`)
 LOG_TAIL = 3000  # characters of the engine's log kept with its exit
 
 
@@ -67,11 +68,11 @@ class EngineWatch:
     def __init__(self, actor: Any, pid: int | None, trace_dir: Path | None = None) -> None:
         self.actor, self.pid, self.trace_dir = actor, pid, trace_dir
 
-    def __call__(self, what: str) -> ErrorRecord | None:
-        """None while the server runs (or its actor does not answer within `ASK_TIMEOUT_S`), else the
+    def __call__(self, what: str, timeout_s: float = ASK_TIMEOUT_S) -> ErrorRecord | None:
+        """None while the server runs (or its actor does not answer within `timeout_s` seconds), else the
         `ErrorRecord` of its end with `what` (and the sender's last phase) as what was in flight."""
         try:
-            returncode, tail = ray.get(self.actor.exit_status.remote(LOG_TAIL), timeout=ASK_TIMEOUT_S)
+            returncode, tail = ray.get(self.actor.exit_status.remote(LOG_TAIL), timeout=timeout_s)
         except (ray.exceptions.RayError, TimeoutError):
             return None
         if returncode is None:
@@ -84,7 +85,9 @@ class EngineWatch:
         that failed because the engine died is then listed after it)."""
         if any(e.type == "EngineExited" for e in errors):
             return
-        error = self(what)
+        # Once the scenario has ended nothing waits on this answer: a loaded host may take its actor longer
+        # than the polls' `ASK_TIMEOUT_S` to answer, and an unnamed engine death reads as a trainer crash.
+        error = self(what, timeout_s=NAME_TIMEOUT_S)
         if error is not None:
             errors.insert(0, error)
 
