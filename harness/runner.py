@@ -197,8 +197,12 @@ class Runner:
                 self._recover_calls(record)
             # A dead engine first, also when the syncs ended without a rank raising (a colocated sender
             # records its calls to a dead engine as status 0 and returns): its end is the cause to name.
+            # When a sync failed, that sync is what was in flight (a colocated sender's calls to a dead engine
+            # fail fast, and the sender has moved on since: its phase now says nothing of the death).
+            failed = [s.index for s in record.syncs if sync_failed(record, s)]
+            what = f"sync {failed[0]}" if failed else "the scenario"
             for engine_watch in session.watches if session is not None else []:
-                engine_watch.name_the_engine(record.errors, "the scenario")
+                engine_watch.name_the_engine(record.errors, what, sender=not failed)
             # A fault's patches live in these processes, and ranks or engines that saw a sync fail (an engine
             # that died under a transfer, an answer that was not 200) may hold what that failure left: reuse a
             # pool or an engine only after a clean scenario.

@@ -68,26 +68,26 @@ class EngineWatch:
     def __init__(self, actor: Any, pid: int | None, trace_dir: Path | None = None) -> None:
         self.actor, self.pid, self.trace_dir = actor, pid, trace_dir
 
-    def __call__(self, what: str, timeout_s: float = ASK_TIMEOUT_S) -> ErrorRecord | None:
+    def __call__(self, what: str, timeout_s: float = ASK_TIMEOUT_S, sender: bool = True) -> ErrorRecord | None:
         """None while the server runs (or its actor does not answer within `timeout_s` seconds), else the
-        `ErrorRecord` of its end with `what` (and the sender's last phase) as what was in flight."""
+        `ErrorRecord` of its end with `what` (and, with `sender`, the sender's last phase) as what was in flight."""
         try:
             returncode, tail = ray.get(self.actor.exit_status.remote(LOG_TAIL), timeout=timeout_s)
         except (ray.exceptions.RayError, TimeoutError):
             return None
         if returncode is None:
             return None
-        sender = read_progress(self.trace_dir).get(f"rank{SENDER}") if self.trace_dir else None
-        return exit_error(self.pid, returncode, tail, f"{what} (sender: {sender})" if sender else what)
+        phase = read_progress(self.trace_dir).get(f"rank{SENDER}") if self.trace_dir and sender else None
+        return exit_error(self.pid, returncode, tail, f"{what} (sender: {phase})" if phase else what)
 
-    def name_the_engine(self, errors: list[ErrorRecord], what: str) -> None:
+    def name_the_engine(self, errors: list[ErrorRecord], what: str, sender: bool = True) -> None:
         """Put the engine's end first in `errors` when its server is gone and no error says so yet (a rank
-        that failed because the engine died is then listed after it)."""
+        that failed because the engine died is then listed after it). `what` and `sender` as for a call."""
         if any(e.type == "EngineExited" for e in errors):
             return
         # Once the scenario has ended nothing waits on this answer: a loaded host may take its actor longer
         # than the polls' `ASK_TIMEOUT_S` to answer, and an unnamed engine death reads as a trainer crash.
-        error = self(what, timeout_s=NAME_TIMEOUT_S)
+        error = self(what, timeout_s=NAME_TIMEOUT_S, sender=sender)
         if error is not None:
             errors.insert(0, error)
 
