@@ -49,7 +49,7 @@ def end_engines(engines: Sequence[Any], pids: Sequence[int | None], engine: str)
     with contextlib.suppress(Exception):
         ray.get(stops, timeout=30)
     kind = engine_kind(engine)
-    for e, pid in zip(engines, [*pids, *[None] * (len(engines) - len(pids))], strict=False):
+    for e, pid in zip(engines, pids, strict=True):
         ray.kill(e, no_restart=True)
         kind.reap(pid)
 
@@ -70,14 +70,18 @@ class EngineShelf:
     def put(self, key: EngineKey, engines: list[Any], pids: list[int | None]) -> None:
         """Shelve `engines` (which ended a clean scenario) for a later scenario of `key`; a set already there
         is ended first."""
-        self.drop(lambda k: k == key)
-        for oldest in list(self.idle)[: max(0, len(self.idle) - self.max_idle + 1)]:  # insertion order
-            self.drop(lambda k, o=oldest: k == o)  # type: ignore[misc]
+        self._end(key)
+        while len(self.idle) >= self.max_idle:
+            self._end(next(iter(self.idle)))  # the longest idle (dicts keep insertion order)
         self.idle[key] = (engines, pids)
 
     def drop(self, which: Callable[[EngineKey], bool]) -> None:
         """End every idle set whose key `which` selects (e.g. the colocated engines of a pool being killed)."""
         for key in [k for k in self.idle if which(k)]:
+            self._end(key)
+
+    def _end(self, key: EngineKey) -> None:
+        if key in self.idle:
             engines, pids = self.idle.pop(key)
             end_engines(engines, pids, key.engine)
 

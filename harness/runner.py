@@ -26,10 +26,11 @@ from harness import shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
+from harness.outcome import ended_clean, sync_failed
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
-from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into, sync_failed
+from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from harness.watch import EngineWatch
@@ -115,7 +116,7 @@ class Runner:
         engines: list[object] = []
         checkers: list[EngineClient] = []
         session: ScenarioSession | None = None
-        healthy = False
+        healthy = reusable = False
         marks = {"start": time.perf_counter()}
         pids: dict[str, int | None] = {}
         try:
@@ -203,13 +204,7 @@ class Runner:
             what = f"sync {failed[0]}" if failed else "the scenario"
             for engine_watch in session.watches if session is not None else []:
                 engine_watch.name_the_engine(record.errors, what, sender=not failed)
-            # A fault's patches live in these processes, and ranks or engines that saw a sync fail (an engine
-            # that died under a transfer, an answer that was not 200) may hold what that failure left: reuse a
-            # pool or an engine only after a clean scenario.
-            clean = healthy and not sc.fault and not record.errors and record.recovery is None
-            # every sync ran (the harness's own call to an engine that refused stops them, raising nothing)
-            clean = clean and len(record.syncs) == sc.syncs + 1
-            clean = clean and not any(sync_failed(record, s) for s in record.syncs)
+            clean = ended_clean(record, healthy)  # else the ranks and engines may hold what went wrong
             engine_pids = [pids.get(engine_label(i)) for i in range(len(engines))]
             if clean and reusable:
                 self.shelf.put(key, engines, engine_pids)

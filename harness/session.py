@@ -26,6 +26,7 @@ from harness.faults import Fault
 from harness.oracles.expected import ExpectedState
 from harness.oracles.fresh import fresh_engine_checksums
 from harness.oracles.tp_shards import expected_tp_checksums
+from harness.outcome import merge_sync, sync_failed
 from harness.placement import TrainerPool
 from harness.record import (
     Bound,
@@ -45,7 +46,6 @@ from reference_impl.forward.hf import HfForward, Prompt
 from reference_impl.models.families import model_family
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient, EngineRejected
-from reference_impl.transport.observed import HttpCall, SyncReport
 from reference_impl.transport.progress import read_progress
 
 RESTORE_SEAMS = "reference_impl.seams:restore_all"  # undoes a fault armed for one sync
@@ -96,30 +96,6 @@ def oracle_into(failures: list[OracleFailure], check: str, fn: Callable[[], Any]
         text = " ".join(str(cause).split())[:500] or "(no message)"
         failures.append(OracleFailure(check=check, sync=sync, reason=f"{type(cause).__name__}: {text}"))
         return None
-
-
-def merge_sync(index: int, per_rank: list[tuple[SyncReport, list[HttpCall]]], record: RunRecord) -> SyncRecord:
-    """One `SyncRecord` from every rank's report: the sender's (rank 0) observations; gather and convert as
-    the slowest rank's, transfer and load as the sender's; the sender's calls go into the record."""
-    reports = [report for report, _ in per_rank]
-    sender = reports[0]
-    record.http.extend(per_rank[0][1])
-    phases = {k: max(r.phases.get(k, 0.0) for r in reports) for k in ("gather", "convert")}
-    phases.update({k: sender.phases.get(k, 0.0) for k in ("transfer", "load")})
-    return SyncRecord(
-        **sender.model_dump(exclude={"rank", "phases", "total_s"}),
-        index=index,
-        weight_version=index,
-        chunks_sent=sum(c.sent for c in sender.chunks),
-        chunks_received=sum(c.received for c in sender.chunks),
-        phases=phases,
-        total_s=max(r.total_s for r in reports),
-    )
-
-
-def sync_failed(record: RunRecord, sync: SyncRecord) -> bool:
-    """Whether a sync did not end cleanly: unfinished, or some call of it answered non-200."""
-    return not sync.finished or any(c.sync == sync.index and c.status != 200 for c in record.http)
 
 
 @dataclass

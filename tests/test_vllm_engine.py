@@ -39,10 +39,10 @@ from vllm_env import require_vllm as _require_vllm
 from wsh_vllm_plugin.protocol import UpdateInfo
 
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
+from harness.outcome import merge_sync
 from harness.record import HttpCall, RunRecord
 from harness.runner import Runner
 from harness.scenario import Scenario
-from harness.session import merge_sync
 from harness.validate import validate
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
