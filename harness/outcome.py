@@ -1,0 +1,42 @@
+"""What a scenario's syncs came to, as pure functions of the run record: one `SyncRecord` from every
+rank's report (`merge_sync`), whether a sync failed (`sync_failed`), and whether the scenario ended
+cleanly enough for its processes to serve the next one (`ended_clean`)."""
+
+from __future__ import annotations
+
+from harness.record import RunRecord, SyncRecord
+from reference_impl.transport.observed import HttpCall, SyncReport
+
+
+def merge_sync(index: int, per_rank: list[tuple[SyncReport, list[HttpCall]]], record: RunRecord) -> SyncRecord:
+    """One `SyncRecord` from every rank's report: the sender's (rank 0) observations; gather and convert as
+    the slowest rank's, transfer and load as the sender's; the sender's calls go into the record."""
+    reports = [report for report, _ in per_rank]
+    sender = reports[0]
+    record.http.extend(per_rank[0][1])
+    phases = {k: max(r.phases.get(k, 0.0) for r in reports) for k in ("gather", "convert")}
+    phases.update({k: sender.phases.get(k, 0.0) for k in ("transfer", "load")})
+    return SyncRecord(
+        **sender.model_dump(exclude={"rank", "phases", "total_s"}),
+        index=index,
+        weight_version=index,
+        chunks_sent=sum(c.sent for c in sender.chunks),
+        chunks_received=sum(c.received for c in sender.chunks),
+        phases=phases,
+        total_s=max(r.total_s for r in reports),
+    )
+
+
+def sync_failed(record: RunRecord, sync: SyncRecord) -> bool:
+    """Whether a sync did not end cleanly: unfinished, or some call of it answered non-200."""
+    return not sync.finished or any(c.sync == sync.index and c.status != 200 for c in record.http)
+
+
+def ended_clean(record: RunRecord, healthy: bool) -> bool:
+    """Whether the scenario's trainer ranks and engines may serve the next scenario: it ran to its end
+    (`healthy`) without a fault (its patches live in those processes), an error or a recovery, every sync
+    ran (the harness's own call to an engine that refused stops them, raising nothing) and none failed (an
+    engine that died under a transfer, an answer that was not 200 may leave something behind)."""
+    if not healthy or record.scenario.fault or record.errors or record.recovery is not None:
+        return False
+    return len(record.syncs) == record.scenario.syncs + 1 and not any(sync_failed(record, s) for s in record.syncs)
