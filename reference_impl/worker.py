@@ -10,7 +10,6 @@ size.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import json
 import os
@@ -27,6 +26,7 @@ from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
 from reference_impl.export import stream
 from reference_impl.export.stream import convert_config
+from reference_impl.memory import release_memory
 from reference_impl.models.registry import load_model
 from reference_impl.trainer import step as train_step
 from reference_impl.trainer.model import TrainerModel, build_model
@@ -270,7 +270,7 @@ class TrainerWorker:
         self.last_plan = []
         self.gather_buffers = GatherBuffers()
         destroy_model_parallel()
-        gc.collect()
+        release_memory()
 
     def run_in_process(self, fn: Callable[[], Any] | str) -> Any:
         """Call `fn()` in this rank's process, `fn` a callable or `MODULE:FUNCTION` (the runner applies and

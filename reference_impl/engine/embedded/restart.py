@@ -21,9 +21,6 @@ a 500, after which every route answers 503 until a restart succeeds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import gc
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +31,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from reference_impl.memory import release_memory
 
 RESTART_ROUTE = "/wsh/restart"
 
@@ -155,7 +154,7 @@ class RestartableApp:
             if old is not None:
                 self.close(old)
             del old
-            await asyncio.to_thread(_release_memory)
+            await asyncio.to_thread(release_memory)
             try:
                 self.app = await asyncio.to_thread(self.build, req)
             except Exception as e:  # no app now: every route answers 503 until a restart builds one
@@ -167,11 +166,3 @@ class RestartableApp:
             self.broken = ""
             print(f"wsh engine: restarted in place from {req.checkpoint} (seed {req.seed})", flush=True)
             return JSONResponse({"ok": True, "pid": os.getpid(), "restart_s": time.perf_counter() - t0})
-
-
-def _release_memory() -> None:
-    """Collect cycles, then hand the allocator's free pages back to the system (glibc's `malloc_trim`;
-    nothing where there is no glibc): freed tensors otherwise keep the process's resident size at its peak."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
