@@ -254,7 +254,8 @@ class TrainerPool:
     world_size: int
     pg: PlacementGroup
     actors: list[Any] = field(default_factory=list)
-    pids: list[int] = field(default_factory=list)  # OS pids of the rank processes (stack dumps)
+    pid_refs: list[Any] = field(default_factory=list)  # each actor's `pid()` call, asked at creation
+    _pids: list[int] | None = None
 
     @classmethod
     def create(cls, world_size: int) -> TrainerPool:
@@ -274,12 +275,24 @@ class TrainerPool:
         worker_cls = ray.remote(num_cpus=1, num_gpus=0.5 if gpus else 0)(TrainerWorker)
         actors = [
             worker_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
             ).remote(r, world_size, "127.0.0.1", port)
             for r in range(world_size)
         ]
-        pids = ray.get([a.pid.remote() for a in actors], timeout=SETUP_TIMEOUT_S)
-        return cls(world_size=world_size, pg=pg, actors=actors, pids=pids)
+        # Not waited for here: the rank processes start (a Ray worker, torch and Megatron imports) while the
+        # caller starts the scenario's engines.
+        return cls(world_size=world_size, pg=pg, actors=actors, pid_refs=[a.pid.remote() for a in actors])
+
+    @property
+    def pids(self) -> list[int]:
+        """OS pids of the rank processes (stack dumps, resource samples); waits for the ranks to have started.
+
+        Raises:
+            ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError: a rank did not start.
+        """
+        if self._pids is None:
+            self._pids = list(ray.get(self.pid_refs, timeout=SETUP_TIMEOUT_S))
+        return self._pids
 
     def engine_options(self, colocate: bool, tp: int = 1) -> dict[str, Any]:
         """Ray options of one engine actor (its server process inherits its devices): colocated, the sender's
@@ -319,8 +332,12 @@ class TrainerPool:
 
     def _local_processes(self) -> list[psutil.Process]:
         """The rank processes that run on this host (a Ray worker of `TrainerWorker` with that pid)."""
-        out = []
-        for pid in self.pids:
+        out: list[psutil.Process] = []
+        try:
+            pids = self._pids if self._pids is not None else ray.get(self.pid_refs, timeout=10)
+        except Exception:  # ranks that have not started (or never will) are ended by ray.kill alone
+            return out
+        for pid in pids:
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(pid)
                 if "TrainerWorker" in " ".join(proc.cmdline()):
