@@ -5,10 +5,10 @@ build): about 6 s for a tiny model on a 2-core host, most of a small scenario's 
 with `Capabilities.restart_in_place` (the embedded engine) can instead become a fresh engine of the next
 scenario's checkpoint and seed in the same process (`ServerProcess.restart`: a new model with that seed's
 dummy weights, new state, empty caches, no transfer backend; nothing of the old app is kept), so the
-runner shelves such an engine after a clean scenario and restarts it for the next scenario of the same
-`EngineKey`. A shelved engine is one that ended a scenario with no fault, no error and no failed sync,
-and was never given a fault hook (the server refuses to restart one that was).
-"""
+runner shelves such an engine after a scenario that ran through (no error, every sync run and answered
+200) and restarts it for the next scenario of the same `EngineKey`. A shelved engine was never given a
+fault hook (the server refuses to restart one that was); a fault injected into the trainer processes
+alone does not keep its engine from the shelf (`harness.outcome.engines_reusable`)."""
 
 from __future__ import annotations
 

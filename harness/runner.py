@@ -26,7 +26,7 @@ from harness import shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
-from harness.outcome import ended_clean, sync_failed
+from harness.outcome import ended_clean, engines_reusable, sync_failed
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
@@ -206,7 +206,7 @@ class Runner:
                 engine_watch.name_the_engine(record.errors, what, sender=not failed)
             clean = ended_clean(record, healthy)  # else the ranks and engines may hold what went wrong
             engine_pids = [pids.get(engine_label(i)) for i in range(len(engines))]
-            if clean and reusable:
+            if reusable and engines_reusable(record, healthy, engine_fault=hook is not None):
                 self.shelf.put(key, engines, engine_pids)
             elif engines:
                 end_engines(engines, engine_pids, sc.engine)
