@@ -11,7 +11,6 @@ Expected checksums are computed independently from the safetensors files' raw by
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -26,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import xxhash
 from wsh_vllm_plugin import protocol
 from wsh_vllm_plugin.group import TransferGroup, host_store, join_transfer_group
 
@@ -58,7 +58,7 @@ def safetensors_shapes(folder: Path) -> dict[str, list[int]]:
 
 
 def safetensors_checksums(folder: Path) -> dict[str, str]:
-    """HF name -> blake2b-16 of the tensor's bytes, read straight from the safetensors files."""
+    """HF name -> XXH3-128 of the tensor's bytes, read straight from the safetensors files."""
     out: dict[str, str] = {}
     for f in sorted(folder.glob("*.safetensors")):
         raw = f.read_bytes()
@@ -67,7 +67,7 @@ def safetensors_checksums(folder: Path) -> dict[str, str]:
         header.pop("__metadata__", None)
         for name, meta in header.items():
             a, b = meta["data_offsets"]
-            out[name] = hashlib.blake2b(raw[8 + n + a : 8 + n + b], digest_size=16).hexdigest()
+            out[name] = xxhash.xxh3_128_hexdigest(raw[8 + n + a : 8 + n + b])
     return out
 
 
@@ -398,7 +398,7 @@ def test_views_of_the_checkpoint_model_are_the_checkpoint(model: str) -> None:
 
 def test_checksum_is_raw_bytes() -> None:
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    assert tensor_checksum(t) == hashlib.blake2b(t.numpy().tobytes(), digest_size=16).hexdigest()
+    assert tensor_checksum(t) == xxhash.xxh3_128_hexdigest(t.numpy().tobytes())
     assert tensor_checksum(t.t()) == tensor_checksum(t.t().contiguous())
     assert tensor_checksum(t.to(torch.bfloat16)) != tensor_checksum(t)
 
