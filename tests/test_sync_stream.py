@@ -7,8 +7,10 @@ stand-ins for the engine, so the order of export and sends is observable.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -200,3 +202,50 @@ def test_a_plan_that_does_not_begin_with_the_streamed_chunks_stops_every_rank(ra
         )
     assert handed == []
     assert sync.streamed_by_sender(metas, 3 * 1024) == [tuple(sender[0:3]), tuple(sender[3:6])]  # hand-derived
+
+
+def test_the_sender_holds_a_chunks_tensors_only_until_the_engine_answered_it() -> None:
+    # Each tensor comes fresh from the export (as a gather or a conversion makes it) and the test keeps only
+    # weak references: when chunk k goes on the wire, chunk k-1 was answered, hashed and dropped. Before, the
+    # sender kept every sent tensor to the sync's end for its checksums (a whole model's bytes on rank 0).
+    sums: dict[str, str] = {}
+    alive: dict[str, weakref.ref[torch.Tensor]] = {}
+
+    def export() -> Iterator[tuple[str, torch.Tensor]]:
+        for i in range(12):
+            name, t = f"model.layers.{i}.mlp.down_proj.weight", torch.full((256,), float(i))
+            sums[name], alive[name] = tensor_checksum(t), weakref.ref(t)
+            yield name, t
+
+    held_back: list[list[str]] = []
+
+    class Watching(Channel):
+        def send(self, client: Any, tensors: list[torch.Tensor], info: UpdateInfo, sync: int) -> Any:
+            gc.collect()
+            held_back.append([n for n, ref in alive.items() if ref() is not None and n not in info.names])
+            return super().send(client, tensors, info, sync)
+
+    res, _ = run_sync(
+        named=export(), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=1, weight_version=1,
+        client=Client(), channel=Watching([], delay_s=0.0),  # type: ignore[arg-type]
+    )
+    names = list(sums)
+    # at chunk k's send, only tensors not sent yet are alive (those the export already produced for chunk k+1)
+    for k, held in enumerate(held_back):
+        assert set(held) <= set(names[3 * (k + 1) :]), f"chunk {k}: earlier tensors still held: {held}"
+    assert res.sent_checksums == sums  # hashed as sent, before they were dropped
+
+
+def test_hashing_delay_counts_only_what_held_the_next_chunk_or_the_finish_up() -> None:
+    from reference_impl.transport.plan import Chunk
+    from reference_impl.transport.sync import _Sent, hashing_delay
+
+    def sent(queued_at: float, hashed: tuple[float, float]) -> _Sent:
+        return _Sent(Chunk(0, ()), [], None, None, queued_at=queued_at, hashed=hashed)  # type: ignore[arg-type]
+
+    # chunk 1 was queued during chunk 0's hashing (1.0 to 3.0) at 2.5: it waited 0.5 s; chunk 2 was queued at
+    # 9.0, after chunk 1's hashing (4.0 to 5.0) ended: no wait; chunk 2's hashing (10.0 to 10.25) held up the
+    # finish: 0.25 s
+    done = [sent(0.0, (1.0, 3.0)), sent(2.5, (4.0, 5.0)), sent(9.0, (10.0, 10.25))]
+    assert hashing_delay(done) == pytest.approx(0.75)
+    assert hashing_delay([]) == 0.0

@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -95,11 +95,12 @@ def hand_off(plan: list[Chunk], named: dict[str, torch.Tensor], rank: int) -> No
 
 
 def collect(chunk: Chunk, named: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Sender: the chunk's tensors, local ones as they are, others received from their owners."""
+    """Sender: the chunk's tensors, local ones as they are (taken out of `named`: the queued chunk then holds
+    the only reference the sync keeps, until the engine answered it), others received from their owners."""
     out = []
     for meta in chunk.tensors:
         if meta.owner == SENDER:
-            out.append(named[meta.name])
+            out.append(named.pop(meta.name))
         else:
             buf = torch.empty(meta.nbytes, dtype=torch.uint8)
             dist.recv(buf, src=meta.owner)
@@ -157,17 +158,43 @@ def names_rejected(names: list[str], rejected: EngineRejected) -> dict[str, str]
 
 @dataclass
 class _Sent:
-    """One chunk the sender handed to its send thread: the tensors as collected, what went into the
-    record, and the engine's load seconds."""
+    """One chunk the sender handed to its send thread: the tensors as collected (dropped once the engine
+    answered and they were hashed), what went into the record, the engine's load seconds, the checksums
+    of what was sent and when (perf_counter seconds) it was queued and hashed."""
 
     chunk: Chunk
     tensors: list[torch.Tensor]
     entry: ChunkRecord
     info: UpdateInfo
+    queued_at: float = 0.0
     answered: bool = False
     rejected: EngineRejected | None = None
     load_s: float = 0.0
     wire_s: float = 0.0
+    checksums: dict[str, str] = field(default_factory=dict)
+    hashed: tuple[float, float] = (0.0, 0.0)  # (start, end) of the hashing, perf_counter seconds
+
+    def hash_and_drop(self) -> None:
+        """Checksum the tensors that went out (HF name -> `tensor_checksum`), then drop them: the sender
+        holds a chunk's tensors only until the engine answered it, not until the sync's end."""
+        t0 = time.perf_counter()
+        self.checksums = {m.name: tensor_checksum(t) for m, t in zip(self.chunk.tensors, self.tensors, strict=True)}
+        self.tensors = []
+        self.hashed = (t0, time.perf_counter())
+
+
+def hashing_delay(done: list[_Sent]) -> float:
+    """Seconds the send thread's hashing held the sync up: for each chunk, the part of its hashing after
+    the next chunk was queued (that chunk waited for it; hashing while the thread had nothing else to send
+    delayed nothing), and all of the last chunk's (the finish waited for it). Subtracted from a sync's
+    wall time, which thereby counts what the sync would take without the checksums."""
+    delay = 0.0
+    for sent, after in zip(done, [*done[1:], None], strict=False):  # `after` is None for the last
+        start, end = sent.hashed
+        if after is not None:
+            start = max(start, after.queued_at)
+        delay += max(0.0, end - start)
+    return delay
 
 
 class _SendThread:
@@ -191,7 +218,7 @@ class _SendThread:
         """Queue one collected chunk (its `update_info` is made now, in plan order)."""
         info = update_info(chunk)
         sent = _Sent(chunk, tensors, ChunkRecord(index=chunk.index, names=info.names, bytes=chunk.nbytes, sent=True),
-                     info)
+                     info, queued_at=time.perf_counter())
         self.queued.append((sent, self.pool.submit(self._send, sent)))
 
     def stop(self, why: str) -> None:
@@ -204,6 +231,7 @@ class _SendThread:
         if self.stopped is not None or not self.client.session_open:
             why = self.stopped or f"no open update session ({self.client.session_closed_by or 'unknown why'})"
             sent.entry = sent.entry.model_copy(update={"sent": False, "note": f"not sent: {why}"})
+            sent.tensors = []
             return
         t0 = time.perf_counter()
         try:
@@ -219,6 +247,7 @@ class _SendThread:
             self.stop(f"the send of chunk {sent.chunk.index} raised {type(e).__name__}")
             raise
         sent.wire_s = time.perf_counter() - t0 - sent.load_s
+        sent.hash_and_drop()  # what went out, taken or refused
 
     def drain(self) -> list[_Sent]:
         """Wait for every queued chunk; returns them in order. Re-raises what a send raised (other than the
@@ -302,7 +331,7 @@ def run_sync(
     Returns this rank's observations and the chunk plan. Seconds in `phases`: `gather` here is the
     sender's wait for other ranks' tensors; `transfer` is the send thread's time per chunk less the
     engine's reported load time (`load`), summed; `total_s` is the wall time (overlapped phases counted once)
-    less checksum time.
+    less the time the checksums of what was sent held it up (`hashing_delay`).
 
     Raises:
         RuntimeError: the plan does not begin with the chunks streamed during the export (a planner that is
@@ -383,13 +412,12 @@ def run_sync(
             reset_engine_caches(client, sync_index)
     except EngineRejected:
         pass  # recorded in client.calls
-    res.total_s = time.perf_counter() - t_loop0
-    t2 = time.perf_counter()
-    for sent in done:  # what was sent, as collected (after the clock: never part of the sync's time)
+    hashing = hashing_delay(done)
+    res.total_s = time.perf_counter() - t_loop0 - hashing
+    for sent in done:  # what was sent, as collected (hashed by the send thread once answered)
         if sent.entry.sent:
-            for m, t in zip(sent.chunk.tensors, sent.tensors, strict=True):
-                res.sent_checksums[m.name] = tensor_checksum(t)
-    progress.at(f"{where}: checksums of what was sent ({time.perf_counter() - t2:.2f} s)")
+            res.sent_checksums.update(sent.checksums)
+    progress.at(f"{where}: checksums of what was sent held the sync up {hashing:.2f} s (not counted)")
     res.phases = {"gather": t_recv, "transfer": t_wire, "load": t_load}
     res.chunks_planned = len(plan)
     progress.at(f"{where}: finished")
