@@ -20,7 +20,6 @@ Seconds are medians of the steady repeats (the first, which allocates, is left o
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from reference_impl.engine.process import free_port
 
 PARTS = ("all_gather", "cat", "split_qkv")
 MODES = ("raw", "bridge", "floor")
@@ -50,12 +51,6 @@ def view_split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int, hea
     grouped = qkv.view(num_query_groups, per_group + 2, head_dim, hidden)
     return (grouped[:, :per_group].reshape(-1, hidden), grouped[:, per_group].reshape(-1, hidden),
             grouped[:, per_group + 1].reshape(-1, hidden))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, model_name: str, repeats: int, out: Any) -> None:
@@ -143,7 +138,7 @@ def measure(model_name: str = "qwen3-0.6b", repeats: int = 5) -> dict[str, float
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = mp.spawn(_rank, args=(_free_port(), model_name, repeats, out), nprocs=2, join=False)
+    procs = mp.spawn(_rank, args=(free_port(), model_name, repeats, out), nprocs=2, join=False)
     got = out.get()
     while not procs.join():
         pass
