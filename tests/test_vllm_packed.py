@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -200,3 +201,25 @@ def test_vllms_server_imports_this_checkouts_plugin() -> None:
     code = "import os, wsh_vllm_plugin; print(os.path.realpath(os.path.dirname(wsh_vllm_plugin.__file__)))"
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
     assert Path(out.stdout.strip()) == here
+
+
+def test_launchers_in_threads_of_one_process_make_the_plugin_link_together(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A fresh machine has no link yet; a fixture that starts two vLLM servers from threads of one process made
+    # it twice under one temp name, and the slower thread's rename found its temp link gone. Both threads are
+    # held before their rename until both made their temp link.
+    import threading
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    both = threading.Barrier(2, timeout=10)
+    rename = Path.replace
+
+    def replace_together(self: Path, target: Path) -> Path:
+        both.wait()
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace_together)
+    with ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(lambda _: plugin_import_dir(), range(2)))
+    assert folders[0] == folders[1]
+    assert sorted(p.name for p in folders[0].iterdir()) == ["wsh_vllm_plugin"]
+    assert (folders[0] / "wsh_vllm_plugin").resolve() == Path(packed.__file__).resolve().parent

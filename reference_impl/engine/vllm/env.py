@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -102,7 +103,7 @@ def plugin_import_dir() -> Path:
     folder.mkdir(exist_ok=True)
     link = folder / "wsh_vllm_plugin"
     if not (link.is_symlink() and link.resolve() == (PLUGIN_DIR / "wsh_vllm_plugin").resolve()):
-        tmp = folder / f".link-{os.getpid()}"
+        tmp = folder / f".link-{os.getpid()}-{threading.get_ident()}"  # launchers run in threads too
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(PLUGIN_DIR / "wsh_vllm_plugin", target_is_directory=True)
         tmp.replace(link)  # atomic: concurrent launchers never see a missing link
