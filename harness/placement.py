@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
-from reference_impl.engine.process import EngineStartError, ServerProcess, free_port
+from reference_impl.engine.process import EngineStartError, ServerProcess, port_outside_ephemeral_range
 
 SETUP_TIMEOUT_S = 900.0
 TRAINER_NODE = "wsh_trainer_node"  # a node offering this custom resource hosts the trainer ranks
@@ -270,7 +270,9 @@ class TrainerPool:
         bundle = ({"CPU": 2, "GPU": 1} if gpus else {"CPU": 2}) | node_resource(TRAINER_NODE)
         pg = placement_group([bundle] * world_size, strategy="PACK")
         ray.get(pg.ready(), timeout=120)
-        port = free_port()
+        # Rank 0 binds the store's port while the engines start (not waited for, below): a port from the OS's
+        # ephemeral range could meanwhile be handed to an engine's own listener (EADDRINUSE, seen with vLLM).
+        port = port_outside_ephemeral_range()
         # Half a GPU per rank leaves the other half of bundle 0's GPU to a colocated engine.
         worker_cls = ray.remote(num_cpus=1, num_gpus=0.5 if gpus else 0)(TrainerWorker)
         actors = [

@@ -36,6 +36,38 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(s.getsockname()[1])
 
 
+RESERVED_PORTS = (20000, 32768)  # [low, high): above Ray's worker ports (10002-19999), below Linux's ephemeral range
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return RESERVED_PORTS[1]
+
+
+def port_outside_ephemeral_range(host: str = LOOPBACK, attempts: int = 64) -> int:
+    """A free TCP port on `host` that no process asking the OS for any free port (binding port 0: vLLM,
+    Ray, gloo, `free_port`) can be handed before its owner binds it: one from `RESERVED_PORTS` below the
+    host's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), picked at random and checked free by
+    binding it. For a port that is bound later while other processes start (the trainer ranks' store, bound
+    by rank 0 while the scenario's engines start).
+
+    Raises:
+        OSError: no free port found in `attempts` tries, or the ephemeral range starts below 20000.
+    """
+    import random
+
+    low, high = RESERVED_PORTS[0], min(RESERVED_PORTS[1], _ephemeral_low())
+    if high <= low:
+        raise OSError(f"the ephemeral port range starts at {high}: no port below it above {low} to reserve")
+    for port in random.sample(range(low, high), min(attempts, high - low)):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind((host, port))
+            return port
+    raise OSError(f"no free port in {low}-{high - 1} on {host} after {attempts} tries")
+
+
 def wait_for_health(
     proc: subprocess.Popen[bytes],
     base_url: Callable[[], str | None],
