@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
-from reference_impl.engine.process import EngineStartError, ServerProcess, port_outside_ephemeral_range
+from reference_impl.engine.process import EngineStartError, ServerProcess, free_port
 
 SETUP_TIMEOUT_S = 900.0
 TRAINER_NODE = "wsh_trainer_node"  # a node offering this custom resource hosts the trainer ranks
@@ -272,7 +272,7 @@ class TrainerPool:
         ray.get(pg.ready(), timeout=120)
         # Rank 0 binds the store's port while the engines start (not waited for, below): a port from the OS's
         # ephemeral range could meanwhile be handed to an engine's own listener (EADDRINUSE, seen with vLLM).
-        port = port_outside_ephemeral_range()
+        port = free_port()
         # Half a GPU per rank leaves the other half of bundle 0's GPU to a colocated engine.
         worker_cls = ray.remote(num_cpus=1, num_gpus=0.5 if gpus else 0)(TrainerWorker)
         actors = [

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from reference_impl.engine.process import free_port
 from reference_impl.forward.hf import HfForward, fixed_prompts
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
@@ -128,11 +128,6 @@ def _run_case(case: Case, checkpoint: str) -> dict[str, Any] | None:
     return {"logprobs": out, "seconds": seconds, "build_s": build_s}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class RankPool:
     """`world` spawned rank processes in one gloo default group; `close` ends every one of them."""
@@ -142,7 +137,7 @@ class RankPool:
         self.world = world
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(target=_rank_main, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
             for r in range(world)

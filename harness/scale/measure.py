@@ -10,7 +10,6 @@ medians. The copy is `dst.copy_(src)` of `nbytes` in this process, one thread.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from typing import Any
@@ -19,11 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from reference_impl.engine.process import free_port
 
 
 def _ranks(rank: int, port: int, nbytes: int, repeats: int, out: Any) -> None:
@@ -73,7 +68,7 @@ def measure(nbytes: int = 64 << 20, repeats: int = 5) -> dict[str, float]:
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_ranks, args=(r, port, nbytes, repeats, out)) for r in range(2)]
     for p in procs:
         p.start()

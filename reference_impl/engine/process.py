@@ -29,13 +29,6 @@ class EngineStartError(RuntimeError):
     """The engine process exited or did not answer /health in time (message holds its log tail)."""
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A free TCP port on `host` (127.0.0.1 by default)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 RESERVED_PORTS = (20000, 32768)  # [low, high): above Ray's worker ports (10002-19999), below Linux's ephemeral range
 
 
@@ -46,12 +39,12 @@ def _ephemeral_low() -> int:
         return RESERVED_PORTS[1]
 
 
-def port_outside_ephemeral_range(host: str = LOOPBACK, attempts: int = 64) -> int:
-    """A free TCP port on `host` that no process asking the OS for any free port (binding port 0: vLLM,
-    Ray, gloo, `free_port`) can be handed before its owner binds it: one from `RESERVED_PORTS` below the
-    host's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), picked at random and checked free by
-    binding it. For a port that is bound later while other processes start (the trainer ranks' store, bound
-    by rank 0 while the scenario's engines start).
+def free_port(host: str = LOOPBACK, attempts: int = 64) -> int:
+    """A free TCP port on `host` (127.0.0.1 by default) that no process asking the OS for any free port
+    (binding port 0: vLLM, Ray, gloo) can be handed before its owner binds it: one from `RESERVED_PORTS`
+    below the host's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), picked at random and checked free by
+    binding it. Its owner binds it later, while other processes start (the trainer ranks' store, bound by
+    rank 0 while the scenario's engines start; vLLM's HTTP port, bound after seconds of imports).
 
     Raises:
         OSError: no free port found in `attempts` tries, or the ephemeral range starts below 20000.

@@ -29,7 +29,7 @@ import os
 import tempfile
 from collections.abc import Callable
 
-from reference_impl.engine.process import ServerProcess, port_outside_ephemeral_range
+from reference_impl.engine.process import ServerProcess, free_port
 from reference_impl.engine.vllm.env import plugin_import_dir, vllm_python
 
 AUTH_MIDDLEWARE = "wsh_vllm_plugin.auth.BearerTokenMiddleware"  # every route asks for the run's token
@@ -158,7 +158,7 @@ class VllmEngineProcess(ServerProcess):
         started in the temp folder."""
         # vLLM binds it only after seconds of imports, while other engines and the trainer ranks start and ask
         # the OS for ports of their own: a port from the ephemeral range could be handed to one of them.
-        port = port_outside_ephemeral_range(self.host)
+        port = free_port(self.host)
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",
