@@ -68,6 +68,7 @@ def test_servers_bind_beyond_loopback_only_with_a_token(tmp_path: Path, monkeypa
         VllmEngineProcess("ckpt", 1, str(tmp_path / "log"), host="192.0.2.2")
     embedded = EngineProcess("ckpt", 1, str(tmp_path / "log"), host="192.0.2.2", token=TOKEN, tp=2)
     argv, env, _, _ = embedded.launch()
+    embedded.stop()  # never started: removes the temp folder `launch` made for its port file
     assert argv[argv.index("--host") + 1] == "192.0.2.2" and env[TOKEN_ENV] == TOKEN
     assert TOKEN not in " ".join(argv)  # never on the command line
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"

@@ -1,20 +1,26 @@
 """What a run leaves behind when it ends in the middle of starting processes (`harness.placement`): a
 parent still starting children when it is killed, and a process of the run's Ray re-parented before the
 harness looks. Both are what an interrupt in the middle of `ray.init` leaves: the raylet starts its agents
-a while after it runs, and an agent outlives a raylet killed before it."""
+a while after it runs, and an agent outlives a raylet killed before it. And what an engine server leaves in
+the temp folder once stopped (`ServerProcess.server_temp_dir`; vLLM's side in `tests/test_vllm_engine.py`)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
 
 from harness import placement
+from reference_impl.engine.embedded.launcher import EngineProcess
+from reference_impl.models.checkpoint import make_checkpoint
+from reference_impl.models.registry import load_model
 
 # A parent that starts a sleeping child every 20 ms, for as long as it runs.
 SPAWNER = """
@@ -103,3 +109,18 @@ def test_a_process_of_the_drivers_ray_is_found_after_it_was_re_parented(monkeypa
 def test_without_a_ray_of_its_own_the_driver_finds_no_ray_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement, "_ray_tag", None)
     assert placement.ray_processes() == []
+
+
+def test_an_engine_server_writes_to_a_temp_folder_of_its_own_that_stop_removes(tmp_path: Path) -> None:
+    # Before, every embedded engine left its port file's folder in /tmp and every vLLM its ZMQ sockets and
+    # its `vllm_dist_*` file: hundreds per test session.
+    proc = EngineProcess(str(make_checkpoint(load_model("qwen3"), 1234)), 4321, str(tmp_path / "engine.log"))
+    try:
+        proc.start(120)
+        assert proc.proc is not None
+        env = psutil.Process(proc.proc.pid).environ()  # as the kernel has it, not as the launcher meant it
+        temp = Path(env["TMPDIR"])
+        assert temp.parent == Path(tempfile.gettempdir()) and (temp / "port").is_file()
+    finally:
+        proc.stop()
+    assert not temp.exists()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -467,6 +468,7 @@ def test_vllm_that_cannot_start_is_a_start_error_naming_why(tmp_path: Path) -> N
     EngineStartError carrying the log's tail, which the runner records as the scenario's CRASH."""
     _require_vllm()
     ckpt = make_checkpoint(load_model("qwen3"), SEED)
+    servers_before = set(Path(tempfile.gettempdir()).glob("wsh-server-*"))
     proc = VllmEngineProcess(str(ckpt), ENGINE_SEED, str(tmp_path / "vllm.log"), extra_args=["--no-such-flag"])
     try:
         with pytest.raises(EngineStartError) as err:
@@ -475,6 +477,8 @@ def test_vllm_that_cannot_start_is_a_start_error_naming_why(tmp_path: Path) -> N
         proc.stop()
     assert "vLLM exited with" in str(err.value) and "--no-such-flag" in str(err.value)
     assert proc.proc is not None and proc.proc.returncode not in (0, None)
+    # the stop a failed start makes removes the server's temp folder too
+    assert set(Path(tempfile.gettempdir()).glob("wsh-server-*")) <= servers_before
 
 
 def test_vllm_with_two_tp_workers_takes_every_chunk_and_asks_for_the_token(tmp_path: Path) -> None:
@@ -504,5 +508,11 @@ def test_vllm_with_two_tp_workers_takes_every_chunk_and_asks_for_the_token(tmp_p
         assert sorted(joined) == [("1", "3"), ("2", "3")], joined
         conn.channel.close()
         client.close()
+        # vLLM's temp files (torch's `vllm_dist_*` init file, its ZMQ sockets) lie in the server's own TMPDIR,
+        # which stop removes; before, each vLLM start left them in /tmp
+        assert proc.proc is not None
+        temp = Path(psutil.Process(proc.proc.pid).environ()["TMPDIR"])
+        assert any(temp.glob("vllm_dist_*")), sorted(p.name for p in temp.iterdir())
     finally:
         proc.stop()
+    assert not temp.exists()

@@ -69,7 +69,10 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(tmp_path: objec
     assert argv[argv.index("--gpu-memory-utilization") + 1] == str(COLOCATE_GPU_MEMORY_UTILIZATION)
     assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["PYTHONPATH"] == str(plugin_import_dir())
-    plain = VllmEngineProcess("/ckpt", 7, None).launch()[0]
+    proc.stop()  # never started: removes the temp folder `launch` made (its working folder)
+    plain_proc = VllmEngineProcess("/ckpt", 7, None)
+    plain = plain_proc.launch()[0]
+    plain_proc.stop()
     assert json.loads(plain[plain.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
     assert "--gpu-memory-utilization" not in plain
 

@@ -4,13 +4,16 @@
 for vLLM). It starts the process in a session (process group) of its own with its output in a log
 file, waits until `/health` answers 200, and stops the whole group by its pid (SIGTERM, then SIGKILL
 after a grace period): vLLM's API server has an engine-core child, and nothing of either may outlive
-the launcher's `stop`.
+the launcher's `stop`. Each server also gets a temp folder of its own (`TMPDIR`), removed by `stop`:
+what it writes there (the embedded engine's port file; vLLM's `vllm_dist_*` init files and ZMQ sockets,
+which a stopped vLLM leaves behind) goes with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -118,6 +121,7 @@ class ServerProcess(ABC):
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.host, self.token = host, token
+        self.temp_dir: Path | None = None  # the server's TMPDIR while it runs (made by `start`, removed by `stop`)
 
     def token_env(self) -> dict[str, str]:
         """What the server's environment carries for the bearer-token check ({} without a token)."""
@@ -125,9 +129,17 @@ class ServerProcess(ABC):
 
         return {TOKEN_ENV: self.token} if self.token else {}
 
+    def server_temp_dir(self) -> Path:
+        """The server's own temp folder (its TMPDIR), made on first use and removed by `stop`; its name is
+        short (vLLM's ZMQ socket paths live in it, and those are limited to 107 bytes)."""
+        if self.temp_dir is None:
+            self.temp_dir = Path(tempfile.mkdtemp(prefix="wsh-server-"))
+        return self.temp_dir
+
     @abstractmethod
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
-        """(argv, environment, working folder or None, base-URL getter that returns None until known)."""
+        """(argv, environment, working folder or None, base-URL getter that returns None until known).
+        `start` sets the environment's TMPDIR to `server_temp_dir()` after this."""
 
     def start(self, timeout_s: float = 180.0) -> str:
         """Launch the server and wait for GET /health 200; returns the base URL.
@@ -137,6 +149,7 @@ class ServerProcess(ABC):
                 process group is stopped before raising).
         """
         argv, env, cwd, url = self.launch()
+        env = {**env, "TMPDIR": str(self.server_temp_dir())}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
@@ -164,7 +177,16 @@ class ServerProcess(ABC):
         return self.proc.pid if self.proc else None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """End the server's whole process group by its pid: SIGTERM, SIGKILL after `grace_s` seconds."""
+        """End the server's whole process group by its pid (SIGTERM, SIGKILL after `grace_s` seconds), then
+        remove its temp folder."""
+        try:
+            self._kill_group(grace_s)
+        finally:
+            if self.temp_dir is not None:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+                self.temp_dir = None
+
+    def _kill_group(self, grace_s: float) -> None:
         if self.proc is None:
             return
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,7 +45,7 @@ class EngineProcess(ServerProcess):
 
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
         """The server's argv and environment; its URL is known once it has written its port file."""
-        port_file = Path(tempfile.mkdtemp(prefix="wsh-engine-")) / "port"
+        port_file = self.server_temp_dir() / "port"
         argv = [
             sys.executable,
             "-m",

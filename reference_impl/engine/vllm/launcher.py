@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 
 from reference_impl.engine.process import ServerProcess, free_port
@@ -155,7 +154,7 @@ class VllmEngineProcess(ServerProcess):
         """vLLM's argv on a free port, its environment (the dev routes on; nothing of the trainer's
         environment leaks into vLLM's interpreter except this checkout's plugin, `env.plugin_import_dir`,
         so that both sides speak the same protocol file whatever checkout the plugin was installed from),
-        started in the temp folder."""
+        started in its own temp folder (`ServerProcess.server_temp_dir`, removed at stop)."""
         # vLLM binds it only after seconds of imports, while other engines and the trainer ranks start and ask
         # the OS for ports of their own: a port from the ephemeral range could be handed to one of them.
         port = free_port(self.host)
@@ -172,4 +171,4 @@ class VllmEngineProcess(ServerProcess):
         if self.tp > 1 and THREADS_BIND not in env:
             env[THREADS_BIND] = cpu_threads_bind(self.tp)
         url = f"http://{self.host}:{port}"
-        return self.command(port), env, tempfile.gettempdir(), lambda: url
+        return self.command(port), env, str(self.server_temp_dir()), lambda: url
