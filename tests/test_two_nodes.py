@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,7 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
     temp = tempfile.mkdtemp(prefix="wsh-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
     common = ["--block", "--num-cpus=4", "--disable-usage-stats"]
     procs: list[subprocess.Popen[bytes]] = []
+    passed = False
     log = open(Path(temp) / "start.log", "ab")  # noqa: SIM115  (closed below)
     try:
         procs.append(
@@ -88,6 +90,7 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
             nodes = _node_ips(address)
         assert len(nodes) == 2, (Path(temp) / "start.log").read_text()[-3000:]
         yield address, nodes
+        passed = True
     finally:
         for proc in reversed(procs):  # the second node first, then the head
             with contextlib.suppress(ProcessLookupError):
@@ -99,6 +102,8 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
         log.close()
+        if passed:  # the nodes' session logs stay in /tmp only for a failed test
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_trainer_on_one_node_engines_on_the_other(tmp_path: Path) -> None:
