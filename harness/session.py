@@ -118,7 +118,7 @@ class ScenarioSession:
     prompts: list[Prompt] = field(default_factory=list)
     expected: ExpectedState | None = None
     hf_view: HfForward | None = None  # the transformers forward over the expected state, built on first use
-    hf_view_state: int = -1  # the expected state's step the view holds
+    hf_view_state: tuple[Any, ...] = ()  # the key of the expected state the view holds
     probe: list[int] = field(default_factory=list)  # a prompt served before and after every sync
     checks_s: float = 0.0  # seconds spent in the harness's own reads, probes, log-prob views and oracles
     watches: list[EngineWatch] = field(default_factory=list)  # one per engine once their servers run
@@ -385,15 +385,23 @@ class ScenarioSession:
             part.probe = {"token": token, "engine": engine, "expected": expected}
 
     def _expected_view(self, temperature: float, prompts: list[Prompt] | None = None) -> list[list[float]]:
-        """Log-probs of the fixed prompts from a transformers model holding the expected state."""
-        if self.expected is None:
+        """Log-probs of the fixed prompts (or `prompts`) from a transformers model holding the expected state,
+        at `temperature`; kept with the state (`ExpectedState.kept`): an earlier scenario of the same
+        checkpoint, seed and steps already ran this forward."""
+        expected = self.expected
+        if expected is None:
             raise RuntimeError("no expected state (its oracle could not run)")
+        prompts = prompts or self.prompts
+        what = ("logprobs", HF_FORWARD, temperature, tuple(p.key() for p in prompts))
+        return expected.kept(what, lambda: self._hf_logprobs(expected, temperature, prompts))
+
+    def _hf_logprobs(self, expected: ExpectedState, temperature: float, prompts: list[Prompt]) -> list[list[float]]:
         if self.hf_view is None:
             self.hf_view = HfForward(self.checkpoint)
-        if self.hf_view_state != self.expected.index:
-            self.hf_view.load(self.expected.tensors)
-            self.hf_view_state = self.expected.index
-        return [self.hf_view.logprobs(p, temperature)[0].tolist() for p in (prompts or self.prompts)]
+        if self.hf_view_state != expected.key:
+            self.hf_view.load(expected.tensors)
+            self.hf_view_state = expected.key
+        return [self.hf_view.logprobs(p, temperature)[0].tolist() for p in prompts]
 
     def measure_bound(self) -> None:
         """The same-run bound of the last sync (`record.bound`), measured in the same processes and groups

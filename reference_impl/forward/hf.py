@@ -52,6 +52,14 @@ class Prompt:
     # the prompt as one chat message's OpenAI content parts (for engines whose image route is chat)
     chat_content: list[dict[str, Any]] | None = None
 
+    def key(self) -> tuple[Any, ...]:
+        """What a forward's output over this prompt depends on, hashable: the token ids, the image URL and the
+        checksums (`checksum.tensor_checksum`) of the image tensors."""
+        from reference_impl.checksum import tensor_checksum
+
+        images = tuple(tensor_checksum(t) if t is not None else None for t in (self.pixel_values, self.image_grid_thw))
+        return (tuple(self.input_ids), self.image_url, images)
+
 
 def fixed_prompts(config: dict[str, Any]) -> list[Prompt]:
     """The prompts trainer and engine log-probs are compared on: seeded text prompts and, for a VL model,
