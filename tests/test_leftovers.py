@@ -124,3 +124,19 @@ def test_an_engine_server_writes_to_a_temp_folder_of_its_own_that_stop_removes(t
     finally:
         proc.stop()
     assert not temp.exists()
+
+
+@pytest.mark.parametrize("kind", ["embedded", "vllm"])
+def test_a_server_built_and_never_started_leaves_no_log_file(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a server given no log path made its temp log file (and leaked its descriptor) when built: every
+    # test session left two empty /tmp/tmp*.vllm.log files from servers whose command line alone was read.
+    from reference_impl.engine.vllm.launcher import VllmEngineProcess
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    proc = EngineProcess("/ckpt", 7, None) if kind == "embedded" else VllmEngineProcess("/ckpt", 7, None)
+    assert proc.log_tail() == "(no log)" and list(tmp_path.iterdir()) == []
+    log = proc.log_path  # asked for: made then, once, in the temp folder
+    assert log.parent == tmp_path and log.is_file() and proc.log_path == log
+    assert list(tmp_path.iterdir()) == [log]

@@ -117,11 +117,26 @@ class ServerProcess(ABC):
         """
         if host != LOOPBACK and not token:
             raise ValueError(f"an engine server bound to {host} (reachable from other hosts) needs a bearer token")
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(suffix=log_suffix)[1])
+        self._log_path = Path(log_path) if log_path else None
+        self._log_suffix = log_suffix
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.host, self.token = host, token
         self.temp_dir: Path | None = None  # the server's TMPDIR while it runs (made by `start`, removed by `stop`)
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log file: the path given, or (given None) a temp file made when first asked for, so
+        that a server built and never started (its `command` read, say) leaves no file behind."""
+        if self._log_path is None:
+            fd, name = tempfile.mkstemp(suffix=self._log_suffix)
+            os.close(fd)
+            self._log_path = Path(name)
+        return self._log_path
+
+    @log_path.setter
+    def log_path(self, path: Path) -> None:
+        self._log_path = path
 
     def token_env(self) -> dict[str, str]:
         """What the server's environment carries for the bearer-token check ({} without a token)."""
@@ -202,7 +217,9 @@ class ServerProcess(ABC):
             self.proc.wait(grace_s)
 
     def log_tail(self, n: int = 4000) -> str:
-        """The last `n` characters of the server's log ("(no log)" when it cannot be read)."""
+        """The last `n` characters of the server's log ("(no log)" when it cannot be read or was never made)."""
+        if self._log_path is None:
+            return "(no log)"
         try:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
