@@ -173,3 +173,37 @@ def measure_logprobs(conn: Connected, rec: RunRecord, state: dict[str, torch.Ten
 
 def sent_in_order(engines: dict[str, Connected], make: Any, index: int, **kw: Any) -> dict[str, RunRecord]:
     return {kind: conn.sync(make(conn.checkpoint), index, **kw) for kind, conn in engines.items()}
+
+
+def unknown_name_refused(engines: dict[str, Connected], bad: str, index: int) -> dict[str, RunRecord]:
+    """Sync `index` sends the whole checkpoint plus `bad` (a name neither engine has, 64 fp32 ones): both
+    records must be NAME_ERROR naming `bad`, and each engine's refused call must parse as one name
+    rejection of `bad`. Returns the records by engine kind, for what each engine says in its own words."""
+    records = sent_in_order(engines, lambda ckpt: [*full(ckpt), (bad, torch.ones(64))], index)
+    for kind, rec in records.items():
+        verdict, message = verdict_of(rec)
+        assert verdict == "NAME_ERROR", (kind, verdict, message)
+        assert f"'{bad}'" in message, (kind, message)  # vLLM's module name is mapped back to the HF name
+        call = next(c for c in rec.http if c.status != 200)
+        assert [(r.name, r.kind) for r in call.rejections] == [(bad, "name")], (kind, call)
+    return records
+
+
+def short_tensor_refused(engines: dict[str, Connected], target: str, index: int) -> str:
+    """Sync `index` sends the whole checkpoint with `target` one element short along dim 0: both records
+    must be HTTP_ERROR on /update_weights; the embedded engine names `target` as a shape rejection, vLLM's
+    loader names no tensor (its answer parses as one "other" rejection of the route). Returns vLLM's reason
+    (its loader's prose, e.g. "Attempted to load weight (torch.Size([63])) into parameter ...")."""
+
+    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t[:-1].clone() if n == target else t) for n, t in full(ckpt)]
+
+    records = sent_in_order(engines, named, index)
+    for kind, rec in records.items():
+        verdict, message = verdict_of(rec)
+        assert verdict == "HTTP_ERROR", (kind, verdict, message)
+        assert "/update_weights" in message, (kind, message)
+    calls = {kind: next(c for c in rec.http if c.status != 200) for kind, rec in records.items()}
+    assert [(r.name, r.kind) for r in calls["embedded"].rejections] == [(target, "shape")]
+    assert [(r.name, r.kind) for r in calls["vllm"].rejections] == [("/update_weights", "other")]
+    return calls["vllm"].rejections[0].reason

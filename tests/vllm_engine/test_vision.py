@@ -5,30 +5,24 @@ included) follow every sync, changed vision weights included."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from reference_impl.forward.prompts import image_prompt
 from reference_impl.transport.client import PromptMismatch
 
-from .engines import Connected, checkpoint_tensors, full, measure_logprobs, sent_in_order, verdict_of
+from .engines import (
+    Connected,
+    checkpoint_tensors,
+    measure_logprobs,
+    short_tensor_refused,
+    unknown_name_refused,
+    verdict_of,
+)
 
 
 def test_unknown_vision_name_is_name_error_on_both(vl_engines: dict[str, Connected]) -> None:
-    bad = "model.visual.blocks.0.attn.no_such.weight"
-
-    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
-        return [*full(ckpt), (bad, torch.ones(64))]
-
-    records = sent_in_order(vl_engines, named, 1)
-    for kind, rec in records.items():
-        verdict, message = verdict_of(rec)
-        assert verdict == "NAME_ERROR", (kind, verdict, message)
-        assert f"'{bad}'" in message, (kind, message)
-        call = next(c for c in rec.http if c.status != 200)
-        assert [(r.name, r.kind) for r in call.rejections] == [(bad, "name")], (kind, call)
+    records = unknown_name_refused(vl_engines, "model.visual.blocks.0.attn.no_such.weight", 1)
     vllm_call = next(c for c in records["vllm"].http if c.status != 200)
     # vLLM's own prose names the parameter relative to the module that refused it (its vision tower)
     assert vllm_call.status == 500 and "blocks.0.attn.no_such" in (vllm_call.error or "")
@@ -36,20 +30,8 @@ def test_unknown_vision_name_is_name_error_on_both(vl_engines: dict[str, Connect
 
 def test_wrong_vision_shape_is_http_error_on_both(vl_engines: dict[str, Connected]) -> None:
     target = "model.visual.blocks.1.norm1.weight"
-
-    def named(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
-        return [(n, t[:-1].clone() if n == target else t) for n, t in full(ckpt)]
-
-    records = sent_in_order(vl_engines, named, 2)
-    for kind, rec in records.items():
-        verdict, message = verdict_of(rec)
-        assert verdict == "HTTP_ERROR", (kind, verdict, message)
-        assert "/update_weights" in message, (kind, message)
-    calls = {kind: next(c for c in rec.http if c.status != 200) for kind, rec in records.items()}
-    assert [(r.name, r.kind) for r in calls["embedded"].rejections] == [(target, "shape")]
     width = checkpoint_tensors(vl_engines["vllm"].checkpoint)[target].shape[0]
-    assert [(r.name, r.kind) for r in calls["vllm"].rejections] == [("/update_weights", "other")]
-    assert f"torch.Size([{width - 1}])" in calls["vllm"].rejections[0].reason
+    assert f"torch.Size([{width - 1}])" in short_tensor_refused(vl_engines, target, 2)
 
 
 def test_vllm_chat_route_makes_the_fixed_image_prompts_ids(vl_engines: dict[str, Connected]) -> None:
