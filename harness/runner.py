@@ -175,6 +175,7 @@ class Runner:
             if kind.capabilities.per_tensor_reports:
                 record.engine_shards = checkers[0].shards()
             session.connect(pool.sender_address(), self.token)
+            session.shm_at_connect = shm.held_by_tree(pids.values())
             if sc.logprobs:
                 config = json.loads((ckpt / "config.json").read_text())
                 session.prompts = fixed_prompts(config)
@@ -212,7 +213,10 @@ class Runner:
                 end_engines(engines, engine_pids, sc.engine)
             if not clean:
                 self.drop_pool(sc.world_size)
-                shm.unlink(shm.held_in(record.resources))  # what its dead ranks left in /dev/shm
+                # what its dead ranks left in /dev/shm: held at a resource sample, or when the sender connected (a
+                # segment replaced before sync 0's sample and never unlinked is seen only then)
+                held = shm.held_in(record.resources) | (session.shm_at_connect if session is not None else set())
+                shm.unlink(held)
             marks["end"] = time.perf_counter()
             record.wall = wall_split(marks, session.checks_s if session is not None else 0.0)
         return self._finish(record)

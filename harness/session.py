@@ -124,6 +124,9 @@ class ScenarioSession:
     watches: list[EngineWatch] = field(default_factory=list)  # one per engine once their servers run
     pids: dict[str, int | None] = field(default_factory=dict)  # "rank0", ..., "engine", "engine1", ...
     after_sync: SyncHook | None = None  # an observer after every sync (resource samples); never a verdict
+    # the /dev/shm segments the scenario's processes held once the sender connected (its channel's first
+    # segment, made before any resource sample): the runner unlinks those still there after a failed run
+    shm_at_connect: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------------ remote calls and oracles
 

@@ -6,7 +6,8 @@ A colocated sender makes one segment and unlinks it when its channel closes; a r
 never does, and the segment stays in /dev/shm until the host reboots. The harness therefore notes which
 segments the rank processes hold (mapped, or open by descriptor, read from `/proc`) before it kills them,
 and unlinks those still there once the processes are gone (`TrainerPool.kill`); the runner also unlinks
-those the scenario's processes held at any resource sample once its pool is gone (a segment closed but
+those the scenario's processes held at any resource sample, or when the sender connected
+(its channel's first segment), once its pool is gone (a segment closed but
 never unlinked is no longer held at the kill). Only segments held by the scenario's own local processes
 are ever touched: the host's /dev/shm is shared with every other program on it.
 """
@@ -17,6 +18,8 @@ import contextlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
+
+import psutil
 
 from harness.record import ResourceSample
 
@@ -55,6 +58,23 @@ def held_by(pid: int, root: Path = SHM_DIR) -> set[str]:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith(prefix) and not target.endswith(" (deleted)"):
                     names.add(target[len(prefix) :])
+    return names
+
+
+def held_by_tree(pids: Iterable[int | None], root: Path = SHM_DIR) -> set[str]:
+    """Names of the segments in `root` that processes `pids` (None skipped) or any of their descendants map
+    or hold open (`held_by`); a process that is gone or ends while it is read is left out."""
+    names: set[str] = set()
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            root_proc = psutil.Process(pid)
+            tree = [root_proc, *root_proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in tree:
+            names |= held_by(proc.pid, root)
     return names
 
 

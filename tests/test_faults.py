@@ -26,9 +26,15 @@ pytestmark = pytest.mark.e2e
 SCENARIOS = {name: fault_scenario(name) for name in FAULTS}
 
 
+def _shm_names() -> set[str]:
+    """The names in /dev/shm now (every test of this file runs alone on the host's /dev/shm)."""
+    return {e.name for e in os.scandir(shm.SHM_DIR)}
+
+
 @pytest.mark.parametrize("name", sorted(FAULTS))
 def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
     sc = SCENARIOS[name]
+    before = _shm_names()
     t0 = time.monotonic()
     rec = run_once(runner, sc)
     elapsed = time.monotonic() - t0
@@ -47,6 +53,8 @@ def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
         # parity_expected may fail, but only on the sync the fault was armed for
         assert results["parity_expected"]["ok"] or f"sync {sc.fault_sync}:" in results["parity_expected"]["message"]
     assert shm.present(shm.held_in(rec.resources)) == {}  # nothing of it left in /dev/shm
+    # nor anything it made that no resource sample saw (a segment replaced before sync 0's sample)
+    assert not _shm_names() - before, sorted(_shm_names() - before)
     if FAULTS[name].expect == "DEADLOCK":
         # Ended within its deadline (+ setup) + 30 s, with one stack file per rank and the engine.
         assert elapsed < sc.deadline_s + 30 + 60
