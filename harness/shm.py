@@ -6,10 +6,10 @@ A colocated sender makes one segment and unlinks it when its channel closes; a r
 never does, and the segment stays in /dev/shm until the host reboots. The harness therefore notes which
 segments the rank processes hold (mapped, or open by descriptor, read from `/proc`) before it kills them,
 and unlinks those still there once the processes are gone (`TrainerPool.kill`); the runner also unlinks
-those the scenario's processes held at any resource sample, or when the sender connected
-(its channel's first segment), once its pool is gone (a segment closed but
-never unlinked is no longer held at the kill). Only segments held by the scenario's own local processes
-are ever touched: the host's /dev/shm is shared with every other program on it.
+those the scenario's processes held at any resource sample, or when the sender connected (its channel's
+first segment), once its pool is gone (a segment closed but never unlinked is no longer held at the
+kill). Only segments held by the scenario's own local processes are ever touched: the host's /dev/shm is
+shared with every other program on it.
 """
 
 from __future__ import annotations
