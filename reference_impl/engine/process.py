@@ -6,7 +6,10 @@ file, waits until `/health` answers 200, and stops the whole group by its pid (S
 after a grace period): vLLM's API server has an engine-core child, and nothing of either may outlive
 the launcher's `stop`. Each server also gets a temp folder of its own (`TMPDIR`), removed by `stop`:
 what it writes there (the embedded engine's port file; vLLM's `vllm_dist_*` init files and ZMQ sockets,
-which a stopped vLLM leaves behind) goes with it.
+which a stopped vLLM leaves behind) goes with it. What the group made in `/dev/shm` while it started
+(vLLM's message queue between API server, engine core and workers, a 160 MiB `psm_*` segment; at TP > 1
+its workers' `vllm_dist_*-cpushm_*` segments) is noted once it answers /health, and `stop` unlinks what of
+it is still there once the group is gone: processes ended by a signal often never unlink their own.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+from reference_impl import shm_segments
 
 LOOPBACK = "127.0.0.1"
 
@@ -123,6 +128,8 @@ class ServerProcess(ABC):
         self.url = ""
         self.host, self.token = host, token
         self.temp_dir: Path | None = None  # the server's TMPDIR while it runs (made by `start`, removed by `stop`)
+        # the /dev/shm segments its process group held when it first answered /health (unlinked by `stop`)
+        self.started_segments: set[str] = set()
 
     @property
     def log_path(self) -> Path:
@@ -176,6 +183,7 @@ class ServerProcess(ABC):
         except EngineStartError:
             self.stop()
             raise
+        self.started_segments = shm_segments.held_by_group(self.proc.pid)
         return self.url
 
     def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, timeout_s: float = 300.0) -> str:
@@ -193,13 +201,20 @@ class ServerProcess(ABC):
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End the server's whole process group by its pid (SIGTERM, SIGKILL after `grace_s` seconds), then
-        remove its temp folder."""
+        remove its temp folder and unlink the /dev/shm segments the group made while it started
+        (`started_segments`; for a server that never answered /health, those its group holds now: nothing
+        was handed to it yet). Segments it was handed later (a colocated sender's) are never touched."""
+        own = self.started_segments
+        if self.proc is not None and not self.url:  # the leader may be gone, its group not
+            own = own | shm_segments.held_by_group(self.proc.pid)
         try:
             self._kill_group(grace_s)
         finally:
             if self.temp_dir is not None:
                 shutil.rmtree(self.temp_dir, ignore_errors=True)
                 self.temp_dir = None
+            shm_segments.unlink(own)
+            self.started_segments = set()
 
     def _kill_group(self, grace_s: float) -> None:
         if self.proc is None:

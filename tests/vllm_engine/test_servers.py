@@ -1,6 +1,7 @@
 """vLLM servers a test starts on its own: one that cannot start (EngineStartError naming why, its temp
 folder removed) and one with two TP workers and a bearer token (every route refused without it, both
-workers take every chunk, the right log-probs after, vLLM's temp files in the server's own folder)."""
+workers take every chunk, the right log-probs after, vLLM's temp files in the server's own folder, nothing it
+made in /dev/shm left once stopped)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from reference_impl.transport.client import EngineClient
 from reference_impl.transport.vllm_packed import connect_packed_gloo
 
 from .engines import ENGINE_SEED, PACKED_BUFFER, SEED, Connected, full, measure_logprobs, verdict_of
+
+SHM = Path("/dev/shm")
 
 
 def test_vllm_that_cannot_start_is_a_start_error_naming_why(tmp_path: Path) -> None:
@@ -84,6 +87,12 @@ def test_vllm_with_two_tp_workers_takes_every_chunk_and_asks_for_the_token(tmp_p
         assert proc.proc is not None
         temp = Path(psutil.Process(proc.proc.pid).environ()["TMPDIR"])
         assert any(temp.glob("vllm_dist_*")), sorted(p.name for p in temp.iterdir())
+        # what vLLM made in /dev/shm while it started: its workers' CPU communicator segments (and its message
+        # queue); killed by a signal, its processes never unlinked them, and each start left them behind
+        made = set(proc.started_segments)
+        assert any(name.endswith("-cpushm_0") for name in made), sorted(made)
+        assert all((SHM / name).exists() for name in made)
     finally:
         proc.stop()
     assert not temp.exists()
+    assert [name for name in made if (SHM / name).exists()] == []

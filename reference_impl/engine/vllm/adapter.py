@@ -16,12 +16,14 @@ import contextlib
 import json
 import os
 import signal
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from reference_impl import shm_segments
 from reference_impl.engine.base import WIRE_VLLM, Capabilities, EngineKind, EngineRequest, Transfer
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.transport.observed import Rejection
@@ -156,10 +158,17 @@ class VllmEngine(EngineKind):
     def reap(self, pid: int | None) -> None:
         """SIGKILL the process group of a vLLM server that its launcher did not stop (the launcher was
         killed first: the server runs in its own session, so nothing else ends it). Only a live group
-        leader whose command line is vLLM's API server is touched; on another Ray node nothing is found."""
+        leader whose command line is vLLM's API server is touched; on another Ray node nothing is found.
+        The /dev/shm segments the group holds (vLLM's message queue, its TP workers' `cpushm` segments: vLLM's
+        own, as vLLM on CPU is handed no segment) are unlinked once the group is gone (5 s at most)."""
         if pid is None:
             return
         with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
             proc = psutil.Process(pid)
             if os.getpgid(pid) == pid and SERVER_MODULE in " ".join(proc.cmdline()):
+                held = shm_segments.held_by_group(pid)
                 os.killpg(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5.0
+                while shm_segments.group_members(pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                shm_segments.unlink(held)
