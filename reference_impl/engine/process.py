@@ -171,6 +171,7 @@ class ServerProcess(ABC):
                 process group is stopped before raising).
         """
         argv, env, cwd, url = self.launch()
+        self.url, self.started_segments = "", set()  # not serving yet: a failed start's stop reads the group
         env = {**env, "TMPDIR": str(self.server_temp_dir())}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
