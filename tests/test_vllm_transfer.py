@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from reference_impl.engine import engine_kind
 from reference_impl.engine.base import Transfer
@@ -56,7 +57,10 @@ def test_backend_flags_per_backend() -> None:
         backend_flags("sparse_nccl", False)
 
 
-def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(tmp_path: object) -> None:
+def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     proc = VllmEngineProcess("/ckpt", 7, None, dtype="bfloat16", backend="ipc", colocate=True)
     try:
         argv, env, _, _ = proc.launch()
@@ -69,7 +73,15 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(tmp_path: objec
     assert argv[argv.index("--gpu-memory-utilization") + 1] == str(COLOCATE_GPU_MEMORY_UTILIZATION)
     assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["PYTHONPATH"] == str(plugin_import_dir())
+    # torch's inductor cache where torch itself puts it for this process, not in the server's TMPDIR (removed by
+    # stop): vLLM's sampler compiles a kernel at the first log-prob request, and every start recompiled it
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(proc.server_temp_dir()))
     proc.stop()  # never started: removes the temp folder `launch` made (its working folder)
+    mine = VllmEngineProcess("/ckpt", 7, None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert mine.launch()[1]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)  # the caller's own is kept
+    mine.stop()
     plain_proc = VllmEngineProcess("/ckpt", 7, None)
     plain = plain_proc.launch()[0]
     plain_proc.stop()

@@ -24,8 +24,11 @@ vLLM's nccl format over a gloo group). The trainer speaks vLLM's protocol and pa
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
+import tempfile
 from collections.abc import Callable
 
 from reference_impl.engine.process import ServerProcess, free_port
@@ -35,6 +38,19 @@ AUTH_MIDDLEWARE = "wsh_vllm_plugin.auth.BearerTokenMiddleware"  # every route as
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 BACKENDS = ("gloo", "nccl", "ipc")  # the --weight-transfer-config backends the harness starts vLLM with
 COLOCATE_GPU_MEMORY_UTILIZATION = 0.4  # vLLM's share of a GPU it shares with the trainer's sender rank
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"  # torch's variable; a caller's own value is kept
+
+
+def inductor_cache_dir() -> str:
+    """Where torch's inductor keeps its compiled kernels for vLLM's server: torch's own default for this
+    process's temp folder and user (`<tempdir>/torchinductor_<user>`, torch/_inductor/runtime/cache_dir_utils.py
+    `default_cache_dir`), as for a vLLM started without the harness. The server's own TMPDIR
+    (`ServerProcess.server_temp_dir`) would otherwise hold it and go with every stop: vLLM on CPU compiles its
+    sampler's `batched_count_greater_than` (vllm/v1/sample/ops/logprobs.py, `torch.compile` with the CPU
+    platform's inductor backend) at the first request with log-probs, which took 16 s with an empty cache on a
+    2-core host and 7 s with a warm one."""
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 def backend_flags(backend: str, colocate: bool) -> tuple[list[str], dict[str, str]]:
@@ -154,7 +170,8 @@ class VllmEngineProcess(ServerProcess):
         """vLLM's argv on a free port, its environment (the dev routes on; nothing of the trainer's
         environment leaks into vLLM's interpreter except this checkout's plugin, `env.plugin_import_dir`,
         so that both sides speak the same protocol file whatever checkout the plugin was installed from),
-        started in its own temp folder (`ServerProcess.server_temp_dir`, removed at stop)."""
+        started in its own temp folder (`ServerProcess.server_temp_dir`, removed at stop) with torch's inductor
+        cache outside it (`inductor_cache_dir`), kept between starts."""
         # vLLM binds it only after seconds of imports, while other engines and the trainer ranks start and ask
         # the OS for ports of their own: a port from the ephemeral range could be handed to one of them.
         port = free_port(self.host)
@@ -168,6 +185,7 @@ class VllmEngineProcess(ServerProcess):
         for var in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(var, None)
         env |= {"PYTHONPATH": str(plugin_import_dir())} | self.token_env()  # the sender's counterpart plugin
+        env.setdefault(INDUCTOR_CACHE, inductor_cache_dir())  # not in the server's TMPDIR, which stop removes
         if self.tp > 1 and THREADS_BIND not in env:
             env[THREADS_BIND] = cpu_threads_bind(self.tp)
         url = f"http://{self.host}:{port}"
