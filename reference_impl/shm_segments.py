@@ -87,13 +87,13 @@ def present(names: Iterable[str], root: Path = SHM_DIR) -> dict[str, int]:
 
 
 def unlink(names: Iterable[str], root: Path = SHM_DIR) -> list[str]:
-    """Remove those of `names` still in `root` (a name with a "/" or "", ".", ".." is never touched); returns
-    the ones removed."""
+    """Remove those of `names` still in `root` (a name with a "/" or "", ".", ".." is never touched; one that
+    cannot be removed, another user's or a folder, is left); returns the ones removed."""
     removed = []
     for name in names:
         if "/" in name or name in ("", ".", ".."):
             continue
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             (root / name).unlink()
             removed.append(name)
     return removed

@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 
+from reference_impl import shm_segments
 from reference_impl.engine.process import LOOPBACK, EngineStartError, ServerProcess, free_port
 
 SHM = Path("/dev/shm")
@@ -38,9 +39,8 @@ if mode == "child-then-exit":  # a child makes the segment and holds it; the lea
     child = "import mmap, os, sys, time; fd = os.open('/dev/shm/' + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600); " \\
         "os.ftruncate(fd, 4096); m = mmap.mmap(fd, 4096); time.sleep(120)"
     subprocess.Popen([sys.executable, "-c", child, own])
-    while not os.path.exists("/dev/shm/" + own):
+    while not os.path.exists("/dev/shm/" + own):  # the child holds it open from then on
         time.sleep(0.01)
-    time.sleep(0.5)  # the child has mapped it
     sys.exit(3)
 attach(own, True)
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -110,6 +110,21 @@ def test_a_server_whose_start_fails_leaves_no_segment_its_group_made(tmp_path: P
         time.sleep(0.05)
     assert _group(server.proc.pid) == []  # the leader's child, re-parented, was in its group and ended too
     assert not (SHM / own).exists()
+
+
+def test_a_second_stop_neither_signals_nor_reads_the_ended_group(
+    tmp_path: Path, names: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed start stops its server, and its caller stops it again: by then the leader's pid may belong to
+    another process group (a new engine's), which that second stop must leave alone."""
+    server = SegmentServer(tmp_path / "server.log", names[0], "child-then-exit")
+    with pytest.raises(EngineStartError):
+        server.start(timeout_s=60)
+    touched: list[object] = []
+    monkeypatch.setattr(shm_segments, "held_by_group", lambda pgid, *a: touched.append(pgid) or set())
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: touched.append((pgid, sig)))
+    server.stop()
+    assert touched == []
 
 
 def _group(pgid: int) -> list[int]:

@@ -130,6 +130,7 @@ class ServerProcess(ABC):
         self.temp_dir: Path | None = None  # the server's TMPDIR while it runs (made by `start`, removed by `stop`)
         # the /dev/shm segments its process group held when it first answered /health (unlinked by `stop`)
         self.started_segments: set[str] = set()
+        self.ended = False  # `stop` ended this start's process group (set by `stop`, cleared by `start`)
 
     @property
     def log_path(self) -> Path:
@@ -172,6 +173,7 @@ class ServerProcess(ABC):
         """
         argv, env, cwd, url = self.launch()
         self.url, self.started_segments = "", set()  # not serving yet: a failed start's stop reads the group
+        self.ended = False
         env = {**env, "TMPDIR": str(self.server_temp_dir())}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
@@ -206,9 +208,10 @@ class ServerProcess(ABC):
         (`started_segments`; for a server that never answered /health, those its group holds now: nothing
         was handed to it yet). Segments it was handed later (a colocated sender's) are never touched."""
         own = self.started_segments
-        if self.proc is not None and not self.url:  # the leader may be gone, its group not
-            own = own | shm_segments.held_by_group(self.proc.pid)
         try:
+            if self.proc is not None and not self.url and not self.ended:  # the leader may be gone, its group not
+                with contextlib.suppress(Exception):  # what cannot be read is not removed; the group still ends
+                    own = own | shm_segments.held_by_group(self.proc.pid)
             self._kill_group(grace_s)
         finally:
             if self.temp_dir is not None:
@@ -216,9 +219,12 @@ class ServerProcess(ABC):
                 self.temp_dir = None
             shm_segments.unlink(own)
             self.started_segments = set()
+            # a second stop (a failed start stops itself, then its caller stops it) must not signal, or read the
+            # segments of, a group whose leader's pid may since have gone to another process
+            self.ended = self.proc is not None
 
     def _kill_group(self, grace_s: float) -> None:
-        if self.proc is None:
+        if self.proc is None or self.ended:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)

@@ -28,6 +28,10 @@ from reference_impl.engine.base import WIRE_VLLM, Capabilities, EngineKind, Engi
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.transport.observed import Rejection
 
+# Name prefixes of the /dev/shm segments a vLLM server makes itself: Python's default `SharedMemory` names (its
+# `shm_broadcast.MessageQueue`s) and its CPU TP communicator's `vllm_dist_<id>-...-cpushm_<n>`.
+VLLM_SEGMENTS = ("psm_", "vllm_dist_")
+
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -159,14 +163,14 @@ class VllmEngine(EngineKind):
         """SIGKILL the process group of a vLLM server that its launcher did not stop (the launcher was
         killed first: the server runs in its own session, so nothing else ends it). Only a live group
         leader whose command line is vLLM's API server is touched; on another Ray node nothing is found.
-        The /dev/shm segments the group holds (vLLM's message queue, its TP workers' `cpushm` segments: vLLM's
-        own, as vLLM on CPU is handed no segment) are unlinked once the group is gone (5 s at most)."""
+        The /dev/shm segments of vLLM's own the group holds (`VLLM_SEGMENTS`: its message queues, its TP
+        workers' `vllm_dist_*-cpushm_*`) are unlinked once the group is gone (5 s at most); no other name is."""
         if pid is None:
             return
         with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
             proc = psutil.Process(pid)
             if os.getpgid(pid) == pid and SERVER_MODULE in " ".join(proc.cmdline()):
-                held = shm_segments.held_by_group(pid)
+                held = {n for n in shm_segments.held_by_group(pid) if n.startswith(VLLM_SEGMENTS)}
                 os.killpg(pid, signal.SIGKILL)
                 deadline = time.monotonic() + 5.0
                 while shm_segments.group_members(pid) and time.monotonic() < deadline:

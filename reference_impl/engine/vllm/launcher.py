@@ -49,8 +49,11 @@ def inductor_cache_dir() -> str:
     sampler's `batched_count_greater_than` (vllm/v1/sample/ops/logprobs.py, `torch.compile` with the CPU
     platform's inductor backend) at the first request with log-probs, which took 16 s with an empty cache on a
     2-core host and 7 s with a warm one."""
-    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError, ModuleNotFoundError):  # a uid with no name (containers): torch's own fallback
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def backend_flags(backend: str, colocate: bool) -> tuple[list[str], dict[str, str]]:
