@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
+from process_groups import alive_in_group
 
 from reference_impl import shm_segments
 from reference_impl.engine.process import LOOPBACK, EngineStartError, ServerProcess, free_port
@@ -106,9 +106,9 @@ def test_a_server_whose_start_fails_leaves_no_segment_its_group_made(tmp_path: P
         server.start(timeout_s=60)
     assert server.proc is not None
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _group(server.proc.pid):
+    while time.monotonic() < deadline and alive_in_group(server.proc.pid):
         time.sleep(0.05)
-    assert _group(server.proc.pid) == []  # the leader's child, re-parented, was in its group and ended too
+    assert alive_in_group(server.proc.pid) == []  # the leader's child, re-parented, was in its group and ended too
     assert not (SHM / own).exists()
 
 
@@ -125,15 +125,3 @@ def test_a_second_stop_neither_signals_nor_reads_the_ended_group(
     monkeypatch.setattr(os, "killpg", lambda pgid, sig: touched.append((pgid, sig)))
     server.stop()
     assert touched == []
-
-
-def _group(pgid: int) -> list[int]:
-    """Live, non-zombie processes of group `pgid`, found without the code under test."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except (OSError, psutil.Error):
-            continue
-    return found

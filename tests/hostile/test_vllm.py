@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import torch
+from process_groups import alive_in_group
 from vllm_env import require_vllm
 from wsh_vllm_plugin import protocol
 from wsh_vllm_plugin.packed import declared_nbytes, nccl_init_info, nccl_update_info
@@ -250,17 +249,6 @@ def _sync_chunks(
     return events
 
 
-def _alive_in_group(pgid: int) -> list[int]:
-    left = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(p.pid)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return left
-
-
 def test_vllm_completion_inside_an_update_session_is_recorded(
     servers: dict[str, ServerProcess], tmp_path: Path
 ) -> None:
@@ -310,7 +298,7 @@ def test_vllm_completion_inside_an_update_session_is_recorded(
     (tmp_path / "vllm_completion_in_session.txt").write_text(note + "\n")
     assert proc.proc is not None and proc.proc.poll() is not None, "the server was not stopped"
     time.sleep(1)
-    assert not _alive_in_group(proc.proc.pid), "processes of the vLLM server outlived its stop"
+    assert not alive_in_group(proc.proc.pid), "processes of the vLLM server outlived its stop"
 
 
 def _outcome(fut: Future[httpx.Response]) -> str:

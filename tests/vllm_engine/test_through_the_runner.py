@@ -4,14 +4,13 @@ the verdict the embedded engine got (a deadlocked vLLM's stacks and its process 
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from fault_runs import VLLM_FAULTS, fault_scenario, run_once
+from process_groups import alive_in_group
 from vllm_env import require_vllm as _require_vllm
 
 from harness.runner import Runner
@@ -67,12 +66,5 @@ def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, name: s
         assert "vllm" in engine_stacks and engine_stacks.count("Process ") >= 2, engine_stacks[:2000]
         server = int(re.search(r"pid (\d+)", engine_stacks).group(1))
         time.sleep(2)  # the server's whole process group is gone (it runs in a session of its own)
-        left = [p.pid for p in psutil.process_iter() if _alive_in_group(p, server)]
+        left = alive_in_group(server)
         assert not left, left
-
-
-def _alive_in_group(proc: psutil.Process, pgid: int) -> bool:
-    try:
-        return os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE
-    except (ProcessLookupError, PermissionError, psutil.Error):
-        return False
