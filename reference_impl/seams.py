@@ -69,6 +69,8 @@ SEAMS: dict[str, tuple[str, str]] = {
     "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),
     "engine_tp_pieces": ("reference_impl.models.vllm_tp", "pieces"),
 }
+# The seams of the trainer side (the first table above): what a trainer rank process can have replaced.
+TRAINER_SEAMS = tuple(name for name in SEAMS if not name.startswith("engine_"))
 
 
 def _owner(seam: str) -> tuple[Any, str]:
@@ -119,3 +121,20 @@ def restore_all() -> list[str]:
         setattr(owner, attr, original)
     _ORIGINALS.clear()
     return restored
+
+
+def snapshot(names: tuple[str, ...] = TRAINER_SEAMS) -> dict[str, Callable[..., Any]]:
+    """What runs at each seam of `names` now, to compare with later (`replaced_since`). Taken by a process
+    before any fault is applied to it, it is what that process runs unfaulted.
+
+    Raises:
+        KeyError: an unknown or moved seam.
+    """
+    return {name: current(name) for name in names}
+
+
+def replaced_since(taken: dict[str, Callable[..., Any]]) -> list[str]:
+    """The seams of `taken` (a `snapshot`) at which something else runs now, by identity: after a fault
+    was applied and undone, a seam listed here still runs the fault's code (or another replacement). It
+    reads the seams' attributes, not `replace`'s own record of what it replaced."""
+    return [name for name, fn in taken.items() if current(name) is not fn]

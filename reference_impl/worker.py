@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reference_impl import seams
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
 from reference_impl.export import stream
@@ -82,6 +83,8 @@ class TrainerWorker:
         self.progress = Progress(None)
         self.last_plan: list[Chunk] = []
         self.gather_buffers = GatherBuffers()  # the raw export's gather outputs, kept from sync to sync
+        # What runs at the trainer's seams in this process before any fault could be applied to it.
+        self.unfaulted = seams.snapshot()
 
     def pid(self) -> int:
         """OS process id (for stack dumps and cleanup)."""
@@ -272,11 +275,15 @@ class TrainerWorker:
         destroy_model_parallel()
         release_memory()
 
+    def replaced_seams(self) -> list[str]:
+        """The trainer seams at which this process runs something else than it ran when it started
+        (`seams.replaced_since`): empty once every fault applied here has been undone."""
+        return seams.replaced_since(self.unfaulted)
+
     def run_in_process(self, fn: Callable[[], Any] | str) -> Any:
         """Call `fn()` in this rank's process, `fn` a callable or `MODULE:FUNCTION` (the runner applies and
-        undoes a scenario's fault injection this way; the pool is discarded after that scenario)."""
+        undoes a scenario's fault injection this way)."""
         if isinstance(fn, str):
             module, _, name = fn.partition(":")
             fn = getattr(importlib.import_module(module), name)
         return fn()
-

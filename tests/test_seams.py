@@ -27,7 +27,8 @@ def test_replace_swaps_and_returns_the_previous_callable() -> None:
         assert previous is before
         assert sync.update_info is not before and sync.update_info.__code__.co_name == "<lambda>"
     finally:
-        sync.update_info = before
+        seams.restore_all()
+    assert sync.update_info is before
 
 
 def test_unknown_seam_says_which_exist() -> None:
@@ -55,6 +56,35 @@ def test_faults_patch_only_through_seams() -> None:
         assert not patched, (module.__name__, patched)
         called = {node.args[0].value for node in ast.walk(tree) if _is_replace_call(node)}
         assert called <= set(seams.SEAMS)
+
+
+def test_a_snapshot_sees_a_replacement_until_it_is_undone() -> None:
+    """`replaced_since` reads the seams themselves: it sees a fault (`convert` replaced) until `restore_all`
+    undoes it, and also a replacement `replace` never recorded."""
+    from reference_impl.export import stream
+
+    unfaulted = seams.snapshot()
+    assert set(unfaulted) == set(seams.TRAINER_SEAMS)
+    original = stream.convert
+    try:
+        trainer.gqa_split_wrong()
+        assert seams.replaced_since(unfaulted) == ["convert"]
+        assert seams.restore_all() == ["convert"]
+        assert seams.replaced_since(unfaulted) == []
+        stream.convert = lambda *args: original(*args)  # bypasses `replace`: restore_all cannot undo it
+        assert seams.restore_all() == []
+        assert seams.replaced_since(unfaulted) == ["convert"]
+    finally:
+        stream.convert = original
+
+
+def test_trainer_seams_are_the_ones_trainer_faults_replace() -> None:
+    """`TRAINER_SEAMS` (what a trainer rank compares after a fault) holds every seam a trainer fault replaces,
+    and none an engine fault replaces."""
+    for module, side in ((trainer, set(seams.TRAINER_SEAMS)), (engine, set(seams.SEAMS) - set(seams.TRAINER_SEAMS))):
+        tree = ast.parse(Path(inspect.getfile(module)).read_text())
+        called = {node.args[0].value for node in ast.walk(tree) if _is_replace_call(node)}
+        assert called and called <= side, (module.__name__, sorted(called - side))
 
 
 def test_every_fault_is_applied_from_its_side() -> None:
