@@ -1,7 +1,8 @@
 """What a scenario's syncs came to, as pure functions of the run record: one `SyncRecord` from every
 rank's report (`merge_sync`), whether a sync failed (`sync_failed`), and whether the scenario ended
 cleanly enough for its processes to serve the next one (`ended_clean`, and for its engines alone
-`engines_reusable`)."""
+`engines_reusable`; `ran_through` for a faulted scenario's trainer ranks, which the runner then asks whether
+the fault is undone)."""
 
 from __future__ import annotations
 
@@ -37,22 +38,23 @@ def engines_reusable(record: RunRecord, healthy: bool, engine_fault: bool) -> bo
     """Whether the scenario's engines may serve the next scenario after a restart in place (they become
     fresh engines: a new model, state and caches; `engine_fresh` then checks their starting weights): it
     ended clean (`ended_clean`), or its only defect was a fault injected into the trainer processes alone
-    (`engine_fault` false: no hook in the engine) and it still ran through (`_ran_through`). A trainer-side
+    (`engine_fault` false: no hook in the engine) and it still ran through (`ran_through`). A trainer-side
     fault that broke a sync leaves the engines unreused: an update session may still be open, or a chunk
     still loading."""
-    return not (record.scenario.fault and engine_fault) and _ran_through(record, healthy)
+    return not (record.scenario.fault and engine_fault) and ran_through(record, healthy)
 
 
 def ended_clean(record: RunRecord, healthy: bool) -> bool:
-    """Whether the scenario's trainer ranks and engines may serve the next scenario: it ran through
-    (`_ran_through`) without a fault (its patches live in those processes)."""
-    return not record.scenario.fault and _ran_through(record, healthy)
+    """Whether the scenario's trainer ranks and engines may serve the next scenario as they are: it ran
+    through (`ran_through`) without a fault (its patches live in those processes; after a fault that ran
+    through, the runner keeps the ranks only once they show the fault undone)."""
+    return not record.scenario.fault and ran_through(record, healthy)
 
 
-def _ran_through(record: RunRecord, healthy: bool) -> bool:
-    """It ran to its end (`healthy`) without an error or a recovery, every sync ran (the harness's own call to
-    an engine that refused stops them, raising nothing) and none failed (an engine that died under a
-    transfer, an answer that was not 200 may leave something behind)."""
+def ran_through(record: RunRecord, healthy: bool) -> bool:
+    """Whether the scenario ran to its end (`healthy`) without an error or a recovery, every sync ran (the
+    harness's own call to an engine that refused stops them, raising nothing) and none failed (an engine
+    that died under a transfer, an answer that was not 200 may leave something behind)."""
     if not healthy or record.errors or record.recovery is not None:
         return False
     return len(record.syncs) == record.scenario.syncs + 1 and not any(sync_failed(record, s) for s in record.syncs)

@@ -26,11 +26,11 @@ from harness import shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
-from harness.outcome import ended_clean, engines_reusable, sync_failed
+from harness.outcome import ended_clean, engines_reusable, ran_through, sync_failed
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
-from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
+from harness.session import RESTORE_SEAMS, ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from harness.watch import EngineWatch
@@ -206,6 +206,8 @@ class Runner:
             for engine_watch in session.watches if session is not None else []:
                 engine_watch.name_the_engine(record.errors, what, sender=not failed)
             clean = ended_clean(record, healthy)  # else the ranks and engines may hold what went wrong
+            if not clean and session is not None and ran_through(record, healthy):  # a fault, and it ran through
+                clean = self._fault_undone(session, record)
             engine_pids = [pids.get(engine_label(i)) for i in range(len(engines))]
             if reusable and engines_reusable(record, healthy, engine_fault=hook is not None):
                 self.shelf.put(key, engines, engine_pids)
@@ -220,6 +222,40 @@ class Runner:
             marks["end"] = time.perf_counter()
             record.wall = wall_split(marks, session.checks_s if session is not None else 0.0)
         return self._finish(record)
+
+    def _fault_undone(self, session: ScenarioSession, record: RunRecord) -> bool:
+        """Whether a faulted scenario that ran through leaves trainer ranks fit for the next scenario, after
+        undoing its trainer-side patches in every rank (`RESTORE_SEAMS`): every rank's seams run what they ran
+        when the rank started (`TrainerWorker.replaced_seams`) and the scenario's processes held no
+        shared-memory segment, at a resource sample or now, that they did not hold when the sender connected
+        (one closed but never unlinked is only seen at a sample). Kept ranks then drop what the scenario set
+        up. A note says what was decided and why; a rank that does not answer counts as unfit. Starting a pool
+        (a Ray worker, torch and Megatron imports per rank) is most of a small scenario's setup, so a fault
+        that ran through no longer costs the next scenario that."""
+        actors, rank_pids = session.pool.actors, session.pool.pids
+        try:  # plain ray.get: nothing asked here after the scenario's end may change its record's verdict
+            if session.fault is not None and session.fault.trainer is not None:
+                ray.get([a.run_in_process.remote(RESTORE_SEAMS) for a in actors], timeout=60)
+            per_rank = ray.get([a.replaced_seams.remote() for a in actors], timeout=60)
+            held = shm.held_in(record.resources) | shm.held_by_tree(rank_pids)  # at a sample, or now
+            # What the scenario set up in them (model, channel, its segments) ends with it, not at the next setup.
+            ray.get([a.teardown.remote() for a in actors], timeout=60)
+        except Exception as e:
+            what = f"{type(e).__name__}: {str(e)[:200]}"
+            record.notes.append(f"trainer ranks not reused: undoing the fault failed ({what})")
+            return False
+        replaced = sorted({name for names in per_rank for name in names})
+        extra = sorted(held - session.shm_at_connect)
+        if replaced or extra:
+            why = [f"seams still replaced: {', '.join(replaced)}"] if replaced else []
+            why += [f"segments made since the sender connected: {', '.join(extra)}"] if extra else []
+            record.notes.append(f"trainer ranks not reused after the fault ({'; '.join(why)})")
+            return False
+        record.notes.append(
+            f"trainer ranks reused after the fault (pid {', '.join(map(str, rank_pids))}): every seam runs what it "
+            "ran when the rank started, and no segment is held that was not held when the sender connected"
+        )
+        return True
 
     def _restarted(self, key: EngineKey, sc: Scenario, ckpt: Path, record: RunRecord) -> tuple[list[Any], list[str]]:
         """Shelved engines of `key` restarted in place as fresh engines of this scenario (`ckpt`, each replica's

@@ -19,11 +19,15 @@ from fault_runs import fault_scenario, run_once
 from harness import shm
 from harness.checks import expectation_met
 from harness.faults import FAULTS
+from harness.placement import order_for_reuse
 from harness.record import RunRecord
+from harness.scenario import Scenario
 
 pytestmark = pytest.mark.e2e
 
 SCENARIOS = {name: fault_scenario(name) for name in FAULTS}
+# Grouped by trainer world size, as `python -m harness` orders a run: ranks a fault leaves fit are reused.
+ORDER = [sc.fault for sc in order_for_reuse([SCENARIOS[name] for name in sorted(FAULTS)])]
 
 
 def _shm_names() -> set[str]:
@@ -31,7 +35,7 @@ def _shm_names() -> set[str]:
     return {e.name for e in os.scandir(shm.SHM_DIR)}
 
 
-@pytest.mark.parametrize("name", sorted(FAULTS))
+@pytest.mark.parametrize("name", ORDER)
 def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
     sc = SCENARIOS[name]
     before = _shm_names()
@@ -68,6 +72,32 @@ def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
             pids.append(int(re.search(r"pid (\d+)", text).group(1)))
         time.sleep(2)
         assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_ranks_serve_the_next_scenario_only_once_the_fault_is_undone(runner, monkeypatch) -> None:
+    """After a trainer fault that ran through (`gqa_split_wrong`: every sync answered 200, PARITY_FAIL) the
+    runner undoes it and the next scenario runs in the same rank processes, and passes. With an undo that
+    undoes nothing, the ranks still run the fault's `convert`: the runner ends them, says why, and the next
+    scenario runs in new ranks, and passes."""
+    base = {"model": "qwen3", "syncs": 1, "chunk_bytes": 65536, "logprobs": False}
+    faulted = Scenario(**base, fault="gqa_split_wrong", expect="PARITY_FAIL", suffix="reuse-faulted")
+    after = Scenario(**base, suffix="reuse-after")
+
+    rec = runner.run_scenario(faulted)
+    ranks = runner.pools[1].pids
+    assert rec.verdict == "PARITY_FAIL" and any(n.startswith("trainer ranks reused after the fault") for n in rec.notes)
+    rec = runner.run_scenario(after)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    assert runner.pools[1].pids == ranks
+
+    monkeypatch.setattr("harness.runner.RESTORE_SEAMS", "gc:collect")  # an undo that undoes nothing
+    rec = runner.run_scenario(faulted)
+    assert rec.verdict == "PARITY_FAIL"
+    assert "trainer ranks not reused after the fault (seams still replaced: convert)" in rec.notes, rec.notes
+    assert 1 not in runner.pools  # ended
+    rec = runner.run_scenario(after)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    assert not set(runner.pools[1].pids) & set(ranks)
 
 
 def _our_processes(marker: str) -> list[int]:

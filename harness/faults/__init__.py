@@ -5,7 +5,8 @@ processes of ONE scenario only (never in normal runs), always through the named 
 under test (`reference_impl.seams`):
 
 - trainer side (`faults.trainer`): a function the runner calls in every trainer rank's process
-  (`TrainerWorker.run_in_process`); the runner discards those processes after the scenario;
+  (`TrainerWorker.run_in_process`); after the scenario the runner undoes it (`seams.restore_all`) and
+  keeps those processes only when their seams run what they ran at the start, else it ends them;
 - engine side (`faults.engine`): a hook `MODULE:FUNCTION` the engine process loads at start
   (`--fault`), for engines whose adapter declares `fault_hooks`.
 

@@ -2,7 +2,7 @@
 (`reference_impl.seams`) inside the trainer rank processes of one scenario.
 
 Every function here is called once per rank process (`TrainerWorker.run_in_process`); the runner
-discards those processes after the scenario.
+undoes it after the scenario and ends those processes unless every seam runs what it ran at their start.
 """
 
 from __future__ import annotations
