@@ -76,6 +76,12 @@ def test_a_snapshot_sees_a_replacement_until_it_is_undone() -> None:
         assert seams.replaced_since(unfaulted) == ["convert"]
     finally:
         stream.convert = original
+    trainer.gather_buffers_keyed_by_size()  # a seam that is a method of a class: read on the class
+    try:
+        assert seams.replaced_since(unfaulted) == ["gather_buffer"]
+    finally:
+        seams.restore_all()
+    assert seams.replaced_since(unfaulted) == []
 
 
 def test_trainer_seams_are_the_ones_trainer_faults_replace() -> None:
