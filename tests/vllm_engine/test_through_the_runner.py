@@ -61,7 +61,8 @@ def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, name: s
         [c for c in rec.checks if not c["ok"]],
         [c for c in embedded.checks if not c["ok"]],
     )
-    if FAULTS[name].expect == "DEADLOCK":  # the engine's stacks include vLLM's engine core and worker
+    if FAULTS[name].expect == "DEADLOCK":  # where the embedded engine's hung; its stacks include vLLM's processes
+        assert rec.deadlock_at == embedded.deadlock_at, (rec.deadlock_at, embedded.deadlock_at)
         engine_stacks = next(Path(p).read_text() for p in rec.stacks if Path(p).stem == "engine")
         assert "vllm" in engine_stacks and engine_stacks.count("Process ") >= 2, engine_stacks[:2000]
         server = int(re.search(r"pid (\d+)", engine_stacks).group(1))
