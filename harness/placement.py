@@ -216,16 +216,17 @@ class EngineActor:
         self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook, colocate, tp=tp, host=host, token=token)
         return self.proc.start(kind.start_timeout_s)
 
-    def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1) -> str:
+    def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, fault: str | None = None) -> str:
         """Make the running server a fresh engine of `checkpoint` with the dummy weights of `seed` (its kind's
-        `ServerProcess.restart`; only kinds with `Capabilities.restart_in_place`); returns its base URL.
+        `ServerProcess.restart`; only kinds with `Capabilities.restart_in_place`), with fault hook `fault`
+        (`MODULE:FUNCTION`) applied first when given; returns its base URL.
 
         Raises:
             EngineStartError: never started, or the server refused or failed the restart.
         """
         if self.proc is None:
             raise EngineStartError("the engine was never started; start it instead of restarting it")
-        return self.proc.restart(checkpoint, seed, log_path, tp)
+        return self.proc.restart(checkpoint, seed, log_path, tp, fault)
 
     def pid(self) -> int | None:
         return self.proc.pid() if self.proc else None

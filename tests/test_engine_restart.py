@@ -4,7 +4,8 @@ The oracle is a fresh engine process started with the same checkpoint and seed: 
 that held another model, another seed's weights, a committed weight version, a paused flag and a filled
 prefix cache must answer exactly as that fresh process does (checksums, shards, version, pause state,
 log-probs of a prompt it served before). Restarts are refused while an update session is open, for a
-body that names no checkpoint, and in a process that loaded a fault hook.
+body that names no checkpoint or a hook that does not load, and in a process that loaded a fault hook,
+at its start or at a restart (which applies it as a start with `--fault` does).
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ def test_restart_is_refused_inside_an_update_session(other: EngineProcess, check
         ({"checkpoint": "CKPT", "seed": "1"}, "seed must be an integer"),
         ({"checkpoint": "CKPT", "seed": 1, "tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
         ({"checkpoint": "CKPT", "seed": 1, "threads": 2}, "unknown field(s) ['threads']"),
+        ({"checkpoint": "CKPT", "seed": 1, "fault": 3}, "fault must be a MODULE:FUNCTION string"),
+        ({"checkpoint": "CKPT", "seed": 1, "fault": "harness.faults.engine"}, "is not MODULE:FUNCTION"),
+        ({"checkpoint": "CKPT", "seed": 1, "fault": "harness.faults.engine:nothing"}, "has no function 'nothing'"),
     ],
 )
 def test_a_body_it_cannot_read_is_a_400_naming_the_field(
@@ -133,3 +137,20 @@ def test_an_engine_with_a_fault_hook_is_never_restarted(checkpoints: dict[str, P
             proc.restart(str(checkpoints["qwen3"]), ENGINE_SEED + 1, str(tmp_path / "e2.log"))
     finally:
         proc.stop()
+
+
+def test_a_restart_applies_a_fault_hook_as_a_start_does(other: EngineProcess, checkpoints: dict[str, Path]) -> None:
+    """`weight_version_not_committed` at a restart: the engine then reports version 0 after finishing version 1,
+    as `tests/test_faults.py` shows for an engine started with the hook, says so in its log, and refuses any
+    later restart."""
+    hook = "harness.faults.engine:weight_version_not_committed"
+    pid = other.pid()
+    log = Path(str(other.log_path) + ".faulted")
+    assert other.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(log), fault=hook) == other.url
+    assert other.pid() == pid
+    assert _post(other.url, "/start_weight_update").status_code == 200
+    assert _post(other.url, "/finish_weight_update", {"weight_version": 1}).status_code == 200
+    assert httpx.get(other.url + "/weight_info").json()["weight_version"] == "0"
+    assert f"FAULT ACTIVE: {hook}" in log.read_text()
+    with pytest.raises(EngineStartError, match=f"409.*fault hook {hook}"):
+        other.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(log))

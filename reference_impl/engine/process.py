@@ -189,9 +189,18 @@ class ServerProcess(ABC):
         self.started_segments = shm_segments.held_by_group(self.proc.pid)
         return self.url
 
-    def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, timeout_s: float = 300.0) -> str:
-        """Make the running server a fresh engine of `checkpoint` and `seed` without a new process; returns
-        its base URL. Only engine kinds with `Capabilities.restart_in_place` can.
+    def restart(
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        tp: int = 1,
+        fault: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> str:
+        """Make the running server a fresh engine of `checkpoint` and `seed` without a new process (with fault
+        hook `fault` applied first, when given); returns its base URL. Only engine kinds with
+        `Capabilities.restart_in_place` can.
 
         Raises:
             EngineStartError: this kind cannot (here, always).

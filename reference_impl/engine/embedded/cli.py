@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import socket
-import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +22,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware
 
+from reference_impl.engine.embedded.hooks import apply_hook, load_hook
 from reference_impl.engine.embedded.loader import EngineLoader
 from reference_impl.engine.embedded.restart import RestartableApp, RestartRequest
 from reference_impl.engine.embedded.server import EngineState, create_app
@@ -90,25 +88,6 @@ def _exit_with_parent(pid: int, period_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
-def load_hook(spec: str) -> Callable[[], None]:
-    """The function named by `MODULE:FUNCTION` (imported, not called).
-
-    Raises:
-        ValueError: `spec` is not MODULE:FUNCTION, the module does not import, or it has no such function.
-    """
-    module_name, sep, func = spec.partition(":")
-    if not sep or not module_name or not func:
-        raise ValueError(f"{spec!r} is not MODULE:FUNCTION (e.g. harness.faults.engine:ok_without_transfer)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import {module_name!r}: {e}") from None
-    hook = getattr(module, func, None)
-    if not callable(hook):
-        raise ValueError(f"{module_name} has no function {func!r}")
-    return hook
-
-
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description="the embedded rollout engine: vLLM's RLHF weight-update routes")
@@ -140,9 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             hook = load_hook(args.fault)
         except ValueError as e:
             ap.exit(2, f"{ap.prog}: error: --fault: {e}\n")
-        hook()
-        doc = (hook.__doc__ or "").strip().splitlines()
-        print(f"wsh engine: FAULT ACTIVE: {args.fault}: {doc[0] if doc else ''}", file=sys.stderr, flush=True)
+        apply_hook(args.fault, hook)
     torch.set_num_threads(args.threads)
     first = build_app(RestartRequest(args.checkpoint, args.seed, args.tensor_parallel_size))
     app: ASGIApp = RestartableApp(build_app, first, engine_busy, lambda old: _state(old).close(), args.fault)

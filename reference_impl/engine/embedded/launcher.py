@@ -76,14 +76,24 @@ class EngineProcess(ServerProcess):
 
         return argv, env, None, url
 
-    def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, timeout_s: float = 300.0) -> str:
+    def restart(
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        tp: int = 1,
+        fault: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> str:
         """Make the running server a fresh engine of `checkpoint` with the dummy weights of `seed` and `tp` TP
         ranks, its output going to `log_path` from now on (`POST /wsh/restart`, `embedded.restart`); returns
-        its base URL (unchanged). Takes about the model build's time instead of a process start.
+        its base URL (unchanged). Takes about the model build's time instead of a process start. `fault`: a
+        fault hook `MODULE:FUNCTION` applied before the build, as `--fault` at a start (the server is then
+        never restarted again).
 
         Raises:
-            EngineStartError: not started, the server refused (an update session open, a fault hook loaded at
-                start, a body it could not read) or failed, or did not answer within `timeout_s` seconds; the
+            EngineStartError: not started, the server refused (an update session open, a fault hook loaded
+                before, a body or hook it could not read) or failed, or did not answer within `timeout_s` seconds; the
                 server's answer or log tail is in the message.
         """
         import httpx
@@ -91,6 +101,7 @@ class EngineProcess(ServerProcess):
         if self.proc is None or self.proc.poll() is not None or not self.url:
             raise EngineStartError("the engine server is not running; start it instead of restarting it")
         body = {"checkpoint": checkpoint, "seed": seed, "tensor_parallel_size": tp, "log_path": log_path}
+        body["fault"] = fault
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         try:
             resp = httpx.post(self.url + "/wsh/restart", json=body, headers=headers, timeout=timeout_s)
@@ -98,5 +109,5 @@ class EngineProcess(ServerProcess):
             raise EngineStartError(f"engine restart got no answer: {type(e).__name__}: {e}: {self.log_tail()}") from e
         if resp.status_code != 200:
             raise EngineStartError(f"engine restart answered {resp.status_code}: {resp.text[:2000]}")
-        self.checkpoint, self.seed, self.tp, self.log_path = checkpoint, seed, tp, Path(log_path)
+        self.checkpoint, self.seed, self.tp, self.log_path, self.fault = checkpoint, seed, tp, Path(log_path), fault
         return self.url

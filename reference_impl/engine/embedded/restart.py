@@ -1,19 +1,21 @@
 """In-place restart of the embedded engine: a fresh engine in the same server process.
 
-`POST /wsh/restart {"checkpoint": DIR, "seed": N, "tensor_parallel_size": TP, "log_path": FILE}` (the
-harness's own route, not vLLM's) builds a new app exactly as the server's start does
+`POST /wsh/restart {"checkpoint": DIR, "seed": N, "tensor_parallel_size": TP, "log_path": FILE, "fault": HOOK}`
+(the harness's own route, not vLLM's) builds a new app exactly as the server's start does
 (`cli.build_app`: a model of DIR's architecture filled with the dummy weights of seed N, a new engine
 state, empty caches, no transfer backend, weight version 0), swaps it in for every later request and
 drops the old one (its transfer group, session, caches and weights). With `log_path` the server's
-standard output and error go to that file from then on (each scenario has its own log). Answers
+standard output and error go to that file from then on (each scenario has its own log). With `fault`
+(`MODULE:FUNCTION`, as `--fault` at start) the hook is applied before the new app is built, exactly as at
+a start with `--fault`, and the process is then an engine with a fault hook. Answers
 `{"ok": true, "pid": p, "restart_s": s}` once the new app serves.
 
 What it saves is a process start (interpreter, torch and FastAPI imports: about 4 s of a 6 s engine
 start on a 2-core host), so a harness may run many scenarios on one engine process; what it must not
 lose is the fresh start's state, which is why nothing of the old app is kept. It is refused with a 409
 while the old engine is inside an update session or loading a chunk, and when the process loaded a
-fault hook at start (a hook patches the engine's seams for the life of the process: such an engine is
-never reused), and with a 400 for a body it cannot read (what to change is named). The old app is
+fault hook (a hook patches the engine's seams for the life of the process: such an engine is never
+reused), and with a 400 for a body it cannot read or a hook that does not load (what to change is named). The old app is
 dropped before the new one is built (never two models in memory); a checkpoint that does not build is
 a 500, after which every route answers 503 until a restart succeeds.
 """
@@ -32,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from reference_impl.engine.embedded.hooks import apply_hook, load_hook
 from reference_impl.memory import release_memory
 
 RESTART_ROUTE = "/wsh/restart"
@@ -45,6 +48,7 @@ class RestartRequest:
     seed: int
     tensor_parallel_size: int = 1
     log_path: Path | None = None
+    fault: str | None = None  # a fault hook MODULE:FUNCTION to apply before the build (mutation tests only)
 
     @classmethod
     def from_json(cls, body: Any) -> RestartRequest:
@@ -52,16 +56,18 @@ class RestartRequest:
 
         Raises:
             ValueError: not an object, an unknown field, `checkpoint` not a folder with a config.json, `seed`
-                not an int, `tensor_parallel_size` not an int >= 1, `log_path` not a string (the message says
-                which field and what it must be).
+                not an int, `tensor_parallel_size` not an int >= 1, `log_path` or `fault` not a string (the
+                message says which field and what it must be).
         """
         if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object {checkpoint, seed, tensor_parallel_size?, log_path?}")
-        fields = ("checkpoint", "seed", "tensor_parallel_size", "log_path")
+            raise ValueError(
+                "the body must be a JSON object {checkpoint, seed, tensor_parallel_size?, log_path?, fault?}"
+            )
+        fields = ("checkpoint", "seed", "tensor_parallel_size", "log_path", "fault")
         unknown = set(body) - set(fields)
         if unknown:
             raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {', '.join(fields)}")
-        ckpt, seed, log = body.get("checkpoint"), body.get("seed"), body.get("log_path")
+        ckpt, seed, log, fault = body.get("checkpoint"), body.get("seed"), body.get("log_path"), body.get("fault")
         tp = body.get("tensor_parallel_size", 1)
         if not isinstance(ckpt, str) or not (Path(ckpt) / "config.json").is_file():
             raise ValueError(f"checkpoint must name a checkpoint folder with a config.json (got {ckpt!r})")
@@ -71,7 +77,9 @@ class RestartRequest:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1 (got {tp!r})")
         if log is not None and not isinstance(log, str):
             raise ValueError(f"log_path must be a file path string or null (got {log!r})")
-        return cls(Path(ckpt), seed, tp, Path(log) if log else None)
+        if fault is not None and not isinstance(fault, str):
+            raise ValueError(f"fault must be a MODULE:FUNCTION string or null (got {fault!r})")
+        return cls(Path(ckpt), seed, tp, Path(log) if log else None, fault)
 
 
 def redirect_output(log_path: Path) -> None:
@@ -96,7 +104,8 @@ class RestartableApp:
         busy: whether the current app must not be replaced now (an update session open, a chunk loading);
             called with the current app, returns a sentence saying why, or None.
         close: releases what a replaced app holds beyond its memory (threads), called once it is replaced.
-        fault: the fault hook the process loaded at start (`--fault`), None for none: restarts are refused.
+        fault: the fault hook the process loaded at start (`--fault`), None for none: restarts are refused
+            while it is set, and a restart that applies one sets it.
     """
 
     def __init__(
@@ -136,9 +145,10 @@ class RestartableApp:
         if request.method != "POST":
             return refused(405, f"{RESTART_ROUTE} takes POST")
         if self.fault is not None:
-            return refused(409, f"this engine loaded fault hook {self.fault} at start; start a fresh engine instead")
+            return refused(409, f"this engine loaded fault hook {self.fault}; start a fresh engine instead")
         try:
             req = RestartRequest.from_json(await request.json())
+            hook = load_hook(req.fault) if req.fault is not None else None
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             return refused(400, f"{RESTART_ROUTE}: {e}")
         async with self._lock:
@@ -156,6 +166,9 @@ class RestartableApp:
             del old
             await asyncio.to_thread(release_memory)
             try:
+                if hook is not None:  # from here on this process has a fault hook: it is never restarted again
+                    self.fault = req.fault
+                    apply_hook(req.fault, hook)
                 self.app = await asyncio.to_thread(self.build, req)
             except Exception as e:  # no app now: every route answers 503 until a restart builds one
                 self.broken = f"its restart failed: {type(e).__name__}: {e}; restart it again or start a new engine"
