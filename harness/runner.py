@@ -137,8 +137,8 @@ class Runner:
             hook = fault.hook if fault is not None else None
             reachable = multi_node()  # engines another node must reach bind to their node's address
             key = EngineKey.of(sc, reachable)
-            reusable = kind.capabilities.restart_in_place and hook is None
-            engines, urls = self._restarted(key, sc, ckpt, record) if reusable else ([], [])
+            reusable = kind.capabilities.restart_in_place  # a fault hook is applied at the restart (then ended)
+            engines, urls = self._restarted(key, sc, ckpt, record, hook) if reusable else ([], [])
             if not engines:
                 options = pool.engine_options(sc.colocate, sc.engine_tp)
                 engines = [EngineActor.options(**options).remote() for _ in range(sc.engines)]
@@ -257,16 +257,19 @@ class Runner:
         )
         return True
 
-    def _restarted(self, key: EngineKey, sc: Scenario, ckpt: Path, record: RunRecord) -> tuple[list[Any], list[str]]:
+    def _restarted(
+        self, key: EngineKey, sc: Scenario, ckpt: Path, record: RunRecord, hook: str | None
+    ) -> tuple[list[Any], list[str]]:
         """Shelved engines of `key` restarted in place as fresh engines of this scenario (`ckpt`, each replica's
-        own seed, its own log), and their URLs; ([], []) when none is shelved or a restart failed (those are
-        ended, said in a note, and the caller starts new ones)."""
+        own seed, its own log, the scenario's engine fault `hook` applied first, as at a start), and their
+        URLs; ([], []) when none is shelved or a restart failed (those are ended, said in a note, and the caller
+        starts new ones)."""
         shelved = self.shelf.take(key)
         if shelved is None:
             return [], []
         engines, pids = shelved
         restarts = [
-            e.restart.remote(str(ckpt), sc.engine_seed + i, str(self.engine_log(sc.id, i)), sc.engine_tp)
+            e.restart.remote(str(ckpt), sc.engine_seed + i, str(self.engine_log(sc.id, i)), sc.engine_tp, hook)
             for i, e in enumerate(engines)
         ]
         try:
@@ -277,7 +280,8 @@ class Runner:
             return [], []
         record.notes.append(
             f"engine process reused: restarted in place as a fresh engine (pid {', '.join(map(str, pids))}; "
-            "a new model with this scenario's dummy weights, state and caches)"
+            "a new model with this scenario's dummy weights, state and caches"
+            + (f"; fault hook {hook} applied before it was built)" if hook else ")")
         )
         return engines, list(urls)
 
