@@ -1,6 +1,8 @@
 """What an engine server's process group leaves in /dev/shm once stopped (`ServerProcess.stop`): the
 segments it made while starting are unlinked (vLLM's message queue and TP workers' segments are such;
-vLLM's side in `tests/vllm_engine/test_servers.py`), a segment it was handed later is not.
+vLLM's side in `tests/vllm_engine/test_servers.py`), a segment it was handed later is not. A vLLM server
+whose launcher died first is reaped (`EngineKind.reap`): its group is killed and only the segments of
+vLLM's own name prefixes it held are unlinked.
 
 The server here is a small HTTP server of the test's own: it makes its segment by opening a file under
 /dev/shm and mapping it (no resource tracker), and SIGTERM ends it without any cleanup, as it ends a
@@ -8,8 +10,10 @@ vLLM engine core or worker that is signalled before its shutdown runs."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -21,7 +25,9 @@ import pytest
 from process_groups import alive_in_group
 
 from reference_impl import shm_segments
+from reference_impl.engine import engine_kind
 from reference_impl.engine.process import LOOPBACK, EngineStartError, ServerProcess, free_port
+from reference_impl.engine.vllm.adapter import SERVER_MODULE
 
 SHM = Path("/dev/shm")
 SIZE = 4096
@@ -125,3 +131,52 @@ def test_a_second_stop_neither_signals_nor_reads_the_ended_group(
     monkeypatch.setattr(os, "killpg", lambda pgid, sig: touched.append((pgid, sig)))
     server.stop()
     assert touched == []
+
+
+# A leader in a session of its own whose command line names vLLM's API server module (as `reap` checks before
+# it signals anything), holding vLLM-named segments (one made by its child) and one that is not vLLM's.
+ORPHAN = """
+import mmap, os, subprocess, sys, time
+def attach(name):
+    fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    return mmap.mmap(fd, 4096)
+queue, dist, other, child_made = sys.argv[1:5]
+kept = [attach(queue), attach(dist), attach(other)]
+child = "import mmap, os, sys, time; fd = os.open('/dev/shm/' + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600); " \\
+    "os.ftruncate(fd, 4096); m = mmap.mmap(fd, 4096); time.sleep(120)"
+subprocess.Popen([sys.executable, "-c", child, child_made])
+while not os.path.exists("/dev/shm/" + child_made):
+    time.sleep(0.01)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("looks_like_vllm", [True, False])
+def test_reap_unlinks_only_vllms_own_segments_of_a_server_whose_launcher_is_gone(looks_like_vllm: bool) -> None:
+    tag = uuid.uuid4().hex[:12]
+    queue, dist, other, child_made = (
+        f"psm_{tag}",
+        f"vllm_dist_{tag}-cpushm_0",
+        f"wsh_chunk_{tag}",  # a colocated sender's segment, mapped by the server: not the server's to remove
+        f"psm_{tag}_child",
+    )
+    mine = [queue, dist, other, child_made]
+    argv = [sys.executable, "-c", ORPHAN, *mine, SERVER_MODULE if looks_like_vllm else "some.other.server"]
+    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        engine_kind("vllm").reap(proc.pid)
+        if looks_like_vllm:
+            assert alive_in_group(proc.pid) == []
+            assert [n for n in mine if (SHM / n).exists()] == [other]
+        else:  # not vLLM's server: nothing signalled, nothing unlinked
+            assert proc.poll() is None and len(alive_in_group(proc.pid)) == 2
+            assert all((SHM / n).exists() for n in mine)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait(timeout=30)
+        for name in mine:
+            (SHM / name).unlink(missing_ok=True)
