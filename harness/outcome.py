@@ -34,14 +34,14 @@ def sync_failed(record: RunRecord, sync: SyncRecord) -> bool:
     return not sync.finished or any(c.sync == sync.index and c.status != 200 for c in record.http)
 
 
-def engines_reusable(record: RunRecord, healthy: bool, engine_fault: bool) -> bool:
+def engines_reusable(record: RunRecord, healthy: bool) -> bool:
     """Whether the scenario's engines may serve the next scenario after a restart in place (they become
     fresh engines: a new model, state and caches; `engine_fresh` then checks their starting weights): it
-    ended clean (`ended_clean`), or its only defect was a fault injected into the trainer processes alone
-    (`engine_fault` false: no hook in the engine) and it still ran through (`ran_through`). A trainer-side
-    fault that broke a sync leaves the engines unreused: an update session may still be open, or a chunk
-    still loading."""
-    return not (record.scenario.fault and engine_fault) and ran_through(record, healthy)
+    ran through (`ran_through`), with or without a fault. An engine fault hook is undone by that restart,
+    which refuses when the engine's seams do not all run what they ran before the hook (the runner then
+    starts a new engine). A fault that broke a sync leaves the engines unreused: an update session may still
+    be open, or a chunk still loading."""
+    return ran_through(record, healthy)
 
 
 def ended_clean(record: RunRecord, healthy: bool) -> bool:

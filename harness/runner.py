@@ -137,7 +137,7 @@ class Runner:
             hook = fault.hook if fault is not None else None
             reachable = multi_node()  # engines another node must reach bind to their node's address
             key = EngineKey.of(sc, reachable)
-            reusable = kind.capabilities.restart_in_place  # a fault hook is applied at the restart (then ended)
+            reusable = kind.capabilities.restart_in_place  # a fault hook is applied (and later undone) at a restart
             engines, urls = self._restarted(key, sc, ckpt, record, hook) if reusable else ([], [])
             if not engines:
                 options = pool.engine_options(sc.colocate, sc.engine_tp)
@@ -209,7 +209,7 @@ class Runner:
             if not clean and session is not None and ran_through(record, healthy):  # a fault, and it ran through
                 clean = self._fault_undone(session, record)
             engine_pids = [pids.get(engine_label(i)) for i in range(len(engines))]
-            if reusable and engines_reusable(record, healthy, engine_fault=hook is not None):
+            if reusable and engines_reusable(record, healthy):
                 self.shelf.put(key, engines, engine_pids)
             elif engines:
                 end_engines(engines, engine_pids, sc.engine)

@@ -69,8 +69,10 @@ SEAMS: dict[str, tuple[str, str]] = {
     "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),
     "engine_tp_pieces": ("reference_impl.models.vllm_tp", "pieces"),
 }
-# The seams of the trainer side (the first table above): what a trainer rank process can have replaced.
+# The seams of each side (the tables above; engine seams are named engine_*): what a trainer rank process,
+# or the embedded engine's process, can have replaced.
 TRAINER_SEAMS = tuple(name for name in SEAMS if not name.startswith("engine_"))
+ENGINE_SEAMS = tuple(name for name in SEAMS if name.startswith("engine_"))
 
 
 def _owner(seam: str) -> tuple[Any, str]:

@@ -3,13 +3,15 @@
 The oracle is a fresh engine process started with the same checkpoint and seed: after a restart, an engine
 that held another model, another seed's weights, a committed weight version, a paused flag and a filled
 prefix cache must answer exactly as that fresh process does (checksums, shards, version, pause state,
-log-probs of a prompt it served before). Restarts are refused while an update session is open, for a
-body that names no checkpoint or a hook that does not load, and in a process that loaded a fault hook,
-at its start or at a restart (which applies it as a start with `--fault` does).
+log-probs of a prompt it served before), also when the old engine had a fault hook (the restart undoes
+it). A restart can apply a hook, as a start with `--fault` does. Restarts are refused while an update
+session is open, for a body that names no checkpoint or a hook that does not load, and when a hook's change
+outlives its undo.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,29 +130,66 @@ def test_a_body_it_cannot_read_is_a_400_naming_the_field(
     assert httpx.get(other.url + "/health").status_code == 200
 
 
-def test_an_engine_with_a_fault_hook_is_never_restarted(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+# A hook that changes an engine seam without `seams.replace`: `restore_all` cannot undo it.
+LASTING_HOOK = """
+from reference_impl.engine.embedded import server
+
+
+def commit_nothing() -> None:
+    \"\"\"/finish_weight_update never commits the version (set on the class, not through seams.replace).\"\"\"
+    server.EngineState.commit_version = lambda self, version: None
+"""
+
+
+def _commits(url: str, version: int) -> Any:
+    """The weight version the engine reports after a whole (empty) update session that finishes `version`."""
+    assert _post(url, "/start_weight_update").status_code == 200
+    assert _post(url, "/finish_weight_update", {"weight_version": version}).status_code == 200
+    return httpx.get(url + "/weight_info").json()["weight_version"]
+
+
+def test_a_restart_undoes_the_hook_the_engine_started_with(
+    fresh: dict[str, Any], checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
     hook = "harness.faults.engine:weight_version_not_committed"
     proc = EngineProcess(str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path / "e.log"), fault=hook)
     try:
-        proc.start(timeout_s=300)
-        with pytest.raises(EngineStartError, match=f"409.*fault hook {hook}"):
-            proc.restart(str(checkpoints["qwen3"]), ENGINE_SEED + 1, str(tmp_path / "e2.log"))
+        url = proc.start(timeout_s=300)
+        assert _commits(url, 1) == "0"  # the hook runs
+        log = tmp_path / "e2.log"
+        proc.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(log))
+        assert _state(url) == fresh
+        assert _commits(url, 1) == "1"
+        assert f"fault hook {hook} undone" in log.read_text()
+    finally:
+        proc.stop()
+
+
+def test_a_hook_that_outlives_its_undo_keeps_the_engine_from_restarting(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "lasting_hook.py").write_text(LASTING_HOOK)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = EngineProcess(
+        str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path / "e.log"), fault="lasting_hook:commit_nothing"
+    )
+    try:
+        url = proc.start(timeout_s=300)
+        for _ in range(2):  # and again: the process stays refused
+            with pytest.raises(EngineStartError, match=r"409.*is not undone: engine_commit_version still run its code"):
+                proc.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path / "e2.log"))
+        assert _commits(url, 1) == "0"  # still the old app, and still faulted
     finally:
         proc.stop()
 
 
 def test_a_restart_applies_a_fault_hook_as_a_start_does(other: EngineProcess, checkpoints: dict[str, Path]) -> None:
     """`weight_version_not_committed` at a restart: the engine then reports version 0 after finishing version 1,
-    as `tests/test_faults.py` shows for an engine started with the hook, says so in its log, and refuses any
-    later restart."""
+    as `tests/test_faults.py` shows for an engine started with the hook, and says so in its log."""
     hook = "harness.faults.engine:weight_version_not_committed"
     pid = other.pid()
     log = Path(str(other.log_path) + ".faulted")
     assert other.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(log), fault=hook) == other.url
     assert other.pid() == pid
-    assert _post(other.url, "/start_weight_update").status_code == 200
-    assert _post(other.url, "/finish_weight_update", {"weight_version": 1}).status_code == 200
-    assert httpx.get(other.url + "/weight_info").json()["weight_version"] == "0"
+    assert _commits(other.url, 1) == "0"
     assert f"FAULT ACTIVE: {hook}" in log.read_text()
-    with pytest.raises(EngineStartError, match=f"409.*fault hook {hook}"):
-        other.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(log))

@@ -1,6 +1,7 @@
-"""Which processes may serve the next scenario (`harness.outcome`): the trainer ranks only after a scenario
-that ran through without a fault; the engines also after a fault injected into the trainer ranks alone,
-never after an engine-side fault, an error or a sync that failed."""
+"""Which processes may serve the next scenario (`harness.outcome`): the trainer ranks as they are only after
+a scenario that ran through without a fault (after a fault, once the runner has them show it undone); the
+engines after any scenario that ran through, their restart undoing an engine fault hook; nothing after an
+error or a sync that failed."""
 
 from __future__ import annotations
 
@@ -14,21 +15,15 @@ from tests.checks.records import make_record
 def test_a_run_through_without_a_fault_reuses_ranks_and_engines() -> None:
     rec = make_record()
     assert ended_clean(rec, healthy=True)
-    assert engines_reusable(rec, healthy=True, engine_fault=False)
+    assert engines_reusable(rec, healthy=True)
 
 
-def test_a_trainer_side_fault_keeps_the_engines_and_ends_the_ranks() -> None:
+@pytest.mark.parametrize("fault", ["gqa_split_wrong", "finalize_per_chunk"])  # trainer side, engine side
+def test_a_fault_that_ran_through_keeps_the_engines_for_a_restart_but_not_the_ranks_as_they_are(fault: str) -> None:
     rec = make_record()
-    rec.scenario.fault = "gqa_split_wrong"
+    rec.scenario.fault = fault
     assert not ended_clean(rec, healthy=True)
-    assert engines_reusable(rec, healthy=True, engine_fault=False)
-
-
-def test_an_engine_side_fault_ends_both() -> None:
-    rec = make_record()
-    rec.scenario.fault = "finalize_per_chunk"
-    assert not ended_clean(rec, healthy=True)
-    assert not engines_reusable(rec, healthy=True, engine_fault=True)
+    assert engines_reusable(rec, healthy=True)
 
 
 @pytest.mark.parametrize("defect", ["unhealthy", "non-200", "unfinished", "missing sync", "recovery"])
@@ -44,6 +39,6 @@ def test_a_scenario_that_did_not_run_through_ends_both(defect: str) -> None:
         rec.syncs.pop()
     elif defect == "recovery":
         rec.recovery = RecoveryRecord(after_sync=1)
-    assert not engines_reusable(rec, healthy=healthy, engine_fault=False)
+    assert not engines_reusable(rec, healthy=healthy)
     rec.scenario.fault = None
     assert not ended_clean(rec, healthy=healthy)

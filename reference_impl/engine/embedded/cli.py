@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware
 
+from reference_impl import seams
 from reference_impl.engine.embedded.hooks import apply_hook, load_hook
 from reference_impl.engine.embedded.loader import EngineLoader
 from reference_impl.engine.embedded.restart import RestartableApp, RestartRequest
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent)
+    unfaulted = seams.snapshot(seams.ENGINE_SEAMS)  # what runs at the engine's seams before any hook
     if args.fault is not None:
         try:
             hook = load_hook(args.fault)
@@ -122,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         apply_hook(args.fault, hook)
     torch.set_num_threads(args.threads)
     first = build_app(RestartRequest(args.checkpoint, args.seed, args.tensor_parallel_size))
-    app: ASGIApp = RestartableApp(build_app, first, engine_busy, lambda old: _state(old).close(), args.fault)
+    app: ASGIApp = RestartableApp(
+        build_app, first, engine_busy, lambda old: _state(old).close(), unfaulted, args.fault
+    )
     if os.environ.get(TOKEN_ENV):  # every route asks for the run's bearer token (`wsh_vllm_plugin.auth`)
         app = BearerTokenMiddleware(app)
     asyncio.run(_serve(app, args.host, args.port, args.port_file))

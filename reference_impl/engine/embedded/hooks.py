@@ -1,7 +1,7 @@
 """Fault hooks of the embedded engine: `MODULE:FUNCTION` functions that replace engine seams
 (`reference_impl.seams`) in the server's process, for the harness's mutation tests only. One is loaded at
-start (`--fault`) or at an in-place restart (`/wsh/restart` with `fault`); either way it stays for the
-life of the process, which is never restarted again."""
+start (`--fault`) or at an in-place restart (`/wsh/restart` with `fault`), and stays until the next
+restart undoes it (`embedded.restart`)."""
 
 from __future__ import annotations
 

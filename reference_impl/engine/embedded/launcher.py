@@ -88,12 +88,12 @@ class EngineProcess(ServerProcess):
         """Make the running server a fresh engine of `checkpoint` with the dummy weights of `seed` and `tp` TP
         ranks, its output going to `log_path` from now on (`POST /wsh/restart`, `embedded.restart`); returns
         its base URL (unchanged). Takes about the model build's time instead of a process start. `fault`: a
-        fault hook `MODULE:FUNCTION` applied before the build, as `--fault` at a start (the server is then
-        never restarted again).
+        fault hook `MODULE:FUNCTION` applied before the build, as `--fault` at a start (a hook the server has
+        is undone first).
 
         Raises:
-            EngineStartError: not started, the server refused (an update session open, a fault hook loaded
-                before, a body or hook it could not read) or failed, or did not answer within `timeout_s` seconds; the
+            EngineStartError: not started, the server refused (an update session open, a fault hook it could
+                not undo, a body or hook it could not read) or failed, or did not answer within `timeout_s` seconds; the
                 server's answer or log tail is in the message.
         """
         import httpx

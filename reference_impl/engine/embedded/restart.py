@@ -1,23 +1,25 @@
 """In-place restart of the embedded engine: a fresh engine in the same server process.
 
 `POST /wsh/restart {"checkpoint": DIR, "seed": N, "tensor_parallel_size": TP, "log_path": FILE, "fault": HOOK}`
-(the harness's own route, not vLLM's) builds a new app exactly as the server's start does
-(`cli.build_app`: a model of DIR's architecture filled with the dummy weights of seed N, a new engine
-state, empty caches, no transfer backend, weight version 0), swaps it in for every later request and
-drops the old one (its transfer group, session, caches and weights). With `log_path` the server's
-standard output and error go to that file from then on (each scenario has its own log). With `fault`
-(`MODULE:FUNCTION`, as `--fault` at start) the hook is applied before the new app is built, exactly as at
-a start with `--fault`, and the process is then an engine with a fault hook. Answers
+(the harness's own route, not vLLM's) undoes the fault hook the process has (if any), builds a new app
+exactly as the server's start does (`cli.build_app`: a model of DIR's architecture filled with the dummy
+weights of seed N, a new engine state, empty caches, no transfer backend, weight version 0), swaps it in
+for every later request and drops the old one (its transfer group, session, caches and weights). With
+`log_path` the server's standard output and error go to that file from then on (each scenario has its
+own log). With `fault` (`MODULE:FUNCTION`) the hook is applied before the new app is built, exactly as at
+a start with `--fault`. A hook the process already has (from its start or an earlier restart) is undone
+first (`seams.restore_all`) and shown undone: every engine seam must run what it ran before any hook
+(`seams.replaced_since` a snapshot the server took at its start), else the restart is refused. Answers
 `{"ok": true, "pid": p, "restart_s": s}` once the new app serves.
 
 What it saves is a process start (interpreter, torch and FastAPI imports: about 4 s of a 6 s engine
 start on a 2-core host), so a harness may run many scenarios on one engine process; what it must not
 lose is the fresh start's state, which is why nothing of the old app is kept. It is refused with a 409
-while the old engine is inside an update session or loading a chunk, and when the process loaded a
-fault hook (a hook patches the engine's seams for the life of the process: such an engine is never
-reused), and with a 400 for a body it cannot read or a hook that does not load (what to change is named). The old app is
-dropped before the new one is built (never two models in memory); a checkpoint that does not build is
-a 500, after which every route answers 503 until a restart succeeds.
+while the old engine is inside an update session or loading a chunk, and when a hook's change outlives
+its undo (that process then keeps refusing: start a fresh engine), and with a 400 for a body it cannot
+read or a hook that does not load (what to change is named). The old app is dropped before the new one
+is built (never two models in memory); a checkpoint that does not build is a 500, after which every
+route answers 503 until a restart succeeds.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from reference_impl import seams
 from reference_impl.engine.embedded.hooks import apply_hook, load_hook
 from reference_impl.memory import release_memory
 
@@ -104,8 +107,9 @@ class RestartableApp:
         busy: whether the current app must not be replaced now (an update session open, a chunk loading);
             called with the current app, returns a sentence saying why, or None.
         close: releases what a replaced app holds beyond its memory (threads), called once it is replaced.
-        fault: the fault hook the process loaded at start (`--fault`), None for none: restarts are refused
-            while it is set, and a restart that applies one sets it.
+        unfaulted: what ran at every engine seam before any hook was applied (`seams.snapshot`).
+        fault: the fault hook the process loaded at start (`--fault`), None for none; a restart undoes it
+            and may apply another.
     """
 
     def __init__(
@@ -114,9 +118,10 @@ class RestartableApp:
         first: ASGIApp,
         busy: Callable[[ASGIApp], str | None],
         close: Callable[[ASGIApp], None],
+        unfaulted: dict[str, Callable[..., Any]],
         fault: str | None = None,
     ) -> None:
-        self.build, self.busy, self.close, self.fault = build, busy, close, fault
+        self.build, self.busy, self.close, self.unfaulted, self.fault = build, busy, close, unfaulted, fault
         self.app: ASGIApp | None = first
         self.broken = ""  # why there is no app (a restart in progress, or one that failed)
         self._lock = asyncio.Lock()  # one restart at a time
@@ -144,8 +149,6 @@ class RestartableApp:
 
         if request.method != "POST":
             return refused(405, f"{RESTART_ROUTE} takes POST")
-        if self.fault is not None:
-            return refused(409, f"this engine loaded fault hook {self.fault}; start a fresh engine instead")
         try:
             req = RestartRequest.from_json(await request.json())
             hook = load_hook(req.fault) if req.fault is not None else None
@@ -155,6 +158,17 @@ class RestartableApp:
             why = self.busy(self.app) if self.app is not None else None
             if why:
                 return refused(409, f"{RESTART_ROUTE} refused: {why}; finish the update first")
+            if self.fault is not None:
+                seams.restore_all()
+                still = seams.replaced_since(self.unfaulted)
+                if still:
+                    return refused(
+                        409,
+                        f"fault hook {self.fault} is not undone: {', '.join(still)} still run its code; "
+                        "start a fresh engine instead",
+                    )
+                print(f"wsh engine: fault hook {self.fault} undone", flush=True)
+                self.fault = None
             t0 = time.perf_counter()
             if req.log_path is not None:
                 redirect_output(req.log_path)
@@ -166,7 +180,7 @@ class RestartableApp:
             del old
             await asyncio.to_thread(release_memory)
             try:
-                if hook is not None:  # from here on this process has a fault hook: it is never restarted again
+                if hook is not None:
                     self.fault = req.fault
                     apply_hook(req.fault, hook)
                 self.app = await asyncio.to_thread(self.build, req)
