@@ -167,11 +167,12 @@ class RestartableApp:
                         f"fault hook {self.fault} is not undone: {', '.join(still)} still run its code; "
                         "start a fresh engine instead",
                     )
-                print(f"wsh engine: fault hook {self.fault} undone", flush=True)
-                self.fault = None
+            undone, self.fault = self.fault, None
             t0 = time.perf_counter()
             if req.log_path is not None:
                 redirect_output(req.log_path)
+            if undone is not None:
+                print(f"wsh engine: fault hook {undone} undone", flush=True)
             # The old app goes first, so a restart never holds two models: its state's close drops the
             # weights, a collection frees the app's cycles, and the freed pages go back to the system.
             old, self.app, self.broken = self.app, None, "a restart is in progress"
