@@ -323,7 +323,7 @@ class TrainerPool:
     def kill(self) -> None:
         """End every rank process and free the placement group, then unlink the shared-memory segments the
         ranks held that are still there: a killed sender never unlinks its own (`harness.shm`)."""
-        ranks = self._local_processes()
+        ranks = self.local_processes()
         held = set().union(*(shm.held_by(p.pid) for p in ranks))
         for a in self.actors:
             ray.kill(a, no_restart=True)
@@ -333,7 +333,7 @@ class TrainerPool:
             psutil.wait_procs(ranks, timeout=10)
             shm.unlink(held)
 
-    def _local_processes(self) -> list[psutil.Process]:
+    def local_processes(self) -> list[psutil.Process]:
         """The rank processes that run on this host (a Ray worker of `TrainerWorker` with that pid)."""
         out: list[psutil.Process] = []
         try:

@@ -68,7 +68,7 @@ class Runner:
     on_record: Callable[[RunRecord], None] | None = None
     after_sync: SyncHook | None = None
     pools: dict[int, TrainerPool] = field(default_factory=dict)
-    shelf: EngineShelf = field(default_factory=EngineShelf)  # engines of clean scenarios, restarted for later ones
+    shelf: EngineShelf = field(default_factory=EngineShelf)  # engines of scenarios that ran through, restarted later
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def pool(self, world_size: int) -> TrainerPool:
@@ -233,6 +233,9 @@ class Runner:
         (a Ray worker, torch and Megatron imports per rank) is most of a small scenario's setup, so a fault
         that ran through no longer costs the next scenario that."""
         actors, rank_pids = session.pool.actors, session.pool.pids
+        if len(session.pool.local_processes()) != len(actors):  # /proc of another node cannot be read here
+            record.notes.append("trainer ranks not reused after the fault: not all of them run on this host")
+            return False
         try:  # plain ray.get: nothing asked here after the scenario's end may change its record's verdict
             if session.fault is not None and session.fault.trainer is not None:
                 ray.get([a.run_in_process.remote(RESTORE_SEAMS) for a in actors], timeout=60)

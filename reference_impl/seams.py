@@ -27,7 +27,8 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 | `megatron_forward_kwargs` | the trainer's log-prob forward: one prompt's inputs to the Megatron model |
 | `megatron_logprobs_kernel` | the trainer's vocab-parallel fused log-prob kernel (takes the temperature) |
 
-Engine side (replaced inside the embedded engine's process by a fault hook it loads at start):
+Engine side (replaced inside the embedded engine's process by a fault hook it loads at start or at an
+in-place restart, which the next restart undoes):
 
 | seam | what runs there |
 | --- | --- |

@@ -175,10 +175,13 @@ def test_a_hook_that_outlives_its_undo_keeps_the_engine_from_restarting(
     )
     try:
         url = proc.start(timeout_s=300)
+        assert _commits(url, 1) == "0"  # the hook runs
         for _ in range(2):  # and again: the process stays refused
             with pytest.raises(EngineStartError, match=r"409.*is not undone: engine_commit_version still run its code"):
                 proc.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path / "e2.log"))
-        assert _commits(url, 1) == "0"  # still the old app, and still faulted
+        # the old app, partly undone, serves nothing more
+        resp = _post(url, "/start_weight_update")
+        assert resp.status_code == 503 and "is not undone" in resp.text, resp.text
     finally:
         proc.stop()
 

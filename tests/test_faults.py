@@ -100,6 +100,25 @@ def test_ranks_serve_the_next_scenario_only_once_the_fault_is_undone(runner, mon
     assert not set(runner.pools[1].pids) & set(ranks)
 
 
+def test_an_engine_fault_that_ran_through_leaves_its_engine_process_to_the_next_scenario(runner) -> None:
+    """After `weight_version_not_committed` (an engine hook; every sync answered 200, PARITY_FAIL) the next
+    scenario restarts the same engine process, which undoes the hook and says so in the new scenario's log,
+    and passes: its weight version commits again."""
+    base = {"model": "qwen3", "syncs": 1, "chunk_bytes": 65536, "logprobs": False}
+    faulted = Scenario(**base, fault="weight_version_not_committed", expect="PARITY_FAIL", suffix="engine-faulted")
+    after = Scenario(**base, suffix="engine-after")
+
+    rec = runner.run_scenario(faulted)
+    assert rec.verdict == "PARITY_FAIL"
+    engine_pid = rec.resources[0].processes["engine"].pid
+    rec = runner.run_scenario(after)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    assert f"engine process reused: restarted in place as a fresh engine (pid {engine_pid};" in " ".join(rec.notes)
+    hook = FAULTS["weight_version_not_committed"].hook
+    assert f"fault hook {hook} undone" in runner.engine_log(after.id, 0).read_text()
+    assert rec.syncs[-1].engine_weight_version == str(after.syncs)
+
+
 def _our_processes(marker: str) -> list[int]:
     found = []
     for proc in psutil.process_iter(["pid"]):

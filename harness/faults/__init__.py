@@ -5,10 +5,11 @@ processes of ONE scenario only (never in normal runs), always through the named 
 under test (`reference_impl.seams`):
 
 - trainer side (`faults.trainer`): a function the runner calls in every trainer rank's process
-  (`TrainerWorker.run_in_process`); after the scenario the runner undoes it (`seams.restore_all`) and
-  keeps those processes only when their seams run what they ran at the start, else it ends them;
-- engine side (`faults.engine`): a hook `MODULE:FUNCTION` the engine process loads at start
-  (`--fault`), for engines whose adapter declares `fault_hooks`.
+  (`TrainerWorker.run_in_process`); after a scenario that ran through, the runner undoes it
+  (`seams.restore_all`) and keeps those processes only when their seams run what they ran at their start
+  and no shared-memory segment appeared since the sender connected; otherwise it ends them;
+- engine side (`faults.engine`): a hook `MODULE:FUNCTION` the engine process loads at start (`--fault`)
+  or at an in-place restart, for engines whose adapter declares `fault_hooks`; the next restart undoes it.
 
 Every fault names the scenario that shows it and the verdict the harness must give;
 `fault_scenarios()` turns the registry into scenarios with `fault:` and `expect:`, and
@@ -29,7 +30,7 @@ class Fault:
     """One fault: what bug it reproduces, how it is injected, and the verdict it must produce.
 
     `trainer` is applied in every trainer rank's process (a function of `faults.trainer`), `engine` is the
-    hook the engine loads at start (a function of `faults.engine`); a fault has one or both.
+    hook the engine loads at start or restart (a function of `faults.engine`); a fault has one or both.
     """
 
     name: str
@@ -41,7 +42,8 @@ class Fault:
 
     @property
     def hook(self) -> str | None:
-        """The `--fault MODULE:FUNCTION` the engine loads at start, None without an engine side."""
+        """The `MODULE:FUNCTION` the engine loads (`--fault` at start, `fault` at a restart), None without an
+        engine side."""
         return f"{self.engine.__module__}:{self.engine.__name__}" if self.engine is not None else None
 
 

@@ -1,8 +1,10 @@
 """Engine-side fault injections: hooks the embedded engine's process loads at start (`--fault
-harness.faults.engine:<name>`), each replacing what runs at an engine seam (`reference_impl.seams`).
+harness.faults.engine:<name>`) or at an in-place restart, each replacing what runs at an engine seam
+(`reference_impl.seams`).
 
 The engine's own code has no fault branches: a hook is called once, before the server builds its
-app, and changes the loader's behaviour for the whole life of that process.
+app, and changes the engine's behaviour until the next in-place restart undoes it (`seams.restore_all`,
+then every engine seam compared with what ran there before any hook; the restart is refused otherwise).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Trainer-side fault injections: each replaces what runs at one or two named seams
 (`reference_impl.seams`) inside the trainer rank processes of one scenario.
 
-Every function here is called once per rank process (`TrainerWorker.run_in_process`); the runner
-undoes it after the scenario and ends those processes unless every seam runs what it ran at their start.
+Every function here is called once per rank process (`TrainerWorker.run_in_process`). After a scenario
+that ran through, the runner undoes it and keeps those processes only when every seam runs what it ran at
+their start and no shared-memory segment appeared since the sender connected; otherwise it ends them.
 """
 
 from __future__ import annotations

@@ -14,15 +14,16 @@ def load_hook(spec: str) -> Callable[[], None]:
     """The function named by `MODULE:FUNCTION` (imported, not called).
 
     Raises:
-        ValueError: `spec` is not MODULE:FUNCTION, the module does not import, or it has no such function.
+        ValueError: `spec` is not MODULE:FUNCTION, the module does not import (any error while importing
+            it), or it has no such function.
     """
     module_name, sep, func = spec.partition(":")
     if not sep or not module_name or not func:
         raise ValueError(f"{spec!r} is not MODULE:FUNCTION (e.g. harness.faults.engine:ok_without_transfer)")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import {module_name!r}: {e}") from None
+    except Exception as e:  # ImportError, or a SyntaxError or any error its import raises
+        raise ValueError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from None
     hook = getattr(module, func, None)
     if not callable(hook):
         raise ValueError(f"{module_name} has no function {func!r}")

@@ -15,11 +15,12 @@ first (`seams.restore_all`) and shown undone: every engine seam must run what it
 What it saves is a process start (interpreter, torch and FastAPI imports: about 4 s of a 6 s engine
 start on a 2-core host), so a harness may run many scenarios on one engine process; what it must not
 lose is the fresh start's state, which is why nothing of the old app is kept. It is refused with a 409
-while the old engine is inside an update session or loading a chunk, and when a hook's change outlives
-its undo (that process then keeps refusing: start a fresh engine), and with a 400 for a body it cannot
-read or a hook that does not load (what to change is named). The old app is dropped before the new one
-is built (never two models in memory); a checkpoint that does not build is a 500, after which every
-route answers 503 until a restart succeeds.
+while the old engine is inside an update session or loading a chunk (nothing changes), and when a hook's
+change outlives its undo (the old app, now partly undone, is dropped: every route answers 503 and every
+later restart is refused; start a fresh engine), and with a 400 for a body it cannot read or a hook that
+does not load (what to change is named). The old app is dropped before the new one is built (never two
+models in memory); a checkpoint that does not build, or a hook that raises when applied, is a 500, after
+which every route answers 503 until a restart succeeds (undoing such a hook first).
 """
 
 from __future__ import annotations
@@ -161,12 +162,12 @@ class RestartableApp:
             if self.fault is not None:
                 seams.restore_all()
                 still = seams.replaced_since(self.unfaulted)
-                if still:
-                    return refused(
-                        409,
-                        f"fault hook {self.fault} is not undone: {', '.join(still)} still run its code; "
-                        "start a fresh engine instead",
-                    )
+                if still:  # the old app now runs part faulted, part not: it serves nothing more
+                    why = f"fault hook {self.fault} is not undone: {', '.join(still)} still run its code"
+                    if self.app is not None:
+                        self.close(self.app)
+                    self.app, self.broken = None, f"{why}; start a fresh engine"
+                    return refused(409, f"{why}; start a fresh engine instead")
             undone, self.fault = self.fault, None
             t0 = time.perf_counter()
             if req.log_path is not None:
