@@ -93,15 +93,20 @@ class EngineProcess(ServerProcess):
 
         Raises:
             EngineStartError: not started, the server refused (an update session open, a fault hook it could
-                not undo, a body or hook it could not read) or failed, or did not answer within `timeout_s` seconds; the
-                server's answer or log tail is in the message.
+                not undo, a body or hook it could not read) or failed, or did not answer within `timeout_s`
+                seconds; the server's answer or log tail is in the message.
         """
         import httpx
 
         if self.proc is None or self.proc.poll() is not None or not self.url:
             raise EngineStartError("the engine server is not running; start it instead of restarting it")
-        body = {"checkpoint": checkpoint, "seed": seed, "tensor_parallel_size": tp, "log_path": log_path}
-        body["fault"] = fault
+        body = {
+            "checkpoint": checkpoint,
+            "seed": seed,
+            "tensor_parallel_size": tp,
+            "log_path": log_path,
+            "fault": fault,
+        }
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         try:
             resp = httpx.post(self.url + "/wsh/restart", json=body, headers=headers, timeout=timeout_s)
