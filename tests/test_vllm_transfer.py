@@ -77,14 +77,20 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(
     # stop): vLLM's sampler compiles a kernel at the first log-prob request, and every start recompiled it
     assert env["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
     assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(proc.server_temp_dir()))
+    assert "TORCHDYNAMO_DISABLE" not in env  # a GPU server compiles as vLLM does
     proc.stop()  # never started: removes the temp folder `launch` made (its working folder)
     mine = VllmEngineProcess("/ckpt", 7, None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert mine.launch()[1]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)  # the caller's own is kept
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    mine_env = mine.launch()[1]
+    assert mine_env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path) and mine_env["TORCHDYNAMO_DISABLE"] == "0"  # kept
     mine.stop()
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
     plain_proc = VllmEngineProcess("/ckpt", 7, None)
-    plain = plain_proc.launch()[0]
+    plain, plain_env = plain_proc.launch()[:2]
     plain_proc.stop()
+    # a CPU server: the sampler's rank count runs uncompiled (its compile took 7-16 s of the first log-prob request)
+    assert plain_env["TORCHDYNAMO_DISABLE"] == "1"
     assert json.loads(plain[plain.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
     assert "--gpu-memory-utilization" not in plain
 

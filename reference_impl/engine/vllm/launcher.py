@@ -39,6 +39,7 @@ THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 BACKENDS = ("gloo", "nccl", "ipc")  # the --weight-transfer-config backends the harness starts vLLM with
 COLOCATE_GPU_MEMORY_UTILIZATION = 0.4  # vLLM's share of a GPU it shares with the trainer's sender rank
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"  # torch's variable; a caller's own value is kept
+DYNAMO_DISABLE = "TORCHDYNAMO_DISABLE"  # torch's variable: `torch.compile` returns the function it was given
 
 
 def inductor_cache_dir() -> str:
@@ -174,7 +175,14 @@ class VllmEngineProcess(ServerProcess):
         environment leaks into vLLM's interpreter except this checkout's plugin, `env.plugin_import_dir`,
         so that both sides speak the same protocol file whatever checkout the plugin was installed from),
         started in its own temp folder (`ServerProcess.server_temp_dir`, removed at stop) with torch's inductor
-        cache outside it (`inductor_cache_dir`), kept between starts."""
+        cache outside it (`inductor_cache_dir`), kept between starts.
+
+        On a CPU host (backend "gloo") the server also gets `TORCHDYNAMO_DISABLE=1` unless the caller set it:
+        with `--enforce-eager` the model is not compiled, and the one `torch.compile` left on vLLM's CPU path
+        is its sampler's rank count (`batched_count_greater_than`, vllm/v1/sample/ops/logprobs.py), compiled at
+        the first request with log-probs: 9.8 s of a 2-core host's first request with a warm inductor cache
+        (16 s with an empty one), 0.09 s uncompiled. The rank is an integer count either way; the prompt
+        log-probs and ranks of that request were equal with and without it."""
         # vLLM binds it only after seconds of imports, while other engines and the trainer ranks start and ask
         # the OS for ports of their own: a port from the ephemeral range could be handed to one of them.
         port = free_port(self.host)
@@ -189,6 +197,8 @@ class VllmEngineProcess(ServerProcess):
             env.pop(var, None)
         env |= {"PYTHONPATH": str(plugin_import_dir())} | self.token_env()  # the sender's counterpart plugin
         env.setdefault(INDUCTOR_CACHE, inductor_cache_dir())  # not in the server's TMPDIR, which stop removes
+        if self.backend == "gloo":  # a CPU host: see `launch`
+            env.setdefault(DYNAMO_DISABLE, "1")
         if self.tp > 1 and THREADS_BIND not in env:
             env[THREADS_BIND] = cpu_threads_bind(self.tp)
         url = f"http://{self.host}:{port}"
