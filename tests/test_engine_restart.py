@@ -78,6 +78,18 @@ def other(checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[EngineProces
         proc.stop()
 
 
+@pytest.fixture(scope="module")
+def refusing(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    """One engine process of another model and seed for every unreadable restart body: a 400 leaves the
+    engine serving as it was (each case asserts it), so the cases need no process of their own."""
+    proc = EngineProcess(str(checkpoints["qwen3-moe"]), 7, str(tmp_path_factory.mktemp("refusing") / "engine.log"))
+    try:
+        proc.start(timeout_s=300)
+        yield proc
+    finally:
+        proc.stop()
+
+
 def test_restarted_engine_answers_as_a_fresh_one(
     fresh: dict[str, Any], other: EngineProcess, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -121,13 +133,16 @@ def test_restart_is_refused_inside_an_update_session(other: EngineProcess, check
     ],
 )
 def test_a_body_it_cannot_read_is_a_400_naming_the_field(
-    other: EngineProcess, checkpoints: dict[str, Path], body: dict[str, Any], says: str
+    refusing: EngineProcess, checkpoints: dict[str, Path], body: dict[str, Any], says: str
 ) -> None:
     body = {k: (str(checkpoints["qwen3"]) if v == "CKPT" else v) for k, v in body.items()}
-    resp = _post(other.url, "/wsh/restart", body)
+    before = _post(refusing.url, "/weight_checker", {"action": "checksum"}).json()["checksums"]
+    resp = _post(refusing.url, "/wsh/restart", body)
     assert resp.status_code == 400, resp.text
     assert says in resp.json()["detail"]["error"]
-    assert httpx.get(other.url + "/health").status_code == 200
+    assert httpx.get(refusing.url + "/health").status_code == 200
+    # still the first model's weights: nothing of the refused restart was applied
+    assert _post(refusing.url, "/weight_checker", {"action": "checksum"}).json()["checksums"] == before
 
 
 # A hook that changes an engine seam without `seams.replace`: `restore_all` cannot undo it.
