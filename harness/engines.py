@@ -6,9 +6,10 @@ with `Capabilities.restart_in_place` (the embedded engine) can instead become a 
 scenario's checkpoint and seed in the same process (`ServerProcess.restart`: a new model with that seed's
 dummy weights, new state, empty caches, no transfer backend; nothing of the old app is kept), so the
 runner shelves such an engine after a scenario that ran through (no error, every sync run and answered
-200) and restarts it for the next scenario of the same `EngineKey`, also after a fault: the restart undoes
-an engine fault hook and refuses when the engine's seams do not all run what they ran before it (the
-runner then starts a new engine; `harness.outcome.engines_reusable`)."""
+200) or recovered cleanly from a failed sync (`harness.outcome.in_step`) and restarts it for the next
+scenario of the same `EngineKey`, also after a fault: the restart undoes an engine fault hook and refuses
+when the engine's seams do not all run what they ran before it (the runner then starts a new engine;
+`harness.outcome.engines_reusable`)."""
 
 from __future__ import annotations
 

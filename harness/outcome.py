@@ -1,8 +1,8 @@
 """What a scenario's syncs came to, as pure functions of the run record: one `SyncRecord` from every
 rank's report (`merge_sync`), whether a sync failed (`sync_failed`), and whether the scenario ended
 cleanly enough for its processes to serve the next one (`ended_clean`, and for its engines alone
-`engines_reusable`; `ran_through` for a faulted scenario's trainer ranks, which the runner then asks whether
-the fault is undone)."""
+`engines_reusable`; `in_step` for the trainer ranks of a scenario that faulted or failed a sync, which the
+runner then asks whether the fault is undone)."""
 
 from __future__ import annotations
 
@@ -37,11 +37,31 @@ def sync_failed(record: RunRecord, sync: SyncRecord) -> bool:
 def engines_reusable(record: RunRecord, healthy: bool) -> bool:
     """Whether the scenario's engines may serve the next scenario after a restart in place (they become
     fresh engines: a new model, state and caches; `engine_fresh` then checks their starting weights): it
-    ran through (`ran_through`), with or without a fault. An engine fault hook is undone by that restart,
-    which refuses when the engine's seams do not all run what they ran before the hook (the runner then
-    starts a new engine). A fault that broke a sync leaves the engines unreused: an update session may still
-    be open, or a chunk still loading."""
-    return ran_through(record, healthy)
+    ended `in_step`, with or without a fault. An engine fault hook is undone by that restart, which refuses
+    when the engine's seams do not all run what they ran before the hook, or while an update session is
+    open (the runner then starts a new engine). A failed sync with no clean recovery sync after it leaves
+    the engines unreused: an update session may still be open, or a chunk still loading."""
+    return in_step(record, healthy)
+
+
+def in_step(record: RunRecord, healthy: bool) -> bool:
+    """Whether the scenario's last sync left every process in step: it ran through (`ran_through`) or a sync
+    failed and the recovery sync after it was clean (`recovered`)."""
+    return ran_through(record, healthy) or recovered(record, healthy)
+
+
+def recovered(record: RunRecord, healthy: bool) -> bool:
+    """Whether a sync failed and the scenario then ended with a clean recovery sync: it ran to its end
+    (`healthy`) without an error, every engine answered /health and a completion, and the recovery sync (every
+    fault undone) ran start -> updates -> finish with every call answered 200. Every rank's calls returned
+    (a rank that raised is an error) and every rank took part in a whole sync after the failed one, so none is
+    left inside a collective or a hand-off of it, and no engine holds an open update session: the engine's
+    refusal (NAME_ERROR, HTTP_ERROR) broke the sync, not the processes."""
+    rec = record.recovery
+    if not healthy or record.errors or rec is None or not rec.clean_sync_finished or rec.clean_sync is None:
+        return False
+    clean = [s for s in record.syncs if s.index == rec.clean_sync]
+    return len(clean) == 1 and not sync_failed(record, clean[0])
 
 
 def ended_clean(record: RunRecord, healthy: bool) -> bool:

@@ -26,7 +26,7 @@ from harness import shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
-from harness.outcome import ended_clean, engines_reusable, ran_through, sync_failed
+from harness.outcome import ended_clean, engines_reusable, in_step, sync_failed
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
@@ -206,7 +206,7 @@ class Runner:
             for engine_watch in session.watches if session is not None else []:
                 engine_watch.name_the_engine(record.errors, what, sender=not failed)
             clean = ended_clean(record, healthy)  # else the ranks and engines may hold what went wrong
-            if not clean and session is not None and ran_through(record, healthy):  # a fault, and it ran through
+            if not clean and session is not None and in_step(record, healthy):  # ran through or recovered cleanly
                 clean = self._fault_undone(session, record)
             engine_pids = [pids.get(engine_label(i)) for i in range(len(engines))]
             if reusable and engines_reusable(record, healthy):
@@ -224,17 +224,19 @@ class Runner:
         return self._finish(record)
 
     def _fault_undone(self, session: ScenarioSession, record: RunRecord) -> bool:
-        """Whether a faulted scenario that ran through leaves trainer ranks fit for the next scenario, after
-        undoing its trainer-side patches in every rank (`RESTORE_SEAMS`): every rank's seams run what they ran
-        when the rank started (`TrainerWorker.replaced_seams`) and the scenario's processes held no
-        shared-memory segment, at a resource sample or now, that they did not hold when the sender connected
+        """Whether a scenario that faulted or failed a sync, and still ended in step (`outcome.in_step`: it ran
+        through, or a clean recovery sync followed the failed one), leaves trainer ranks fit for the next
+        scenario, after undoing its trainer-side patches in every rank (`RESTORE_SEAMS`): every rank's seams run
+        what they ran when the rank started (`TrainerWorker.replaced_seams`) and the scenario's processes held
+        no shared-memory segment, at a resource sample or now, that they did not hold when the sender connected
         (one closed but never unlinked is only seen at a sample). Kept ranks then drop what the scenario set
         up. A note says what was decided and why; a rank that does not answer counts as unfit. Starting a pool
-        (a Ray worker, torch and Megatron imports per rank) is most of a small scenario's setup, so a fault
-        that ran through no longer costs the next scenario that."""
+        (a Ray worker, torch and Megatron imports per rank) is most of a small scenario's setup, so such a
+        scenario no longer costs the next one that."""
         actors, rank_pids = session.pool.actors, session.pool.pids
+        after = "the fault" if record.scenario.fault else "the failed sync"
         if len(session.pool.local_processes()) != len(actors):  # /proc of another node cannot be read here
-            record.notes.append("trainer ranks not reused after the fault: not all of them run on this host")
+            record.notes.append(f"trainer ranks not reused after {after}: not all of them run on this host")
             return False
         try:  # plain ray.get: nothing asked here after the scenario's end may change its record's verdict
             if session.fault is not None and session.fault.trainer is not None:
@@ -245,17 +247,17 @@ class Runner:
             ray.get([a.teardown.remote() for a in actors], timeout=60)
         except Exception as e:
             what = f"{type(e).__name__}: {str(e)[:200]}"
-            record.notes.append(f"trainer ranks not reused: undoing the fault failed ({what})")
+            record.notes.append(f"trainer ranks not reused: undoing {after} failed ({what})")
             return False
         replaced = sorted({name for names in per_rank for name in names})
         extra = sorted(held - session.shm_at_connect)
         if replaced or extra:
             why = [f"seams still replaced: {', '.join(replaced)}"] if replaced else []
             why += [f"segments made since the sender connected: {', '.join(extra)}"] if extra else []
-            record.notes.append(f"trainer ranks not reused after the fault ({'; '.join(why)})")
+            record.notes.append(f"trainer ranks not reused after {after} ({'; '.join(why)})")
             return False
         record.notes.append(
-            f"trainer ranks reused after the fault (pid {', '.join(map(str, rank_pids))}): every seam runs what it "
+            f"trainer ranks reused after {after} (pid {', '.join(map(str, rank_pids))}): every seam runs what it "
             "ran when the rank started, and no segment is held that was not held when the sender connected"
         )
         return True

@@ -119,6 +119,25 @@ def test_an_engine_fault_that_ran_through_leaves_its_engine_process_to_the_next_
     assert rec.syncs[-1].engine_weight_version == str(after.syncs)
 
 
+def test_a_sync_the_engine_refused_leaves_ranks_and_engine_to_the_next_scenario_after_a_clean_recovery(runner) -> None:
+    """After `tied_lm_head_sent` (the engine refuses a chunk naming lm_head.weight: NAME_ERROR) the harness's
+    recovery sync, with the fault undone, is clean: every rank and the engine took part in a whole sync after
+    the refused one. The next scenario then runs in the same rank processes and restarts the same engine
+    process, and passes."""
+    base = {"model": "qwen3", "syncs": 1, "chunk_bytes": 65536, "logprobs": False}
+    faulted = Scenario(**base, fault="tied_lm_head_sent", expect="NAME_ERROR", suffix="refused-faulted")
+    after = Scenario(**base, suffix="refused-after")
+
+    rec = runner.run_scenario(faulted)
+    assert rec.verdict == "NAME_ERROR" and rec.recovery is not None and rec.recovery.clean_sync_finished
+    assert any(n.startswith("trainer ranks reused after the fault") for n in rec.notes), rec.notes
+    ranks, engine_pid = runner.pools[1].pids, rec.resources[0].processes["engine"].pid
+    rec = runner.run_scenario(after)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    assert runner.pools[1].pids == ranks
+    assert f"engine process reused: restarted in place as a fresh engine (pid {engine_pid};" in " ".join(rec.notes)
+
+
 def _our_processes(marker: str) -> list[int]:
     found = []
     for proc in psutil.process_iter(["pid"]):

@@ -5,9 +5,10 @@ processes of ONE scenario only (never in normal runs), always through the named 
 under test (`reference_impl.seams`):
 
 - trainer side (`faults.trainer`): a function the runner calls in every trainer rank's process
-  (`TrainerWorker.run_in_process`); after a scenario that ran through, the runner undoes it
-  (`seams.restore_all`) and keeps those processes only when their seams run what they ran at their start
-  and no shared-memory segment appeared since the sender connected; otherwise it ends them;
+  (`TrainerWorker.run_in_process`); after a scenario that ran through or recovered cleanly from a failed
+  sync (`harness.outcome.in_step`), the runner undoes it (`seams.restore_all`) and keeps those processes
+  only when their seams run what they ran at their start and no shared-memory segment appeared since the
+  sender connected; otherwise it ends them;
 - engine side (`faults.engine`): a hook `MODULE:FUNCTION` the engine process loads at start (`--fault`)
   or at an in-place restart, for engines whose adapter declares `fault_hooks`; the next restart undoes it.
 

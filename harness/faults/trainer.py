@@ -2,8 +2,9 @@
 (`reference_impl.seams`) inside the trainer rank processes of one scenario.
 
 Every function here is called once per rank process (`TrainerWorker.run_in_process`). After a scenario
-that ran through, the runner undoes it and keeps those processes only when every seam runs what it ran at
-their start and no shared-memory segment appeared since the sender connected; otherwise it ends them.
+that ran through or recovered cleanly from a failed sync (`harness.outcome.in_step`), the runner undoes it
+and keeps those processes only when every seam runs what it ran at their start and no shared-memory
+segment appeared since the sender connected; otherwise it ends them.
 """
 
 from __future__ import annotations

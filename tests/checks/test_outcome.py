@@ -1,14 +1,15 @@
 """Which processes may serve the next scenario (`harness.outcome`): the trainer ranks as they are only after
-a scenario that ran through without a fault (after a fault, once the runner has them show it undone); the
-engines after any scenario that ran through, their restart undoing an engine fault hook; nothing after an
-error or a sync that failed."""
+a scenario that ran through without a fault (after a fault, or a failed sync followed by a clean recovery
+sync, once the runner has them show the fault undone); the engines after any scenario that ran through or
+recovered cleanly, their restart undoing an engine fault hook; nothing after an error, or a failed sync
+without a clean recovery sync."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.outcome import ended_clean, engines_reusable
-from harness.record import HttpCall, RecoveryRecord
+from harness.outcome import ended_clean, engines_reusable, in_step
+from harness.record import ErrorRecord, HttpCall, RecoveryRecord, RunRecord
 from tests.checks.records import make_record
 
 
@@ -42,3 +43,37 @@ def test_a_scenario_that_did_not_run_through_ends_both(defect: str) -> None:
     assert not engines_reusable(rec, healthy=healthy)
     rec.scenario.fault = None
     assert not ended_clean(rec, healthy=healthy)
+
+
+def _recovered() -> tuple[RunRecord, RecoveryRecord]:
+    """Sync 1 refused by the engine (a 400 to one chunk), then the clean recovery sync 2, every call 200."""
+    rec = make_record()
+    rec.scenario.fault = "tied_lm_head_sent"
+    rec.http.append(HttpCall(route="/update_weights", status=400, ms=1.0, sync=1, chunk=0))
+    rec.syncs[2].recovery = True
+    rec.recovery = RecoveryRecord(
+        after_sync=1, health_status=200, completion_status=200, clean_sync=2, clean_sync_finished=True
+    )
+    return rec, rec.recovery
+
+
+def test_a_failed_sync_with_a_clean_recovery_sync_leaves_every_process_in_step() -> None:
+    rec, _ = _recovered()
+    assert in_step(rec, healthy=True) and engines_reusable(rec, healthy=True)
+    assert not ended_clean(rec, healthy=True)  # the ranks still show the fault undone first
+
+
+@pytest.mark.parametrize("defect", ["unhealthy", "error", "not finished", "non-200 in it", "no such sync"])
+def test_a_recovery_sync_that_was_not_clean_leaves_nothing_in_step(defect: str) -> None:
+    rec, recovery = _recovered()
+    healthy = defect != "unhealthy"
+    if defect == "error":
+        rec.errors.append(ErrorRecord(where="trainer", rank=0, type="RuntimeError", message="gloo timeout"))
+    elif defect == "not finished":
+        recovery.clean_sync_finished = False
+    elif defect == "non-200 in it":
+        rec.http.append(HttpCall(route="/update_weights", status=500, ms=1.0, sync=2, chunk=1))
+    elif defect == "no such sync":
+        recovery.clean_sync = 5
+    assert not in_step(rec, healthy=healthy)
+    assert not engines_reusable(rec, healthy=healthy)
