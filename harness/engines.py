@@ -57,9 +57,9 @@ def end_engines(engines: Sequence[Any], pids: Sequence[int | None], engine: str)
 
 @dataclass
 class EngineShelf:
-    """Idle engine servers of scenarios that ran through, at most one set per `EngineKey` and `max_idle` sets in all (an
-    idle engine process holds about 0.7 GB with torch loaded; two serve a matrix, which alternates colocated
-    and separate engines), with their server pids."""
+    """Idle engine servers of scenarios that ended in step (`harness.outcome.in_step`), at most one set per
+    `EngineKey` and `max_idle` sets in all (an idle engine process holds about 0.7 GB with torch loaded; two
+    serve a matrix, which alternates colocated and separate engines), with their server pids."""
 
     idle: dict[EngineKey, tuple[list[Any], list[int | None]]] = field(default_factory=dict)
     max_idle: int = 2
@@ -69,7 +69,7 @@ class EngineShelf:
         return self.idle.pop(key, None)
 
     def put(self, key: EngineKey, engines: list[Any], pids: list[int | None]) -> None:
-        """Shelve `engines` (whose scenario ran through) for a later scenario of `key`; a set already there
+        """Shelve `engines` (whose scenario ended in step) for a later scenario of `key`; a set already there
         is ended first."""
         self._end(key)
         while len(self.idle) >= self.max_idle:

@@ -45,18 +45,20 @@ def engines_reusable(record: RunRecord, healthy: bool) -> bool:
 
 
 def in_step(record: RunRecord, healthy: bool) -> bool:
-    """Whether the scenario's last sync left every process in step: it ran through (`ran_through`) or a sync
-    failed and the recovery sync after it was clean (`recovered`)."""
+    """Whether the scenario's last sync left every process in step: it ran through (`ran_through`) or its
+    syncs stopped early and the recovery sync after them was clean (`recovered`)."""
     return ran_through(record, healthy) or recovered(record, healthy)
 
 
 def recovered(record: RunRecord, healthy: bool) -> bool:
-    """Whether a sync failed and the scenario then ended with a clean recovery sync: it ran to its end
-    (`healthy`) without an error, every engine answered /health and a completion, and the recovery sync (every
-    fault undone) ran start -> updates -> finish with every call answered 200. Every rank's calls returned
-    (a rank that raised is an error) and every rank took part in a whole sync after the failed one, so none is
-    left inside a collective or a hand-off of it, and no engine holds an open update session: the engine's
-    refusal (NAME_ERROR, HTTP_ERROR) broke the sync, not the processes."""
+    """Whether the syncs stopped early (a sync failed, or an engine refused one of the harness's own calls)
+    and the scenario then ended with a clean recovery sync (`ScenarioSession.recover`): it ran to its end
+    (`healthy`) without an error, every engine answered /health (and a completion, when the scenario asks for
+    log-probs), and the recovery sync (the trainer fault's patches undone; an engine hook stays loaded until
+    the engine's restart undoes it) ran start -> updates -> finish with every call answered 200. Every rank's
+    calls returned (a rank that raised is an error) and every rank took part in a whole sync after the failed
+    one, so none is left inside a collective or a hand-off of it, and no engine holds an open update session:
+    the engine's refusal (NAME_ERROR, HTTP_ERROR) broke the sync, not the processes."""
     rec = record.recovery
     if not healthy or record.errors or rec is None or not rec.clean_sync_finished or rec.clean_sync is None:
         return False

@@ -68,7 +68,7 @@ class Runner:
     on_record: Callable[[RunRecord], None] | None = None
     after_sync: SyncHook | None = None
     pools: dict[int, TrainerPool] = field(default_factory=dict)
-    shelf: EngineShelf = field(default_factory=EngineShelf)  # engines of scenarios that ran through, restarted later
+    shelf: EngineShelf = field(default_factory=EngineShelf)  # engines of scenarios that ended in step, restarted later
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def pool(self, world_size: int) -> TrainerPool:

@@ -61,6 +61,7 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     proc = VllmEngineProcess("/ckpt", 7, None, dtype="bfloat16", backend="ipc", colocate=True)
     try:
         argv, env, _, _ = proc.launch()
@@ -85,7 +86,7 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(
     mine_env = mine.launch()[1]
     assert mine_env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path) and mine_env["TORCHDYNAMO_DISABLE"] == "0"  # kept
     mine.stop()
-    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     plain_proc = VllmEngineProcess("/ckpt", 7, None)
     plain, plain_env = plain_proc.launch()[:2]
     plain_proc.stop()

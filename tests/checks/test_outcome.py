@@ -63,12 +63,17 @@ def test_a_failed_sync_with_a_clean_recovery_sync_leaves_every_process_in_step()
     assert not ended_clean(rec, healthy=True)  # the ranks still show the fault undone first
 
 
-@pytest.mark.parametrize("defect", ["unhealthy", "error", "not finished", "non-200 in it", "no such sync"])
+@pytest.mark.parametrize(
+    "defect", ["unhealthy", "error", "engine gone", "not finished", "non-200 in it", "no such sync"]
+)
 def test_a_recovery_sync_that_was_not_clean_leaves_nothing_in_step(defect: str) -> None:
     rec, recovery = _recovered()
     healthy = defect != "unhealthy"
     if defect == "error":
         rec.errors.append(ErrorRecord(where="trainer", rank=0, type="RuntimeError", message="gloo timeout"))
+    elif defect == "engine gone":  # no /health answer: no recovery sync was tried
+        rec.syncs.pop()
+        recovery.health_status, recovery.clean_sync, recovery.clean_sync_finished = 0, None, False
     elif defect == "not finished":
         recovery.clean_sync_finished = False
     elif defect == "non-200 in it":

@@ -46,10 +46,11 @@ def inductor_cache_dir() -> str:
     """Where torch's inductor keeps its compiled kernels for vLLM's server: torch's own default for this
     process's temp folder and user (`<tempdir>/torchinductor_<user>`, torch/_inductor/runtime/cache_dir_utils.py
     `default_cache_dir`), as for a vLLM started without the harness. The server's own TMPDIR
-    (`ServerProcess.server_temp_dir`) would otherwise hold it and go with every stop: vLLM on CPU compiles its
-    sampler's `batched_count_greater_than` (vllm/v1/sample/ops/logprobs.py, `torch.compile` with the CPU
-    platform's inductor backend) at the first request with log-probs, which took 16 s with an empty cache on a
-    2-core host and 7 s with a warm one."""
+    (`ServerProcess.server_temp_dir`) would otherwise hold it and go with every stop: vLLM compiles its
+    sampler's `batched_count_greater_than` (vllm/v1/sample/ops/logprobs.py, `torch.compile`) at the first
+    request with log-probs, on CPU 16 s with an empty cache on a 2-core host and 7-10 s with a warm one. A CPU
+    server runs uncompiled (`TORCHDYNAMO_DISABLE`, see `VllmEngineProcess.launch`) unless its caller turns
+    compiling back on; the cache then serves it, and GPU servers always."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError, ModuleNotFoundError):  # a uid with no name (containers): torch's own fallback
@@ -178,11 +179,13 @@ class VllmEngineProcess(ServerProcess):
         cache outside it (`inductor_cache_dir`), kept between starts.
 
         On a CPU host (backend "gloo") the server also gets `TORCHDYNAMO_DISABLE=1` unless the caller set it:
-        with `--enforce-eager` the model is not compiled, and the one `torch.compile` left on vLLM's CPU path
-        is its sampler's rank count (`batched_count_greater_than`, vllm/v1/sample/ops/logprobs.py), compiled at
-        the first request with log-probs: 9.8 s of a 2-core host's first request with a warm inductor cache
-        (16 s with an empty one), 0.09 s uncompiled. The rank is an integer count either way; the prompt
-        log-probs and ranks of that request were equal with and without it."""
+        with `--enforce-eager` the model is not compiled; what `torch.compile` still wraps on vLLM's CPU path
+        are integer helpers: its sampler's rank count (`batched_count_greater_than`,
+        vllm/v1/sample/ops/logprobs.py), compiled at the first request with log-probs (9.8 s of a 2-core host's
+        first request with a warm inductor cache, 16 s with an empty one, 0.09 s uncompiled), and at engine
+        TP >= 2 the vocab-parallel embedding's mask (`get_masked_input_and_mask`,
+        vllm/model_executor/layers/vocab_parallel_embedding.py). Both compute the same integers either way;
+        the prompt log-probs and ranks of that first request were equal with and without compiling."""
         # vLLM binds it only after seconds of imports, while other engines and the trainer ranks start and ask
         # the OS for ports of their own: a port from the ephemeral range could be handed to one of them.
         port = free_port(self.host)
