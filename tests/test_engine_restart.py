@@ -11,6 +11,7 @@ outlives its undo.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +52,18 @@ def _state(url: str) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _running(checkpoint: Path, seed: int, log: Path, fault: str | None = None) -> Iterator[EngineProcess]:
+    """An embedded engine process of `checkpoint` (dummy weights of `seed`, fault hook `fault`), started and
+    stopped by pid at the end of the block."""
+    proc = EngineProcess(str(checkpoint), seed, str(log), fault=fault)
+    try:
+        proc.start(timeout_s=300)
+        yield proc
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="module")
 def checkpoints() -> dict[str, Path]:
     return {m: make_checkpoint(load_model(m), CKPT_SEED, "float32") for m in ("qwen3", "qwen3-moe")}
@@ -59,35 +72,23 @@ def checkpoints() -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def fresh(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The oracle: a fresh engine process of qwen3 with the engine seed, its state read once."""
-    proc = EngineProcess(str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path_factory.mktemp("fresh") / "engine.log"))
-    try:
-        url = proc.start(timeout_s=300)
-        yield _state(url)
-    finally:
-        proc.stop()
+    with _running(checkpoints["qwen3"], ENGINE_SEED, tmp_path_factory.mktemp("fresh") / "engine.log") as proc:
+        yield _state(proc.url)
 
 
 @pytest.fixture
 def other(checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[EngineProcess]:
     """An engine process of another model and seed."""
-    proc = EngineProcess(str(checkpoints["qwen3-moe"]), 7, str(tmp_path / "first.log"))
-    try:
-        proc.start(timeout_s=300)
+    with _running(checkpoints["qwen3-moe"], 7, tmp_path / "first.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def refusing(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     """One engine process of another model and seed for every unreadable restart body: a 400 leaves the
     engine serving as it was (each case asserts it), so the cases need no process of their own."""
-    proc = EngineProcess(str(checkpoints["qwen3-moe"]), 7, str(tmp_path_factory.mktemp("refusing") / "engine.log"))
-    try:
-        proc.start(timeout_s=300)
+    with _running(checkpoints["qwen3-moe"], 7, tmp_path_factory.mktemp("refusing") / "engine.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_restarted_engine_answers_as_a_fresh_one(
@@ -167,17 +168,14 @@ def test_a_restart_undoes_the_hook_the_engine_started_with(
     fresh: dict[str, Any], checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     hook = "harness.faults.engine:weight_version_not_committed"
-    proc = EngineProcess(str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path / "e.log"), fault=hook)
-    try:
-        url = proc.start(timeout_s=300)
+    with _running(checkpoints["qwen3"], ENGINE_SEED, tmp_path / "e.log", fault=hook) as proc:
+        url = proc.url
         assert _commits(url, 1) == "0"  # the hook runs
         log = tmp_path / "e2.log"
         proc.restart(str(checkpoints["qwen3"]), ENGINE_SEED, str(log))
         assert _state(url) == fresh
         assert _commits(url, 1) == "1"
         assert f"fault hook {hook} undone" in log.read_text()
-    finally:
-        proc.stop()
 
 
 def test_a_hook_that_outlives_its_undo_keeps_the_engine_from_restarting(
@@ -185,11 +183,8 @@ def test_a_hook_that_outlives_its_undo_keeps_the_engine_from_restarting(
 ) -> None:
     (tmp_path / "lasting_hook.py").write_text(LASTING_HOOK)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = EngineProcess(
-        str(checkpoints["qwen3"]), ENGINE_SEED, str(tmp_path / "e.log"), fault="lasting_hook:commit_nothing"
-    )
-    try:
-        url = proc.start(timeout_s=300)
+    with _running(checkpoints["qwen3"], ENGINE_SEED, tmp_path / "e.log", fault="lasting_hook:commit_nothing") as proc:
+        url = proc.url
         assert _commits(url, 1) == "0"  # the hook runs
         for _ in range(2):  # and again: the process stays refused
             with pytest.raises(EngineStartError, match=r"409.*is not undone: engine_commit_version still run its code"):
@@ -197,8 +192,6 @@ def test_a_hook_that_outlives_its_undo_keeps_the_engine_from_restarting(
         # the old app, partly undone, serves nothing more
         resp = _post(url, "/start_weight_update")
         assert resp.status_code == 503 and "is not undone" in resp.text, resp.text
-    finally:
-        proc.stop()
 
 
 def test_a_restart_applies_a_fault_hook_as_a_start_does(other: EngineProcess, checkpoints: dict[str, Path]) -> None:
