@@ -62,6 +62,7 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(
 ) -> None:
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     proc = VllmEngineProcess("/ckpt", 7, None, dtype="bfloat16", backend="ipc", colocate=True)
     try:
         argv, env, _, _ = proc.launch()
@@ -79,19 +80,29 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(
     assert env["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
     assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(proc.server_temp_dir()))
     assert "TORCHDYNAMO_DISABLE" not in env  # a GPU server compiles as vLLM does
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # and runs its workers as vLLM does
     proc.stop()  # never started: removes the temp folder `launch` made (its working folder)
     mine = VllmEngineProcess("/ckpt", 7, None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     mine_env = mine.launch()[1]
     assert mine_env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path) and mine_env["TORCHDYNAMO_DISABLE"] == "0"  # kept
+    assert mine_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # kept
     mine.stop()
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     plain_proc = VllmEngineProcess("/ckpt", 7, None)
     plain, plain_env = plain_proc.launch()[:2]
     plain_proc.stop()
     # a CPU server: the sampler's rank count runs uncompiled (its compile took 7-16 s of the first log-prob request)
     assert plain_env["TORCHDYNAMO_DISABLE"] == "1"
+    # and its one worker runs inside the engine core (a worker process was one more 6-8 s import of torch and vLLM)
+    assert plain_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    tp2_proc = VllmEngineProcess("/ckpt", 7, None, tp=2)
+    tp2_env = tp2_proc.launch()[1]
+    tp2_proc.stop()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in tp2_env  # TP workers are processes, as vLLM runs them
     assert json.loads(plain[plain.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
     assert "--gpu-memory-utilization" not in plain
 

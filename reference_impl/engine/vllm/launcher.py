@@ -40,6 +40,7 @@ BACKENDS = ("gloo", "nccl", "ipc")  # the --weight-transfer-config backends the 
 COLOCATE_GPU_MEMORY_UTILIZATION = 0.4  # vLLM's share of a GPU it shares with the trainer's sender rank
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"  # torch's variable; a caller's own value is kept
 DYNAMO_DISABLE = "TORCHDYNAMO_DISABLE"  # torch's variable: `torch.compile` returns the function it was given
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's variable: "0" runs a CPU worker inside the engine core
 
 
 def inductor_cache_dir() -> str:
@@ -185,7 +186,15 @@ class VllmEngineProcess(ServerProcess):
         first request with a warm inductor cache, 16 s with an empty one, 0.09 s uncompiled), and at engine
         TP >= 2 the vocab-parallel embedding's mask (`get_masked_input_and_mask`,
         vllm/model_executor/layers/vocab_parallel_embedding.py). Both compute the same integers either way;
-        the prompt log-probs and ranks of that first request were equal with and without compiling."""
+        the prompt log-probs and ranks of that first request were equal with and without compiling.
+
+        A CPU server at TP 1 also gets `VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the caller set it. vLLM's CPU
+        platform then keeps the one worker inside the engine-core process (`UniProcExecutor`) instead of
+        spawning a worker process for it (vllm/platforms/cpu.py `check_and_update_config`); the API server
+        still runs the engine core in a process of its own (`AsyncMPClient`). Each of the three interpreters
+        spends 6-8 s importing torch and vLLM on a 2-core host, one after the other: a start took 28.4 s with
+        the worker process and 20.8 s without (34.8 / 18.1 s in a second pair), with equal prompt log-probs
+        and ranks. At TP >= 2 the workers are processes as vLLM runs them."""
         # vLLM binds it only after seconds of imports, while other engines and the trainer ranks start and ask
         # the OS for ports of their own: a port from the ephemeral range could be handed to one of them.
         port = free_port(self.host)
@@ -202,6 +211,8 @@ class VllmEngineProcess(ServerProcess):
         env.setdefault(INDUCTOR_CACHE, inductor_cache_dir())  # not in the server's TMPDIR, which stop removes
         if self.backend == "gloo":  # a CPU host: see `launch`
             env.setdefault(DYNAMO_DISABLE, "1")
+            if self.tp == 1:
+                env.setdefault(MULTIPROCESSING, "0")
         if self.tp > 1 and THREADS_BIND not in env:
             env[THREADS_BIND] = cpu_threads_bind(self.tp)
         url = f"http://{self.host}:{port}"
