@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from harness.outcome import STOP_GRACE_S
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 
@@ -43,10 +44,12 @@ class EngineKey:
         return cls(sc.engine, sc.colocate, sc.world_size if sc.colocate else 0, sc.engine_tp, sc.engines, reachable)
 
 
-def end_engines(engines: Sequence[Any], pids: Sequence[int | None], engine: str) -> None:
-    """Stop every engine server (30 s for all), kill their actors, and let the kind reap what it leaves
-    (`EngineKind.reap`, e.g. vLLM's engine core). `pids[i]` is engine `i`'s server pid (None if unknown)."""
-    stops = [e.stop.remote() for e in engines]
+def end_engines(engines: Sequence[Any], pids: Sequence[int | None], engine: str, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop every engine server (SIGTERM to its process group, SIGKILL after `grace_s` seconds; 30 s for all),
+    kill their actors, and let the kind reap what it leaves (`EngineKind.reap`, e.g. vLLM's engine core).
+    `pids[i]` is engine `i`'s server pid (None if unknown); the runner's `grace_s` is
+    `harness.outcome.stop_grace_s`."""
+    stops = [e.stop.remote(grace_s) for e in engines]
     with contextlib.suppress(Exception):
         ray.get(stops, timeout=30)
     kind = engine_kind(engine)

@@ -34,6 +34,20 @@ def sync_failed(record: RunRecord, sync: SyncRecord) -> bool:
     return not sync.finished or any(c.sync == sync.index and c.status != 200 for c in record.http)
 
 
+STOP_GRACE_S = 10.0  # seconds an engine server has between SIGTERM and SIGKILL when its scenario ended in step
+OUT_OF_STEP_GRACE_S = 1.0  # the same for an engine server its scenario left out of step
+
+
+def stop_grace_s(record: RunRecord, healthy: bool) -> float:
+    """Seconds between SIGTERM and SIGKILL for the scenario's engine servers, when they are ended rather than
+    shelved: `STOP_GRACE_S` after a scenario that ended `in_step`, else `OUT_OF_STEP_GRACE_S`. An engine left
+    out of step may be inside a request that never returns (a transfer-group join, a broadcast whose sender is
+    gone); a server's graceful shutdown waits for its requests, so the whole grace passed before the SIGKILL
+    every time (10 s of each DEADLOCK scenario's teardown). What it logged is on disk already, and
+    `ServerProcess.stop` unlinks the segments its group made either way."""
+    return STOP_GRACE_S if in_step(record, healthy) else OUT_OF_STEP_GRACE_S
+
+
 def engines_reusable(record: RunRecord, healthy: bool) -> bool:
     """Whether the scenario's engines may serve the next scenario after a restart in place (they become
     fresh engines: a new model, state and caches; `engine_fresh` then checks their starting weights): it

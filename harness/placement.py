@@ -30,6 +30,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness import shm
+from harness.outcome import STOP_GRACE_S
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import EngineStartError, ServerProcess, free_port
@@ -235,9 +236,10 @@ class EngineActor:
         """The last lines of the engine server's log."""
         return self.proc.log_tail() if self.proc else "(engine never started)"
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """End the engine server (`ServerProcess.stop`: SIGTERM, SIGKILL after `grace_s` seconds)."""
         if self.proc is not None:
-            self.proc.stop()
+            self.proc.stop(grace_s)
 
     def exit_status(self, tail_chars: int = 3000) -> tuple[int | None, str]:
         """(the server's exit status, None while it runs or before it started; the last `tail_chars`

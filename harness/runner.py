@@ -26,7 +26,7 @@ from harness import shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
-from harness.outcome import ended_clean, engines_reusable, in_step, sync_failed
+from harness.outcome import ended_clean, engines_reusable, in_step, stop_grace_s, sync_failed
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
@@ -212,7 +212,7 @@ class Runner:
             if reusable and engines_reusable(record, healthy):
                 self.shelf.put(key, engines, engine_pids)
             elif engines:
-                end_engines(engines, engine_pids, sc.engine)
+                end_engines(engines, engine_pids, sc.engine, stop_grace_s(record, healthy))
             if not clean:
                 self.drop_pool(sc.world_size)
                 # what its dead ranks left in /dev/shm: held at a resource sample, or when the sender connected (a

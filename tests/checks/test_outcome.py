@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.outcome import ended_clean, engines_reusable, in_step
+from harness.outcome import OUT_OF_STEP_GRACE_S, STOP_GRACE_S, ended_clean, engines_reusable, in_step, stop_grace_s
 from harness.record import ErrorRecord, HttpCall, RecoveryRecord, RunRecord
 from tests.checks.records import make_record
 
@@ -17,6 +17,7 @@ def test_a_run_through_without_a_fault_reuses_ranks_and_engines() -> None:
     rec = make_record()
     assert ended_clean(rec, healthy=True)
     assert engines_reusable(rec, healthy=True)
+    assert stop_grace_s(rec, healthy=True) == STOP_GRACE_S
 
 
 @pytest.mark.parametrize("fault", ["gqa_split_wrong", "finalize_per_chunk"])  # trainer side, engine side
@@ -41,6 +42,8 @@ def test_a_scenario_that_did_not_run_through_ends_both(defect: str) -> None:
     elif defect == "recovery":
         rec.recovery = RecoveryRecord(after_sync=1)
     assert not engines_reusable(rec, healthy=healthy)
+    # an engine left out of step may wait in a request that never returns: its server is not given the grace
+    assert stop_grace_s(rec, healthy=healthy) == OUT_OF_STEP_GRACE_S < STOP_GRACE_S
     rec.scenario.fault = None
     assert not ended_clean(rec, healthy=healthy)
 
@@ -60,6 +63,7 @@ def _recovered() -> tuple[RunRecord, RecoveryRecord]:
 def test_a_failed_sync_with_a_clean_recovery_sync_leaves_every_process_in_step() -> None:
     rec, _ = _recovered()
     assert in_step(rec, healthy=True) and engines_reusable(rec, healthy=True)
+    assert stop_grace_s(rec, healthy=True) == STOP_GRACE_S
     assert not ended_clean(rec, healthy=True)  # the ranks still show the fault undone first
 
 
