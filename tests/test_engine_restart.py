@@ -56,12 +56,9 @@ def _state(url: str) -> dict[str, Any]:
 def _running(checkpoint: Path, seed: int, log: Path, fault: str | None = None) -> Iterator[EngineProcess]:
     """An embedded engine process of `checkpoint` (dummy weights of `seed`, fault hook `fault`), started and
     stopped by pid at the end of the block."""
-    proc = EngineProcess(str(checkpoint), seed, str(log), fault=fault)
-    try:
+    with EngineProcess(str(checkpoint), seed, str(log), fault=fault) as proc:
         proc.start(timeout_s=300)
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

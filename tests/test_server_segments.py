@@ -105,6 +105,18 @@ def test_a_stopped_server_unlinks_the_segments_it_made_and_not_one_it_was_handed
     handed_map.close()
 
 
+def test_a_server_used_as_a_context_manager_is_stopped_when_its_block_raises(tmp_path: Path, names: list[str]) -> None:
+    own = names[0]
+    server = SegmentServer(tmp_path / "s.log", own, "serve")
+    with pytest.raises(RuntimeError, match="the caller failed"), server:
+        server.start(timeout_s=60)
+        assert (SHM / own).exists()
+        raise RuntimeError("the caller failed")
+    assert server.proc is not None and server.ended
+    assert alive_in_group(server.proc.pid) == []  # its whole group, in a session of its own, has ended
+    assert not (SHM / own).exists()
+
+
 def test_a_server_whose_start_fails_leaves_no_segment_its_group_made(tmp_path: Path, names: list[str]) -> None:
     own = names[0]
     server = SegmentServer(tmp_path / "server.log", own, "child-then-exit")

@@ -25,6 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -210,6 +211,15 @@ class ServerProcess(ABC):
     def pid(self) -> int | None:
         """The server's pid (leader of its process group), None before start."""
         return self.proc.pid if self.proc else None
+
+    def __enter__(self) -> Self:
+        """`with server:` stops the server (`stop`) when the block ends, also on an exception or Ctrl-C: the
+        server runs in a session of its own, so a caller that dies without stopping it leaves its whole group
+        running (a vLLM server holds its port and gigabytes of memory until killed). Start it inside the block."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End the server's whole process group by its pid (SIGTERM, SIGKILL after `grace_s` seconds), then

@@ -198,69 +198,69 @@ def main() -> int:
         "chunk_bytes": args.chunk_bytes,
         "log": str(args.log),
     }
-    t0 = time.perf_counter()
-    url = proc.start(kind.start_timeout_s)
-    report["start_s"] = round(time.perf_counter() - t0, 1)
-    client = EngineClient(url, timeout_s=900, session_ends_on_error=True, parse_rejections=kind.parse_rejections)
-    spy: subprocess.Popen[bytes] | None = None
-    raw = Path(tempfile.gettempdir()) / f"wsh-vllm-profile-{os.getpid()}.raw"
-    try:
-        transfer = kind.transfer(colocate=False, cuda=torch.cuda.is_available())
-        channel = connect_channel(client, transfer.wire, transfer.backend)
-        report["transfer"] = {"wire": transfer.wire, "backend": transfer.backend}
-        log_offset = 0
-        syncs = []
-        for i in range(args.syncs + 1):
-            if i == 1:
-                log_offset = args.log.stat().st_size if args.log.exists() else 0
-                if args.py_spy:
-                    spy = _start_py_spy(proc.pid() or 0, raw)
-            t = time.perf_counter()
-            res, plan = run_sync(
-                named=named,
-                rank=0,
-                world_size=1,
-                chunk_bytes=args.chunk_bytes,
-                sync_index=i,
-                weight_version=i,
-                client=client,
-                channel=channel,
-            )
-            wall = time.perf_counter() - t
-            assert res.finished and not res.names_rejected, (res.names_rejected, client.calls[-1])
-            timing = dict(getattr(channel, "timing", {}))
-            syncs.append(
-                {
-                    "sync": i,
-                    "wall_s": round(wall, 3),
-                    "chunks": len(plan),
-                    "routes_ms": _route_ms(client.calls, i),
-                    "sender": {k: round(v, 3) for k, v in timing.items()},
-                }
-            )
-            if hasattr(channel, "timing"):
-                channel.timing.clear()
-        if spy is not None:
-            report["py_spy_stderr"] = _stop_py_spy(spy)
-            spy = None
-            per = split_samples(raw.read_text().splitlines()) if raw.exists() else {}
-            report["engine_cpu_s_per_steady_sync"] = {k: round(v / args.syncs, 3) for k, v in per.items()}
-            report["py_spy_raw"] = str(raw)
-        if args.log.exists() and args.syncs:
-            with open(args.log, errors="replace") as f:
-                f.seek(log_offset)
-                logged = engine_log_seconds(f.read().splitlines())
-            report["engine_logged_s_per_steady_sync"] = {k: round(v / args.syncs, 3) for k, v in logged.items()}
-        report["syncs"] = syncs
-        steady = [s["wall_s"] for s in syncs[1:]]
-        report["steady_wall_s_median"] = sorted(steady)[len(steady) // 2] if steady else None
-        report["empty_update_ms_median"] = _empty_update_ms(client, channel, args.syncs + 1)
-        channel.close()
-    finally:
-        if spy is not None:
-            _stop_py_spy(spy)
-        client.close()
-        proc.stop()
+    with proc:  # stopped also when the profile raises or is interrupted while the server starts
+        t0 = time.perf_counter()
+        url = proc.start(kind.start_timeout_s)
+        report["start_s"] = round(time.perf_counter() - t0, 1)
+        client = EngineClient(url, timeout_s=900, session_ends_on_error=True, parse_rejections=kind.parse_rejections)
+        spy: subprocess.Popen[bytes] | None = None
+        raw = Path(tempfile.gettempdir()) / f"wsh-vllm-profile-{os.getpid()}.raw"
+        try:
+            transfer = kind.transfer(colocate=False, cuda=torch.cuda.is_available())
+            channel = connect_channel(client, transfer.wire, transfer.backend)
+            report["transfer"] = {"wire": transfer.wire, "backend": transfer.backend}
+            log_offset = 0
+            syncs = []
+            for i in range(args.syncs + 1):
+                if i == 1:
+                    log_offset = args.log.stat().st_size if args.log.exists() else 0
+                    if args.py_spy:
+                        spy = _start_py_spy(proc.pid() or 0, raw)
+                t = time.perf_counter()
+                res, plan = run_sync(
+                    named=named,
+                    rank=0,
+                    world_size=1,
+                    chunk_bytes=args.chunk_bytes,
+                    sync_index=i,
+                    weight_version=i,
+                    client=client,
+                    channel=channel,
+                )
+                wall = time.perf_counter() - t
+                assert res.finished and not res.names_rejected, (res.names_rejected, client.calls[-1])
+                timing = dict(getattr(channel, "timing", {}))
+                syncs.append(
+                    {
+                        "sync": i,
+                        "wall_s": round(wall, 3),
+                        "chunks": len(plan),
+                        "routes_ms": _route_ms(client.calls, i),
+                        "sender": {k: round(v, 3) for k, v in timing.items()},
+                    }
+                )
+                if hasattr(channel, "timing"):
+                    channel.timing.clear()
+            if spy is not None:
+                report["py_spy_stderr"] = _stop_py_spy(spy)
+                spy = None
+                per = split_samples(raw.read_text().splitlines()) if raw.exists() else {}
+                report["engine_cpu_s_per_steady_sync"] = {k: round(v / args.syncs, 3) for k, v in per.items()}
+                report["py_spy_raw"] = str(raw)
+            if args.log.exists() and args.syncs:
+                with open(args.log, errors="replace") as f:
+                    f.seek(log_offset)
+                    logged = engine_log_seconds(f.read().splitlines())
+                report["engine_logged_s_per_steady_sync"] = {k: round(v / args.syncs, 3) for k, v in logged.items()}
+            report["syncs"] = syncs
+            steady = [s["wall_s"] for s in syncs[1:]]
+            report["steady_wall_s_median"] = sorted(steady)[len(steady) // 2] if steady else None
+            report["empty_update_ms_median"] = _empty_update_ms(client, channel, args.syncs + 1)
+            channel.close()
+        finally:
+            if spy is not None:
+                _stop_py_spy(spy)
+            client.close()
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
