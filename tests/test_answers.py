@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -34,6 +34,16 @@ def vllm_500(worker_error: str) -> str:
         "trace above for the root cause"
     )
     return json.dumps({"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}})
+
+
+def vllm_500_in_core(worker_error: str) -> str:
+    """The same 500 from a server whose worker runs inside the engine core (`UniProcExecutor`, vLLM's CPU
+    platform at TP 1 with VLLM_ENABLE_V1_MULTIPROCESSING=0): vllm/v1/engine/core.py words the exception itself."""
+    message = f"Call to collective_rpc method failed: {worker_error}"
+    return json.dumps({"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}})
+
+
+EXECUTORS = pytest.mark.parametrize("vllm_500", [vllm_500, vllm_500_in_core], ids=["worker process", "in the core"])
 
 
 VLLM_UNKNOWN = (
@@ -172,7 +182,8 @@ def test_embedded_non_json_answer_and_no_answer() -> None:
 # --- vLLM ---------------------------------------------------------------------------------------------
 
 
-def test_vllm_module_name_is_mapped_to_the_hf_name_sent() -> None:
+@EXECUTORS
+def test_vllm_module_name_is_mapped_to_the_hf_name_sent(vllm_500: Callable[[str], str]) -> None:
     got = vllm(UPDATE, 500, vllm_500(VLLM_UNKNOWN), CHUNK)
     assert len(got) == 1
     assert (got[0].name, got[0].kind) == (BAD, "name")
@@ -180,7 +191,8 @@ def test_vllm_module_name_is_mapped_to_the_hf_name_sent() -> None:
     assert len(got[0].reason) == 300 and got[0].reason.endswith("…")
 
 
-def test_vllm_name_not_in_the_chunk_keeps_vllms_name() -> None:
+@EXECUTORS
+def test_vllm_name_not_in_the_chunk_keeps_vllms_name(vllm_500: Callable[[str], str]) -> None:
     got = vllm(UPDATE, 500, vllm_500(VLLM_UNKNOWN), ["model.norm.weight"])
     assert [(r.name, r.kind) for r in got] == [("layers.0.self_attn.no_such", "name")]
 
@@ -192,13 +204,15 @@ def test_sent_name_for_matches_whole_dotted_parts() -> None:
     assert sent_name_for("model.layers.10.mlp.up_proj.weight", sent) == sent[0]
 
 
-def test_vllm_dtype_refusal_names_the_tensor() -> None:
+@EXECUTORS
+def test_vllm_dtype_refusal_names_the_tensor(vllm_500: Callable[[str], str]) -> None:
     assert vllm(UPDATE, 500, vllm_500(VLLM_DTYPE), CHUNK) == [
         Rejection(name="model.norm.weight", kind="dtype", reason=VLLM_DTYPE)
     ]
 
 
-def test_vllm_shape_error_names_no_tensor() -> None:
+@EXECUTORS
+def test_vllm_shape_error_names_no_tensor(vllm_500: Callable[[str], str]) -> None:
     assert vllm(UPDATE, 500, vllm_500(VLLM_SHAPE), CHUNK) == [Rejection(name=UPDATE, kind="other", reason=VLLM_SHAPE)]
 
 
@@ -213,7 +227,8 @@ def test_vllm_shape_error_names_no_tensor() -> None:
         ),
     ],
 )
-def test_vllm_session_answers(route: str, worker_error: str) -> None:
+@EXECUTORS
+def test_vllm_session_answers(route: str, worker_error: str, vllm_500: Callable[[str], str]) -> None:
     assert vllm(route, 500, vllm_500(worker_error), []) == [Rejection(name=route, kind="session", reason=worker_error)]
 
 
@@ -250,7 +265,8 @@ def test_vllm_engine_core_failure_and_no_answer_name_no_tensor() -> None:
     assert vllm(UPDATE, 0, refused, CHUNK) == [Rejection(name=UPDATE, kind="other", reason=refused)]
 
 
-def test_vllm_bare_quoted_name_is_a_keyerror_text() -> None:
+@EXECUTORS
+def test_vllm_bare_quoted_name_is_a_keyerror_text(vllm_500: Callable[[str], str]) -> None:
     got = vllm(UPDATE, 500, vllm_500("'model.layers.0.mlp.no_such.weight'"), ["model.layers.0.mlp.no_such.weight"])
     assert [(r.name, r.kind) for r in got] == [("model.layers.0.mlp.no_such.weight", "name")]
 

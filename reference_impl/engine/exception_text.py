@@ -1,7 +1,8 @@
 """What the text of a Python exception says about tensor names an engine (or loader) cannot place.
 
 Both engines put an exception's text into their error answers: vLLM's 500 carries the worker's exception
-("Call to collective_rpc method failed: Worker failed with error '...'"), the embedded engine's 500 carries
+("Call to collective_rpc method failed: Worker failed with error '...'", or the bare text when the worker runs
+inside the engine core), the embedded engine's 500 carries
 the exception and its traceback. The answer parsers of `reference_impl.engine.embedded.answers` and
 `reference_impl.engine.vllm.answers` read names out of those texts here; the harness reads a trainer
 exception's text with the explicit phrasings only (`loose=False`).

@@ -3,9 +3,11 @@
 vLLM answers every error as `{"error": {"message", "type", "param", "code"}}`
 (vllm/entrypoints/serve/exception_handling: `create_error_response`). A weight-update route whose worker
 raised is a 500 whose message is "Call to collective_rpc method failed: Worker failed with error '<the
-worker's exception text>', please check the stack trace above for the root cause" (vllm/v1/engine/core.py
-`_invoke_utility_method`, vllm/v1/executor/multiproc_executor.py); a body that fails request validation is
-a 400 with the offending field in `param`.
+worker's exception text>', please check the stack trace above for the root cause" when the worker is a
+process of its own (vllm/v1/engine/core.py `_invoke_utility_method`, vllm/v1/executor/multiproc_executor.py),
+and "Call to collective_rpc method failed: <the worker's exception text>" when it runs inside the engine core
+(`UniProcExecutor`: a CPU server at TP 1, see `launcher.VllmEngineProcess.launch`); a body that fails request
+validation is a 400 with the offending field in `param`.
 
 What the worker's text says, as vLLM 0.32 and the harness's gloo plugin word it:
 - a name the model cannot place: "There is no module or parameter named 'layers.0.self_attn.no_such' in
@@ -31,6 +33,7 @@ from reference_impl.engine.exception_text import excerpt, stated_names
 from reference_impl.transport.observed import Rejection
 
 _WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check the stack trace", re.DOTALL)
+_IN_CORE_ERROR = re.compile(r"Call to \w+ method failed: (.*)", re.DOTALL)  # a worker inside the engine core
 _BARE_NAME = re.compile(r"'([A-Za-z_]\w*(?:\.\w+)+)'")  # 'model.layers.0.mlp.up_proj.weight'
 _DTYPE = re.compile(r"dtype mismatch for '([^']+)'")
 _SESSION_PHRASES: tuple[str, ...] = (
@@ -78,7 +81,7 @@ def parse_rejections(route: str, status: int, body: str, sent_names: Sequence[st
     `route` with kind "other" whose reason is an excerpt of the worker's text (or of the body). Never raises.
     """
     message, param = _message(body)
-    worker = _WORKER_ERROR.search(message)
+    worker = _WORKER_ERROR.search(message) or _IN_CORE_ERROR.fullmatch(message.strip())
     text = worker.group(1) if worker else message
     reason = excerpt(text) or f"status {status}, empty answer"
     if status in (400, 422):
