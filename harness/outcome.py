@@ -44,7 +44,9 @@ def stop_grace_s(record: RunRecord, healthy: bool) -> float:
     out of step may be inside a request that never returns (a transfer-group join, a broadcast whose sender is
     gone); a server's graceful shutdown waits for its requests, so the whole grace passed before the SIGKILL
     every time (10 s of each DEADLOCK scenario's teardown). What it logged is on disk already, and
-    `ServerProcess.stop` unlinks the segments its group made either way."""
+    `ServerProcess.stop` unlinks the segments its group held when it first answered /health either way (vLLM
+    makes its own while it starts). A shelved engine whose restart in place failed is ended with the short
+    grace too: it is discarded, and a restart that timed out may be stuck."""
     return STOP_GRACE_S if in_step(record, healthy) else OUT_OF_STEP_GRACE_S
 
 

@@ -26,7 +26,7 @@ from harness import shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
-from harness.outcome import ended_clean, engines_reusable, in_step, stop_grace_s, sync_failed
+from harness.outcome import OUT_OF_STEP_GRACE_S, ended_clean, engines_reusable, in_step, stop_grace_s, sync_failed
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
@@ -281,7 +281,7 @@ class Runner:
             urls = ray.get(restarts, timeout=engine_kind(sc.engine).start_timeout_s)
         except Exception as e:
             record.notes.append(f"a shelved engine did not restart ({type(e).__name__}: {str(e)[:300]}); started anew")
-            end_engines(engines, pids, sc.engine)
+            end_engines(engines, pids, sc.engine, OUT_OF_STEP_GRACE_S)  # discarded: a restart may be stuck mid-way
             return [], []
         record.notes.append(
             f"engine process reused: restarted in place as a fresh engine (pid {', '.join(map(str, pids))}; "

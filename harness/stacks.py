@@ -10,8 +10,8 @@ from pathlib import Path
 
 def dump_stacks(pids: dict[str, int | None], out_dir: Path, timeout_s: float = 30.0) -> list[str]:
     """Python stacks of every process in `pids` (label -> pid) into `out_dir/<label>.txt` with
-    `py-spy dump --subprocesses` (vLLM's server has its engine core and worker as children); returns the
-    files written. A process py-spy cannot read gets its error in the file."""
+    `py-spy dump --subprocesses` (vLLM's server has its engine core as a child, and worker processes at TP > 1
+    or on GPU); returns the files written. A process py-spy cannot read gets its error in the file."""
     out_dir.mkdir(parents=True, exist_ok=True)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     files = []

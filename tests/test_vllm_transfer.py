@@ -14,7 +14,12 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from reference_impl.engine import engine_kind
 from reference_impl.engine.base import Transfer
 from reference_impl.engine.vllm.env import EngineEnvMissing, plugin_import_dir
-from reference_impl.engine.vllm.launcher import COLOCATE_GPU_MEMORY_UTILIZATION, VllmEngineProcess, backend_flags
+from reference_impl.engine.vllm.launcher import (
+    COLOCATE_GPU_MEMORY_UTILIZATION,
+    VllmEngineProcess,
+    backend_flags,
+    cpu_worker_threads,
+)
 from reference_impl.transport.channels import CONNECTORS, connect_channel
 
 PLACEMENTS = [(False, False), (False, True), (True, False), (True, True)]  # (colocate, cuda)
@@ -99,6 +104,15 @@ def test_vllms_server_gets_the_backend_and_this_checkouts_plugin(
     assert plain_env["TORCHDYNAMO_DISABLE"] == "1"
     # and its one worker runs inside the engine core (a worker process was one more 6-8 s import of torch and vLLM)
     assert plain_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # with the thread count vLLM gives a worker process it spawns: every allowed CPU but one, at least one
+    assert plain_env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) - 1))
+    assert (cpu_worker_threads([0]), cpu_worker_threads([0, 1]), cpu_worker_threads(list(range(16)))) == (1, 1, 15)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    bound_proc = VllmEngineProcess("/ckpt", 7, None)
+    bound_env = bound_proc.launch()[1]
+    bound_proc.stop()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in bound_env  # a binding asked for needs vLLM's worker process
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     tp2_proc = VllmEngineProcess("/ckpt", 7, None, tp=2)
     tp2_env = tp2_proc.launch()[1]
     tp2_proc.stop()

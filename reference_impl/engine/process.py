@@ -7,7 +7,7 @@ after a grace period): vLLM's API server has an engine-core child, and nothing o
 the launcher's `stop`. Each server also gets a temp folder of its own (`TMPDIR`), removed by `stop`:
 what it writes there (the embedded engine's port file; vLLM's `vllm_dist_*` init files and ZMQ sockets,
 which a stopped vLLM leaves behind) goes with it. What the group made in `/dev/shm` while it started
-(vLLM's message queue between API server, engine core and workers, a 160 MiB `psm_*` segment; at TP > 1
+(vLLM's message queue between the engine core and its worker processes, a 160 MiB `psm_*` segment; at TP > 1
 its workers' `vllm_dist_*-cpushm_*` segments) is noted once it answers /health, and `stop` unlinks what of
 it is still there once the group is gone: processes ended by a signal often never unlink their own.
 """

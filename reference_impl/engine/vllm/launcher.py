@@ -41,6 +41,7 @@ COLOCATE_GPU_MEMORY_UTILIZATION = 0.4  # vLLM's share of a GPU it shares with th
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"  # torch's variable; a caller's own value is kept
 DYNAMO_DISABLE = "TORCHDYNAMO_DISABLE"  # torch's variable: `torch.compile` returns the function it was given
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's variable: "0" runs a CPU worker inside the engine core
+OMP_THREADS = "OMP_NUM_THREADS"
 
 
 def inductor_cache_dir() -> str:
@@ -98,6 +99,15 @@ def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
         return "nobind"
     per = len(cpus) // tp
     return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp))
+
+
+def cpu_worker_threads(cpus: list[int] | None = None) -> int:
+    """The OpenMP threads vLLM's automatic binding gives the one CPU worker of a TP 1 server: the CPUs this
+    process may run on (`cpus`, default its affinity) less one reserved for the engine core's scheduler
+    (vllm/utils/ompmultiprocessing.py: `reserve_cpu_num` is the local world size on x86 and ARM), at least 1.
+    vLLM sets it for a worker process it spawns; a worker inside the engine core gets it from here."""
+    n = len(os.sched_getaffinity(0)) if cpus is None else len(cpus)
+    return max(1, n - 1)
 
 
 class VllmEngineProcess(ServerProcess):
@@ -194,7 +204,13 @@ class VllmEngineProcess(ServerProcess):
         still runs the engine core in a process of its own (`AsyncMPClient`). Each of the three interpreters
         spends 6-8 s importing torch and vLLM on a 2-core host, one after the other: a start took 28.4 s with
         the worker process and 20.8 s without (34.8 / 18.1 s in a second pair), with equal prompt log-probs
-        and ranks. At TP >= 2 the workers are processes as vLLM runs them."""
+        and ranks. At TP >= 2 the workers are processes as vLLM runs them, and at TP 1 too when the caller sets
+        `VLLM_CPU_OMP_THREADS_BIND` (only vLLM's worker processes apply it).
+
+        vLLM sets `OMP_NUM_THREADS` for a worker process it spawns (its automatic binding: every allowed CPU but
+        one); a worker inside the engine core gets the same count here (`cpu_worker_threads`), not the caller's
+        value: Ray starts its actors with `OMP_NUM_THREADS=1`, and without the variable the engine core drops
+        torch to one thread for serving (vllm/utils/torch_utils.py)."""
         # vLLM binds it only after seconds of imports, while other engines and the trainer ranks start and ask
         # the OS for ports of their own: a port from the ephemeral range could be handed to one of them.
         port = free_port(self.host)
@@ -211,8 +227,10 @@ class VllmEngineProcess(ServerProcess):
         env.setdefault(INDUCTOR_CACHE, inductor_cache_dir())  # not in the server's TMPDIR, which stop removes
         if self.backend == "gloo":  # a CPU host: see `launch`
             env.setdefault(DYNAMO_DISABLE, "1")
-            if self.tp == 1:
-                env.setdefault(MULTIPROCESSING, "0")
+            # a TP 1 worker inside the engine core, unless the caller binds threads (only vLLM's worker
+            # processes apply VLLM_CPU_OMP_THREADS_BIND) or asks for vLLM's worker process itself
+            if self.tp == 1 and THREADS_BIND not in env and env.setdefault(MULTIPROCESSING, "0") == "0":
+                env[OMP_THREADS] = str(cpu_worker_threads())
         if self.tp > 1 and THREADS_BIND not in env:
             env[THREADS_BIND] = cpu_threads_bind(self.tp)
         url = f"http://{self.host}:{port}"
