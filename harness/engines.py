@@ -20,9 +20,9 @@ from typing import Any
 
 import ray
 
-from harness.outcome import STOP_GRACE_S
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
+from reference_impl.engine.process import STOP_GRACE_S
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ runner then asks whether the fault is undone)."""
 from __future__ import annotations
 
 from harness.record import RunRecord, SyncRecord
+from reference_impl.engine.process import STOP_GRACE_S
 from reference_impl.transport.observed import HttpCall, SyncReport
 
 
@@ -34,8 +35,7 @@ def sync_failed(record: RunRecord, sync: SyncRecord) -> bool:
     return not sync.finished or any(c.sync == sync.index and c.status != 200 for c in record.http)
 
 
-STOP_GRACE_S = 10.0  # seconds an engine server has between SIGTERM and SIGKILL when its scenario ended in step
-OUT_OF_STEP_GRACE_S = 1.0  # the same for an engine server its scenario left out of step
+OUT_OF_STEP_GRACE_S = 1.0  # seconds between SIGTERM and SIGKILL for an engine its scenario left out of step
 
 
 def stop_grace_s(record: RunRecord, healthy: bool) -> float:

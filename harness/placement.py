@@ -30,10 +30,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness import shm
-from harness.outcome import STOP_GRACE_S
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
-from reference_impl.engine.process import EngineStartError, ServerProcess, free_port
+from reference_impl.engine.process import STOP_GRACE_S, EngineStartError, ServerProcess, free_port
 
 SETUP_TIMEOUT_S = 900.0
 TRAINER_NODE = "wsh_trainer_node"  # a node offering this custom resource hosts the trainer ranks

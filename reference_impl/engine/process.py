@@ -101,6 +101,9 @@ def wait_for_health(
     raise EngineStartError(f"{what} did not answer /health within {timeout_s:.0f} s: {log_tail()}")
 
 
+STOP_GRACE_S = 10.0  # seconds a server has between SIGTERM and SIGKILL by default (`ServerProcess.stop`)
+
+
 class ServerProcess(ABC):
     """One engine server process, started in its own process group and stopped with it.
 
@@ -221,7 +224,7 @@ class ServerProcess(ABC):
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """End the server's whole process group by its pid (SIGTERM, SIGKILL after `grace_s` seconds), then
         remove its temp folder and unlink the /dev/shm segments the group made while it started
         (`started_segments`; for a server that never answered /health, those its group holds now: nothing
