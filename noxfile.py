@@ -72,9 +72,10 @@ def _vllm_env(session: nox.Session, flavor: str = "cpu") -> dict[str, str]:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Lint, then the test suite (unit, integration, end-to-end scenarios, real vLLM on CPU)."""
+    """Lint and format check, then the test suite (unit, integration, end-to-end scenarios, real vLLM on CPU)."""
     _install(session)
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
     env = _vllm_env(session) | {"WSH_REQUIRE_VLLM": "1"}
     session.run("pytest", *(session.posargs or ["-q", "--durations=40", "tests"]), env=env)
 
@@ -101,9 +102,7 @@ def hard_kills(session: nox.Session) -> None:
     """Every seed of `tests/test_hard_kills.py` (8 engine kills, 6 rank kills, 6 signals to the harness and
     the SIGTERM once a scenario runs); `tests` runs the seeds that cover each kind once (11 of 21)."""
     _install(session)
-    session.run(
-        "pytest", *(session.posargs or ["-q", "tests/test_hard_kills.py"]), env={"WSH_HARD_KILL_SEEDS": "all"}
-    )
+    session.run("pytest", *(session.posargs or ["-q", "tests/test_hard_kills.py"]), env={"WSH_HARD_KILL_SEEDS": "all"})
 
 
 @nox.session(python=PYTHON)

@@ -347,5 +347,3 @@ class TrainerPool:
                 if "TrainerWorker" in " ".join(proc.cmdline()):
                     out.append(proc)
         return out
-
-

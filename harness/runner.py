@@ -144,8 +144,16 @@ class Runner:
                 engines = [EngineActor.options(**options).remote() for _ in range(sc.engines)]
                 starts = [  # every replica from dummy weights of its own seed
                     e.start.remote(
-                        sc.engine, str(ckpt), sc.engine_seed + i, str(self.engine_log(sc.id, i)), sc.dtype, hook,
-                        sc.colocate, sc.engine_tp, reachable, self.token,
+                        sc.engine,
+                        str(ckpt),
+                        sc.engine_seed + i,
+                        str(self.engine_log(sc.id, i)),
+                        sc.dtype,
+                        hook,
+                        sc.colocate,
+                        sc.engine_tp,
+                        reachable,
+                        self.token,
                     )
                     for i, e in enumerate(engines)
                 ]

@@ -78,4 +78,3 @@ def test_servers_bind_beyond_loopback_only_with_a_token(tmp_path: Path, monkeypa
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--host") + 1] == "192.0.2.2"
     plain = VllmEngineProcess("ckpt", 1, str(tmp_path / "log")).command(8000)
     assert "--middleware" not in plain and "--tensor-parallel-size" not in plain
-

@@ -95,8 +95,9 @@ def test_tp_gather_layout_matches_concatenation(
     addresses = []
     for step in range(2):
         base = step * 10**5
-        shards = [torch.arange(base + r * 1000, base + r * 1000 + n, dtype=torch.float32).view(shape)
-                  for r in range(tp)]
+        shards = [
+            torch.arange(base + r * 1000, base + r * 1000 + n, dtype=torch.float32).view(shape) for r in range(tp)
+        ]
 
         def all_gather_single(out: torch.Tensor, t: torch.Tensor, group: object = None, shards=shards) -> None:  # type: ignore[no-untyped-def]
             assert out.dim() == t.dim() == 1 and torch.equal(t, shards[0].view(-1))  # gloo's flat form

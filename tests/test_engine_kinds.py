@@ -56,6 +56,8 @@ def test_vllm_tp_workers_get_cpu_groups_of_their_own() -> None:
     assert cpu_threads_bind(2, [0, 1]) == "0|1"
     assert cpu_threads_bind(2, [4, 5, 6, 7, 8]) == "4,5|6,7"
     assert cpu_threads_bind(4, [0, 1]) == "nobind"
+
+
 def test_vllm_starts_vl_checkpoints_with_their_tokenizer_and_a_profile_image_of_the_prompts_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -292,9 +292,11 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     # Random moments from Ray's start to the second scenario, and one SIGTERM once a scenario runs: there,
     # the failure handler ray.init installs for SIGTERM used to abort the harness before its cleanup.
     rng = random.Random(3000 + seed if isinstance(seed, int) else 0)
-    how = "SIGTERM to the harness" if isinstance(seed, str) else [
-        "SIGINT to the process group (Ctrl-C)", "SIGTERM to the harness", "SIGINT to the harness"
-    ][seed % 3]
+    how = (
+        "SIGTERM to the harness"
+        if isinstance(seed, str)
+        else ["SIGINT to the process group (Ctrl-C)", "SIGTERM to the harness", "SIGINT to the harness"][seed % 3]
+    )
     entries = [
         {"model": "qwen3", "colocate": colocate, "syncs": 2, "chunk_bytes": 65536, "deadline_s": DEADLINE_S}
         for colocate in (True, False)

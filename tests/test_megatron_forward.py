@@ -128,7 +128,6 @@ def _run_case(case: Case, checkpoint: str) -> dict[str, Any] | None:
     return {"logprobs": out, "seconds": seconds, "build_s": build_s}
 
 
-
 class RankPool:
     """`world` spawned rank processes in one gloo default group; `close` ends every one of them."""
 

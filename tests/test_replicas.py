@@ -56,8 +56,10 @@ def _update(client: ReplicaClient, buf: SharedMemoryBuffer, named: dict, sync: i
     buf.grow(payload.numel())
     buf.tensor(payload.numel()).copy_(payload)
     info = UpdateInfo(
-        names=list(named), dtype_names=[dtype_name(t.dtype) for t in tensors],
-        shapes=[list(t.shape) for t in tensors], chunk_index=chunk,
+        names=list(named),
+        dtype_names=[dtype_name(t.dtype) for t in tensors],
+        shapes=[list(t.shape) for t in tensors],
+        chunk_index=chunk,
     )
     client.update(replace(info, handle=buf.handle(payload.numel())), sync, chunk)
 

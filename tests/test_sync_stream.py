@@ -87,8 +87,14 @@ def test_chunks_go_on_the_wire_while_the_export_runs() -> None:
     channel = Channel(produced, delay_s=0.01)
     chunk_bytes = 3 * 1024  # 3 tensors of 1 KiB per chunk
     res, plan = run_sync(
-        named=export(), rank=0, world_size=1, chunk_bytes=chunk_bytes, sync_index=0, weight_version=0,
-        client=Client(), channel=channel,  # type: ignore[arg-type]
+        named=export(),
+        rank=0,
+        world_size=1,
+        chunk_bytes=chunk_bytes,
+        sync_index=0,
+        weight_version=0,
+        client=Client(),
+        channel=channel,  # type: ignore[arg-type]
     )
     # the plan of an export run first (hand-derived: 12 tensors of 1 KiB, 3 per chunk)
     assert [[m.name for m in c.tensors] for c in plan] == [[n for n, _ in named[i : i + 3]] for i in (0, 3, 6, 9)]
@@ -117,8 +123,14 @@ def test_a_chunk_is_not_sent_once_the_engine_ended_the_session() -> None:
 
     channel = Ending([], delay_s=0.0)
     res, _ = run_sync(
-        named=iter(named), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=1, weight_version=1,
-        client=client, channel=channel,  # type: ignore[arg-type]
+        named=iter(named),
+        rank=0,
+        world_size=1,
+        chunk_bytes=3 * 1024,
+        sync_index=1,
+        weight_version=1,
+        client=client,
+        channel=channel,  # type: ignore[arg-type]
     )
     assert [i for i, _, _ in channel.sent] == [0, 1]
     assert [c.sent for c in res.chunks] == [True, True, False, False]
@@ -140,8 +152,14 @@ def test_a_send_that_raises_stops_the_chunks_after_it() -> None:
     channel = Broken([], delay_s=0.0)
     with pytest.raises(RuntimeError, match="timed out"):
         run_sync(
-            named=iter(named), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=1, weight_version=1,
-            client=Client(), channel=channel,  # type: ignore[arg-type]
+            named=iter(named),
+            rank=0,
+            world_size=1,
+            chunk_bytes=3 * 1024,
+            sync_index=1,
+            weight_version=1,
+            client=Client(),
+            channel=channel,  # type: ignore[arg-type]
         )
     assert [i for i, _, _ in channel.sent] == [0]
 
@@ -157,8 +175,14 @@ def test_chunks_queued_from_an_export_that_fails_are_not_sent() -> None:
     channel = Channel([], delay_s=0.5)
     with pytest.raises(KeyError):
         run_sync(
-            named=export(), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=1, weight_version=1,
-            client=Client(), channel=channel,  # type: ignore[arg-type]
+            named=export(),
+            rank=0,
+            world_size=1,
+            chunk_bytes=3 * 1024,
+            sync_index=1,
+            weight_version=1,
+            client=Client(),
+            channel=channel,  # type: ignore[arg-type]
         )
     assert [i for i, _, _ in channel.sent] == [0]
 
@@ -170,8 +194,15 @@ def test_a_finished_send_thread_leaves_no_progress_line(tmp_path) -> None:  # ty
 
     progress = Progress(tmp_path / "rank0.txt")
     run_sync(
-        named=iter(tensors()), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=4, weight_version=4,
-        client=Client(), channel=Channel([], delay_s=0.0), progress=progress,  # type: ignore[arg-type]
+        named=iter(tensors()),
+        rank=0,
+        world_size=1,
+        chunk_bytes=3 * 1024,
+        sync_index=4,
+        weight_version=4,
+        client=Client(),
+        channel=Channel([], delay_s=0.0),
+        progress=progress,  # type: ignore[arg-type]
     )
     assert read_progress(tmp_path) == {"rank0": "sync 4: finished"}
     progress.at("step 5: the trainer's step on every parameter")
@@ -197,8 +228,14 @@ def test_a_plan_that_does_not_begin_with_the_streamed_chunks_stops_every_rank(ra
     channel = Channel([], delay_s=0.0)
     with pytest.raises(RuntimeError, match="does not begin with the 2 chunks sent while exporting"):
         run_sync(
-            named=iter(named), rank=rank, world_size=2, chunk_bytes=3 * 1024, sync_index=0, weight_version=0,
-            client=Client() if rank == 0 else None, channel=channel if rank == 0 else None,  # type: ignore[arg-type]
+            named=iter(named),
+            rank=rank,
+            world_size=2,
+            chunk_bytes=3 * 1024,
+            sync_index=0,
+            weight_version=0,
+            client=Client() if rank == 0 else None,
+            channel=channel if rank == 0 else None,  # type: ignore[arg-type]
         )
     assert handed == []
     assert sync.streamed_by_sender(metas, 3 * 1024) == [tuple(sender[0:3]), tuple(sender[3:6])]  # hand-derived
@@ -226,8 +263,14 @@ def test_the_sender_holds_a_chunks_tensors_only_until_the_engine_answered_it() -
             return super().send(client, tensors, info, sync)
 
     res, _ = run_sync(
-        named=export(), rank=0, world_size=1, chunk_bytes=3 * 1024, sync_index=1, weight_version=1,
-        client=Client(), channel=Watching([], delay_s=0.0),  # type: ignore[arg-type]
+        named=export(),
+        rank=0,
+        world_size=1,
+        chunk_bytes=3 * 1024,
+        sync_index=1,
+        weight_version=1,
+        client=Client(),
+        channel=Watching([], delay_s=0.0),  # type: ignore[arg-type]
     )
     names = list(sums)
     # at chunk k's send, only tensors not sent yet are alive (those the export already produced for chunk k+1)

@@ -63,9 +63,20 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
     try:
         procs.append(
             subprocess.Popen(
-                [*RAY, "start", "--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false",
-                 '--resources={"wsh_trainer_node": 1}', *common],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=RAY_ENV,
+                [
+                    *RAY,
+                    "start",
+                    "--head",
+                    f"--port={port}",
+                    f"--temp-dir={temp}",
+                    "--include-dashboard=false",
+                    '--resources={"wsh_trainer_node": 1}',
+                    *common,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=RAY_ENV,
             )
         )
         head_ip = None  # the head's node address, as its `ray start` reports it ("Local node IP: ...")
@@ -78,9 +89,18 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
         address = f"{head_ip}:{port}"
         procs.append(
             subprocess.Popen(
-                [*RAY, "start", f"--address={address}", f"--node-ip-address={ENGINE_NODE_IP}",
-                 '--resources={"wsh_engine_node": 1}', *common],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=RAY_ENV,
+                [
+                    *RAY,
+                    "start",
+                    f"--address={address}",
+                    f"--node-ip-address={ENGINE_NODE_IP}",
+                    '--resources={"wsh_engine_node": 1}',
+                    *common,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=RAY_ENV,
             )
         )
         nodes: list[dict] = []
@@ -108,17 +128,30 @@ def two_node_cluster() -> Iterator[tuple[str, list[dict]]]:
 
 def test_trainer_on_one_node_engines_on_the_other(tmp_path: Path) -> None:
     matrix = tmp_path / "two_nodes.yaml"
-    matrix.write_text(
-        "- model: qwen3\n  engines: 2\n  syncs: 2\n  chunk_bytes: 262144\n  logprob_temperature: 1.0\n"
-    )
+    matrix.write_text("- model: qwen3\n  engines: 2\n  syncs: 2\n  chunk_bytes: 262144\n  logprob_temperature: 1.0\n")
     with two_node_cluster() as (address, nodes):
         trainer_ip = next(n["ip"] for n in nodes if "wsh_trainer_node" in n["resources"])
         engine_ip = next(n["ip"] for n in nodes if "wsh_engine_node" in n["resources"])
         assert engine_ip == ENGINE_NODE_IP and trainer_ip != engine_ip
         run = subprocess.run(
-            [sys.executable, "-m", "harness", "run", "--matrix", str(matrix), "--ray-address", address,
-             "--results-dir", str(tmp_path), "--run-id", "two-nodes"],
-            capture_output=True, text=True, timeout=1800, env=RAY_ENV,
+            [
+                sys.executable,
+                "-m",
+                "harness",
+                "run",
+                "--matrix",
+                str(matrix),
+                "--ray-address",
+                address,
+                "--results-dir",
+                str(tmp_path),
+                "--run-id",
+                "two-nodes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env=RAY_ENV,
         )
     records = list((tmp_path / "two-nodes" / "records").glob("*.json"))
     assert run.returncode == 0 and len(records) == 1, (run.stdout[-3000:], run.stderr[-3000:])

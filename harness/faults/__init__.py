@@ -156,8 +156,7 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "fused_drops_visual_kwargs",
-            "the fused log-prob forward no longer passes visual_pos_masks / deepstack embeddings to the language "
-            "model",
+            "the fused log-prob forward no longer passes visual_pos_masks / deepstack embeddings to the language model",
             "PARITY_FAIL",
             {"model": "qwen3-vl", **_SMALL},
             trainer=trainer.fused_drops_visual_kwargs,

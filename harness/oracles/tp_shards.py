@@ -73,6 +73,4 @@ def expected_tp_checksums(
     tensors: Mapping[str, torch.Tensor], config: Mapping[str, object], tp: int
 ) -> dict[str, dict[str, str]]:
     """TP rank (as a string) -> vLLM parameter name -> `tensor_checksum` of the shard that rank must hold."""
-    return {
-        str(r): {n: tensor_checksum(t) for n, t in rank_shards(tensors, config, tp, r).items()} for r in range(tp)
-    }
+    return {str(r): {n: tensor_checksum(t) for n, t in rank_shards(tensors, config, tp, r).items()} for r in range(tp)}

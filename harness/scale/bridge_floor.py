@@ -45,12 +45,17 @@ def view_split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int, hea
     """
     per_group = num_heads // num_query_groups
     if qkv.shape[0] != num_query_groups * (per_group + 2) * head_dim:
-        raise ValueError(f"QKV weight of shape {tuple(qkv.shape)} does not fit {num_heads} heads in "
-                         f"{num_query_groups} groups of head_dim {head_dim}")
+        raise ValueError(
+            f"QKV weight of shape {tuple(qkv.shape)} does not fit {num_heads} heads in "
+            f"{num_query_groups} groups of head_dim {head_dim}"
+        )
     hidden = qkv.shape[-1]
     grouped = qkv.view(num_query_groups, per_group + 2, head_dim, hidden)
-    return (grouped[:, :per_group].reshape(-1, hidden), grouped[:, per_group].reshape(-1, hidden),
-            grouped[:, per_group + 1].reshape(-1, hidden))
+    return (
+        grouped[:, :per_group].reshape(-1, hidden),
+        grouped[:, per_group].reshape(-1, hidden),
+        grouped[:, per_group + 1].reshape(-1, hidden),
+    )
 
 
 def _rank(rank: int, port: int, model_name: str, repeats: int, out: Any) -> None:

@@ -59,5 +59,7 @@ def read_progress(folder: Path) -> dict[str, str]:
     one line per thread gets them on one line, joined by " | " (messages quote it whole)."""
     if not folder.is_dir():
         return {}
-    return {p.stem: " | ".join(x.strip() for x in p.read_text().splitlines() if x.strip())
-            for p in sorted(folder.glob("*.txt"))}
+    return {
+        p.stem: " | ".join(x.strip() for x in p.read_text().splitlines() if x.strip())
+        for p in sorted(folder.glob("*.txt"))
+    }

@@ -92,8 +92,9 @@ class ReplicaClient:
     @property
     def session_closed_by(self) -> str:
         """Why some engine holds no session, engine by engine ("" when every one holds one)."""
-        return "; ".join(f"engine {c.engine}: {c.session_closed_by or 'no session'}" for c in self.clients
-                         if not c.session_open)
+        return "; ".join(
+            f"engine {c.engine}: {c.session_closed_by or 'no session'}" for c in self.clients if not c.session_open
+        )
 
     @property
     def calls(self) -> list[HttpCall]:

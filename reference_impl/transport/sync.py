@@ -203,8 +203,9 @@ class _SendThread:
     a time, so a channel's one buffer (the packing buffer, the shared segment) is written again only
     after the engine acknowledged the chunk before (the 200 of its /update_weights)."""
 
-    def __init__(self, channel: Channel, client: EngineClient, sync_index: int, n_planned: Callable[[], str],
-                 progress: Progress) -> None:
+    def __init__(
+        self, channel: Channel, client: EngineClient, sync_index: int, n_planned: Callable[[], str], progress: Progress
+    ) -> None:
         self.channel, self.client, self.sync_index = channel, client, sync_index
         self.n_planned, self.progress = n_planned, progress
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -217,8 +218,13 @@ class _SendThread:
     def put(self, chunk: Chunk, tensors: list[torch.Tensor]) -> None:
         """Queue one collected chunk (its `update_info` is made now, in plan order)."""
         info = update_info(chunk)
-        sent = _Sent(chunk, tensors, ChunkRecord(index=chunk.index, names=info.names, bytes=chunk.nbytes, sent=True),
-                     info, queued_at=time.perf_counter())
+        sent = _Sent(
+            chunk,
+            tensors,
+            ChunkRecord(index=chunk.index, names=info.names, bytes=chunk.nbytes, sent=True),
+            info,
+            queued_at=time.perf_counter(),
+        )
         self.queued.append((sent, self.pool.submit(self._send, sent)))
 
     def stop(self, why: str) -> None:
@@ -281,8 +287,12 @@ def streamed_by_sender(metas: list[TensorMeta], chunk_bytes: int) -> list[tuple[
 
 
 def _stream_own_chunks(
-    named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int, rank: int, sender: _SendThread | None,
-    progress: Progress, where: str,
+    named: Iterable[tuple[str, torch.Tensor]],
+    chunk_bytes: int,
+    rank: int,
+    sender: _SendThread | None,
+    progress: Progress,
+    where: str,
 ) -> tuple[list[TensorMeta], dict[str, torch.Tensor], list[Chunk]]:
     """Consume this rank's export; on the sender, queue each chunk of its own tensors as soon as the export
     produced the tensor after it (`plan_chunks`' greedy rule on the sender's tensors, which come first in the

@@ -226,15 +226,18 @@ def test_engine_that_died_after_a_failed_sync_is_a_crash_over_the_name_error(rec
     """The engine answered a rejected name, then died: the name error must not hide it."""
     reject_chunk(record, 0, 1, 400, [rejection(NAMES[2], "name", "tied to model.embed_tokens.weight")])
     record.recovery = RecoveryRecord(after_sync=0, health_status=0, engine_log_tail="INFO: serving\nKilled\n")
-    assert verdict_of(record) == ("CRASH", "the engine died after the failed sync 0: GET /health got no response "
-                                           "(status 0); its log ends: Killed")
+    assert verdict_of(record) == (
+        "CRASH",
+        "the engine died after the failed sync 0: GET /health got no response (status 0); its log ends: Killed",
+    )
 
 
 def test_engine_that_survived_but_refuses_a_clean_sync_is_http_error(record: RunRecord) -> None:
     record.recovery = RecoveryRecord(after_sync=1, health_status=200, completion_status=200, clean_sync=3)
     result = check_recovery(record)
     assert (result.verdict_on_fail, result.message) == (
-        "HTTP_ERROR", "the engine survived after the failed sync 1 but the clean sync 3 did not run to its end"
+        "HTTP_ERROR",
+        "the engine survived after the failed sync 1 but the clean sync 3 did not run to its end",
     )
     record.recovery.clean_sync_finished = True
     assert check_recovery(record).ok
@@ -256,9 +259,10 @@ def test_rank_that_raised_because_the_engine_died_is_blamed_on_the_engine(record
     assert ScenarioSession.engine_died(session, after=1)  # type: ignore[arg-type]
     assert record.recovery is not None and record.recovery.engine == 1  # the replica that died, not engine 0
     assert verdict_of(record)[0] == "CRASH"
-    assert "died after the failed sync 1: GET /health got no response (status 0); its log ends: Killed" in verdict_of(
-        record
-    )[1]
+    assert (
+        "died after the failed sync 1: GET /health got no response (status 0); its log ends: Killed"
+        in verdict_of(record)[1]
+    )
     record.recovery = None
     everyone_alive = SimpleNamespace(record=record, checkers=[alive, alive], _engine_log_tail=tails.get)
     assert not ScenarioSession.engine_died(everyone_alive, after=1)  # type: ignore[arg-type]

@@ -56,7 +56,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
                     proc.wait()
 
 
-
 @pytest.fixture(scope="session")
 def shm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProcess]]:
     """Three qwen3 engines started through EngineProcess (no fault, and each fault), in parallel, all
@@ -80,9 +79,7 @@ def shm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
             proc.stop()
 
 
-
 @pytest.fixture
 def shm_buffer() -> Iterator[SharedMemoryBuffer]:
     with SharedMemoryBuffer(1) as buf:
         yield buf
-

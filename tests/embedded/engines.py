@@ -40,7 +40,6 @@ FINALIZE_PER_CHUNK = "harness.faults.engine:finalize_per_chunk"
 OK_WITHOUT_TRANSFER = "harness.faults.engine:ok_without_transfer"
 
 
-
 def safetensors_shapes(folder: Path) -> dict[str, list[int]]:
     """HF name -> shape, read from the safetensors headers."""
     out: dict[str, list[int]] = {}
@@ -176,8 +175,6 @@ def link(engine: Engine) -> None:
     assert r.json()["ok"] is True
 
 
-
-
 def norm_name(engine: Engine) -> str:
     """HF name of the final norm (shape [hidden]) in `engine`'s family."""
     return "model.norm.weight" if engine.model_type == "qwen3" else "model.language_model.norm.weight"
@@ -189,7 +186,6 @@ def valid_update(engine: Engine, value: float = 1.5) -> None:
     r = engine.send_tensors({norm_name(engine): t})
     assert r.status_code == 200, r.text
     assert r.json()["received_bytes"] == t.numel() * 4
-
 
 
 def post(url: str, route: str, body: dict | None = None) -> httpx.Response:
@@ -243,4 +239,3 @@ def engine_checksums(url: str) -> dict[str, str]:
 def segment_exists(name: str) -> bool:
     """Whether shared-memory segment `name` is still in /dev/shm."""
     return Path("/dev/shm", name).exists()
-

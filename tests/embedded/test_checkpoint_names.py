@@ -201,4 +201,3 @@ def test_checksum_is_raw_bytes() -> None:
     assert tensor_checksum(t) == xxhash.xxh3_128_hexdigest(t.numpy().tobytes())
     assert tensor_checksum(t.t()) == tensor_checksum(t.t().contiguous())
     assert tensor_checksum(t.to(torch.bfloat16)) != tensor_checksum(t)
-

@@ -75,4 +75,3 @@ def test_moe_and_untied_shards(engines: dict[str, Engine]) -> None:
     untied = set(engines["qwen3-untied"].post("/weight_checker", {"action": "shards"}).json()["shards"])
     assert "lm_head.weight" in untied
     assert "lm_head.weight" not in set(engines["qwen3"].post("/weight_checker", {"action": "shards"}).json()["shards"])
-

@@ -266,4 +266,3 @@ def test_engine_refuses_the_checkpoints_seed() -> None:
 
     with pytest.raises(ValueError, match="seed"):
         build_engine_model(make_checkpoint(load_model("qwen3"), seed=CKPT_SEED), CKPT_SEED)
-

@@ -148,4 +148,3 @@ def test_cuda_ipc_without_cuda_raises() -> None:
         cuda_ipc_handle(torch.zeros(4, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="CUDA"):
         open_cuda_ipc_handle({"kind": "cuda_ipc", "ipc": "", "nbytes": 4})
-

@@ -124,11 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         apply_hook(args.fault, hook)
     torch.set_num_threads(args.threads)
     first = build_app(RestartRequest(args.checkpoint, args.seed, args.tensor_parallel_size))
-    app: ASGIApp = RestartableApp(
-        build_app, first, engine_busy, lambda old: _state(old).close(), unfaulted, args.fault
-    )
+    app: ASGIApp = RestartableApp(build_app, first, engine_busy, lambda old: _state(old).close(), unfaulted, args.fault)
     if os.environ.get(TOKEN_ENV):  # every route asks for the run's bearer token (`wsh_vllm_plugin.auth`)
         app = BearerTokenMiddleware(app)
     asyncio.run(_serve(app, args.host, args.port, args.port_file))
-
-

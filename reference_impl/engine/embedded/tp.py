@@ -211,4 +211,3 @@ class TpChunkApplier(ChunkApplier):
         self.ranks.keep_received(names, dtype_names, shapes)
         rebuilt = self.ranks.assembled(names, shapes)
         super().apply(chunk, names, dtype_names, shapes, pack(rebuilt))
-
