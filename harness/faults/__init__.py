@@ -59,7 +59,7 @@ FAULTS: dict[str, Fault] = {
             "pp_barrier_in_chunk_loop",
             "a barrier inside the per-chunk loop while PP stages have different chunk counts",
             "DEADLOCK",
-            {"model": "qwen3", "pp": 2, "deadline_s": 20, **_SMALL},
+            {"model": "qwen3", "pp": 2, "deadline_s": 10, **_SMALL},
             trainer=trainer.pp_barrier_in_chunk_loop,
         ),
         Fault(
@@ -244,7 +244,7 @@ FAULTS: dict[str, Fault] = {
             "duplicate_rank_offsets",
             "two engine replicas sent the same rank offset in one transfer group",
             "DEADLOCK",
-            {"model": "qwen3", "engines": 2, "deadline_s": 20, **_SMALL},
+            {"model": "qwen3", "engines": 2, "deadline_s": 10, **_SMALL},
             trainer=trainer.duplicate_rank_offsets,
         ),
         Fault(
