@@ -74,6 +74,24 @@ def tensors() -> list[tuple[str, torch.Tensor]]:
     return [(f"model.layers.{i}.mlp.down_proj.weight", torch.full((256,), float(i))) for i in range(12)]
 
 
+def one_rank_sync(
+    named: Iterator[tuple[str, torch.Tensor]], channel: Any, client: Any = None, sync: int = 1, **kw: Any
+) -> Any:
+    """`run_sync` of a single-rank trainer (rank 0 of 1) in chunks of 3 KiB, as sync `sync` with weight version
+    `sync`; `client` defaults to a fresh `Client`, `kw` goes to `run_sync` as it is."""
+    return run_sync(
+        named=named,
+        rank=0,
+        world_size=1,
+        chunk_bytes=kw.pop("chunk_bytes", 3 * 1024),
+        sync_index=sync,
+        weight_version=sync,
+        client=client if client is not None else Client(),
+        channel=channel,
+        **kw,
+    )
+
+
 def test_chunks_go_on_the_wire_while_the_export_runs() -> None:
     named = tensors()
     produced: list[str] = []
@@ -86,16 +104,7 @@ def test_chunks_go_on_the_wire_while_the_export_runs() -> None:
 
     channel = Channel(produced, delay_s=0.01)
     chunk_bytes = 3 * 1024  # 3 tensors of 1 KiB per chunk
-    res, plan = run_sync(
-        named=export(),
-        rank=0,
-        world_size=1,
-        chunk_bytes=chunk_bytes,
-        sync_index=0,
-        weight_version=0,
-        client=Client(),
-        channel=channel,  # type: ignore[arg-type]
-    )
+    res, plan = one_rank_sync(export(), channel, sync=0, chunk_bytes=chunk_bytes)
     # the plan of an export run first (hand-derived: 12 tensors of 1 KiB, 3 per chunk)
     assert [[m.name for m in c.tensors] for c in plan] == [[n for n, _ in named[i : i + 3]] for i in (0, 3, 6, 9)]
     assert plan == plan_chunks([m for c in plan for m in c.tensors], chunk_bytes)
@@ -122,16 +131,7 @@ def test_a_chunk_is_not_sent_once_the_engine_ended_the_session() -> None:
             return out
 
     channel = Ending([], delay_s=0.0)
-    res, _ = run_sync(
-        named=iter(named),
-        rank=0,
-        world_size=1,
-        chunk_bytes=3 * 1024,
-        sync_index=1,
-        weight_version=1,
-        client=client,
-        channel=channel,  # type: ignore[arg-type]
-    )
+    res, _ = one_rank_sync(iter(named), channel, client=client)
     assert [i for i, _, _ in channel.sent] == [0, 1]
     assert [c.sent for c in res.chunks] == [True, True, False, False]
     assert "the engine ended the session" in res.chunks[2].note and not res.finished
@@ -151,16 +151,7 @@ def test_a_send_that_raises_stops_the_chunks_after_it() -> None:
 
     channel = Broken([], delay_s=0.0)
     with pytest.raises(RuntimeError, match="timed out"):
-        run_sync(
-            named=iter(named),
-            rank=0,
-            world_size=1,
-            chunk_bytes=3 * 1024,
-            sync_index=1,
-            weight_version=1,
-            client=Client(),
-            channel=channel,  # type: ignore[arg-type]
-        )
+        one_rank_sync(iter(named), channel)
     assert [i for i, _, _ in channel.sent] == [0]
 
 
@@ -174,16 +165,7 @@ def test_chunks_queued_from_an_export_that_fails_are_not_sent() -> None:
 
     channel = Channel([], delay_s=0.5)
     with pytest.raises(KeyError):
-        run_sync(
-            named=export(),
-            rank=0,
-            world_size=1,
-            chunk_bytes=3 * 1024,
-            sync_index=1,
-            weight_version=1,
-            client=Client(),
-            channel=channel,  # type: ignore[arg-type]
-        )
+        one_rank_sync(export(), channel)
     assert [i for i, _, _ in channel.sent] == [0]
 
 
@@ -193,17 +175,7 @@ def test_a_finished_send_thread_leaves_no_progress_line(tmp_path) -> None:  # ty
     from reference_impl.transport.progress import Progress, read_progress
 
     progress = Progress(tmp_path / "rank0.txt")
-    run_sync(
-        named=iter(tensors()),
-        rank=0,
-        world_size=1,
-        chunk_bytes=3 * 1024,
-        sync_index=4,
-        weight_version=4,
-        client=Client(),
-        channel=Channel([], delay_s=0.0),
-        progress=progress,  # type: ignore[arg-type]
-    )
+    one_rank_sync(iter(tensors()), Channel([], delay_s=0.0), sync=4, progress=progress)
     assert read_progress(tmp_path) == {"rank0": "sync 4: finished"}
     progress.at("step 5: the trainer's step on every parameter")
     assert read_progress(tmp_path) == {"rank0": "step 5: the trainer's step on every parameter"}
@@ -262,16 +234,7 @@ def test_the_sender_holds_a_chunks_tensors_only_until_the_engine_answered_it() -
             held_back.append([n for n, ref in alive.items() if ref() is not None and n not in info.names])
             return super().send(client, tensors, info, sync)
 
-    res, _ = run_sync(
-        named=export(),
-        rank=0,
-        world_size=1,
-        chunk_bytes=3 * 1024,
-        sync_index=1,
-        weight_version=1,
-        client=Client(),
-        channel=Watching([], delay_s=0.0),  # type: ignore[arg-type]
-    )
+    res, _ = one_rank_sync(export(), Watching([], delay_s=0.0))
     names = list(sums)
     # at chunk k's send, only tensors not sent yet are alive (those the export already produced for chunk k+1)
     for k, held in enumerate(held_back):
