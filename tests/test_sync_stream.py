@@ -75,15 +75,20 @@ def tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 def one_rank_sync(
-    named: Iterator[tuple[str, torch.Tensor]], channel: Any, client: Any = None, sync: int = 1, **kw: Any
+    named: Iterator[tuple[str, torch.Tensor]],
+    channel: Any,
+    client: Any = None,
+    sync: int = 1,
+    chunk_bytes: int = 3 * 1024,
+    **kw: Any,
 ) -> Any:
-    """`run_sync` of a single-rank trainer (rank 0 of 1) in chunks of 3 KiB, as sync `sync` with weight version
-    `sync`; `client` defaults to a fresh `Client`, `kw` goes to `run_sync` as it is."""
+    """`run_sync` of a single-rank trainer (rank 0 of 1) in chunks of `chunk_bytes`, as sync `sync` with weight
+    version `sync`; `client` defaults to a fresh `Client`, `kw` goes to `run_sync` as it is."""
     return run_sync(
         named=named,
         rank=0,
         world_size=1,
-        chunk_bytes=kw.pop("chunk_bytes", 3 * 1024),
+        chunk_bytes=chunk_bytes,
         sync_index=sync,
         weight_version=sync,
         client=client if client is not None else Client(),
