@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness_cli import harness_run
 
 from harness.scenario import Scenario
 from reference_impl.checksum import tensor_checksum
@@ -82,18 +82,7 @@ def test_impossible_scenario_is_config_error_and_launches_nothing(tmp_path: Path
     matrix = tmp_path / "bad.yaml"
     matrix.write_text("- model: qwen3\n  tp: 3\n")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "run",
-            "--matrix",
-            str(matrix),
-            "--results-dir",
-            str(tmp_path),
-            "--run-id",
-            "bad",
-        ],
+        harness_run(matrix, tmp_path, "--run-id", "bad"),
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,13 +8,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 from fault_runs import fault_scenario, run_once
+from harness_cli import harness_run
 
 from harness import shm
 from harness.checks import expectation_met
@@ -194,20 +194,7 @@ def test_interrupted_run_leaves_no_process(tmp_path: Path) -> None:
     marker = f"interrupt-{os.getpid()}"
     env = {**os.environ, "WSH_RUN_MARKER": marker}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "run",
-            "--matrix",
-            "cpu",
-            "--filter",
-            "qwen3/tp2-pp2/noncolocate/raw",
-            "--results-dir",
-            str(tmp_path),
-            "--run-id",
-            "interrupted",
-        ],
+        harness_run("cpu", tmp_path, "--filter", "qwen3/tp2-pp2/noncolocate/raw", "--run-id", "interrupted"),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -17,7 +17,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from harness_cli import harness_run
 
 from harness import shm
 from harness.record import RunRecord
@@ -304,9 +304,8 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     matrix = tmp_path / "matrix.yaml"
     matrix.write_text(yaml.safe_dump(entries))
     marker = f"hard-kill-{os.getpid()}-{seed}"
-    argv = [sys.executable, "-m", "harness", "run", "--matrix", str(matrix), "--results-dir", str(tmp_path)]
     proc = subprocess.Popen(
-        [*argv, "--run-id", "signalled"],
+        harness_run(matrix, tmp_path, "--run-id", "signalled"),
         env={**os.environ, "WSH_RUN_MARKER": marker},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+from harness_cli import harness_run
 
 from harness.record import RunRecord
 from reference_impl.engine.process import free_port
@@ -134,20 +135,7 @@ def test_trainer_on_one_node_engines_on_the_other(tmp_path: Path) -> None:
         engine_ip = next(n["ip"] for n in nodes if "wsh_engine_node" in n["resources"])
         assert engine_ip == ENGINE_NODE_IP and trainer_ip != engine_ip
         run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "harness",
-                "run",
-                "--matrix",
-                str(matrix),
-                "--ray-address",
-                address,
-                "--results-dir",
-                str(tmp_path),
-                "--run-id",
-                "two-nodes",
-            ],
+            harness_run(matrix, tmp_path, "--ray-address", address, "--run-id", "two-nodes"),
             capture_output=True,
             text=True,
             timeout=1800,
