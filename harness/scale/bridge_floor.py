@@ -9,9 +9,9 @@ sync loop does (and dropping it):
   one new tensor per rank, and the EP gather, one collective per expert weight), `torch.cat` (joining
   the shards, a copy of every gathered byte), `param_mapping.split_qkv_weights` (the fused QKV split, by
   advanced indexing), `remove_non_pickleables` (a copy of the model's config that every QKV mapping
-  makes on every export, walking it three levels deep) and `SafeTensorsStateSource.load_tensors` (reads
-  of the HF checkpoint on disk: the grouped expert export reads each stacked expert tensor, only for its
-  shape); each export's all-gathers are counted;
+  makes on every export, two or three levels deep) and `SafeTensorsStateSource.load_tensors` (reads of
+  the HF checkpoint: the grouped expert export loads each stacked expert tensor, only for its shape);
+  each export's all-gathers are counted;
 - `floor`: the same export with library internals replaced in this process only, as the library could
   do them: `MegatronParamMapping.gather_from_tp_ranks` gathers into one tensor kept per mapping from sync
   to sync (`all_gather_into_tensor`, as the raw export does) and returns its slices, and
