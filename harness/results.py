@@ -364,6 +364,91 @@ def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+BRIDGE_GOAL = 1.3  # bridge / raw steady time the bridge export should stay within, per layout pair
+EXPORT_MODES_NOTE = (
+    "Each layout in both export modes (steady seconds, median of the syncs after sync 0); bridge / raw is the "
+    "bridge mode's steady time over the raw mode's in this run. The line under the table counts the pairs where "
+    f"both passed, against a goal of {BRIDGE_GOAL}. One run's ratios move with the host's load: judge a layout "
+    "over several runs."
+)
+
+
+def _after_mode(scenario: str, export_mode: str) -> str:
+    """What follows the export mode in a scenario id (`.../raw/chunk-1` -> "chunk-1"), or ""."""
+    parts = scenario.split("/")
+    return "/".join(parts[parts.index(export_mode) + 1 :]) if export_mode in parts else ""
+
+
+def export_mode_comparison(df: pd.DataFrame) -> pd.DataFrame:
+    """Layouts that ran in both export modes, one row each: the raw scenario's id without its mode, steady
+    seconds and verdict per mode, and `bridge / raw` (the ratio of steady seconds, NaN
+    where either is NaN). Rows pair on model, TP, EP, PP, placement, engine, replicas, engine TP and what
+    follows the mode in the id (chunk sizes). Empty when no layout ran in both modes."""
+    if not len(df):
+        return pd.DataFrame()
+    data = df[df["export_mode"].isin(["raw", "bridge"])].copy()
+    data["after_mode"] = [
+        _after_mode(str(sid), m) for sid, m in zip(data["scenario"], data["export_mode"], strict=True)
+    ]
+    key = ["model", "tp", "ep", "pp", "colocate", "engine", "engines", "engine_tp", "after_mode"]
+    rows = []
+    for _, group in data.groupby(key, sort=False):
+        by_mode = {r["export_mode"]: r for r in group.to_dict(orient="records")}
+        if set(by_mode) != {"raw", "bridge"}:
+            continue
+        raw, bridge = by_mode["raw"], by_mode["bridge"]
+        ratio = bridge["steady_s"] / raw["steady_s"] if raw["steady_s"] else _NAN
+        rows.append(
+            {
+                "layout": "/".join(p for p in str(raw["scenario"]).split("/") if p != "raw"),
+                "raw steady (s)": raw["steady_s"],
+                "bridge steady (s)": bridge["steady_s"],
+                "bridge / raw": ratio,
+                "raw verdict": raw["verdict"],
+                "bridge verdict": bridge["verdict"],
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def export_mode_lines(df: pd.DataFrame) -> list[str]:
+    """summary.md's "Bridge against raw" section (`export_mode_comparison`), with a line counting the pairs
+    where both modes passed: their median bridge / raw and how many exceed `BRIDGE_GOAL`. None when no
+    layout ran in both modes."""
+    pairs = export_mode_comparison(df)
+    if not len(pairs):
+        return []
+    rows = [
+        [
+            r["layout"],
+            _fmt_float(r["raw steady (s)"], 3),
+            _fmt_float(r["bridge steady (s)"], 3),
+            _fmt_float(r["bridge / raw"], 2),
+            r["raw verdict"],
+            r["bridge verdict"],
+        ]
+        for r in pairs.to_dict(orient="records")
+    ]
+    passed = pairs[(pairs["raw verdict"] == "PASS") & (pairs["bridge verdict"] == "PASS")]["bridge / raw"].dropna()
+    if len(passed):
+        count = (
+            f"{len(passed)} pairs where both passed: median bridge / raw {statistics.median(passed):.2f}, "
+            f"{int((passed > BRIDGE_GOAL).sum())} above {BRIDGE_GOAL} (range {passed.min():.2f}-{passed.max():.2f})."
+        )
+    else:
+        count = "No pair where both modes passed."
+    return [
+        "## Bridge against raw",
+        "",
+        EXPORT_MODES_NOTE,
+        "",
+        markdown_table(list(pairs.columns), rows),
+        "",
+        count,
+        "",
+    ]
+
+
 WALL_NOTE = (
     "Each scenario's wall time in parts (seconds): setup (checkpoint, processes, engine start, trainer build, "
     "connect), syncs (syncs and trainer steps), checks (the harness's reads of the engine, probes, log-prob "
@@ -402,6 +487,7 @@ def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[s
     if len(pairs):
         lines += ["## Engines side by side", "", ENGINE_COMPARISON_NOTE, ""]
         lines += [markdown_table(list(pairs.columns), pairs.astype(str).values.tolist()), ""]
+    lines += export_mode_lines(df)
     lines += wall_lines(df)
     lines += ["## Not passing", ""]
     failing = df[df["verdict"] != "PASS"] if len(df) else df

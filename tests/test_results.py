@@ -15,6 +15,7 @@ from harness.results import (
     COLUMNS,
     MARKDOWN_HEADER,
     engine_comparison,
+    export_mode_comparison,
     http_200_summary,
     markdown_table,
     summarize,
@@ -315,3 +316,38 @@ def test_engine_replicas_and_engine_tp_keep_their_own_rows(records: list[RunReco
     assert sorted(zip(pairs["engines"], pairs["engine_tp"], strict=True)) == [(1, 1), (1, 2), (2, 1)]
     cells = {row[5] for row in summary_table_rows(df)}
     assert cells == {"no", "no · 2 engines", "no · engine TP 2"}
+
+
+def test_bridge_against_raw_pairs_each_layout_and_counts_only_passing_pairs(
+    tmp_path: Path, records: list[RunRecord]
+) -> None:
+    raw, bridge = records
+    pairs = export_mode_comparison(summarize(records))
+    assert len(pairs) == 1
+    row = pairs.iloc[0].to_dict()
+    assert row["layout"] == "qwen3-vl/tp2-pp2/noncolocate"
+    # raw steady median(0.5, 0.7, 0.6) = 0.6; bridge median(1.5, 1.0) = 1.25
+    assert (row["raw steady (s)"], row["bridge steady (s)"]) == (pytest.approx(0.6), pytest.approx(1.25))
+    assert row["bridge / raw"] == pytest.approx(1.25 / 0.6)
+    assert (row["raw verdict"], row["bridge verdict"]) == ("PASS", "PARITY_FAIL")
+    md = write_summary(summarize(records), tmp_path)["md"].read_text()
+    section = md.split("## Bridge against raw", 1)[1].split("## ", 1)[0]
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
+    assert table[2] == ["qwen3-vl/tp2-pp2/noncolocate", "0.600", "1.250", "2.08", "PASS", "PARITY_FAIL"]
+    assert "No pair where both modes passed." in section
+
+    # Once the bridge run passes, the pair counts: 2.08 > 1.3. A chunk-size variant pairs only with its own kind.
+    bridge.syncs[2].engine_checksums[NAMES[1]] = "c-1"
+    variants = []
+    for rec, totals in ((raw, [2.0, 1.0, 1.0, 1.0]), (bridge, [2.0, 1.1, 1.1])):
+        v = rec.model_copy(deep=True)
+        v.scenario_id = f"{rec.scenario_id}/chunk-1"
+        for sync, total in zip(v.syncs, totals, strict=True):
+            sync.total_s = total
+        variants.append(v)
+    df = summarize([*records, *variants])
+    pairs = export_mode_comparison(df).set_index("layout")
+    assert pairs.loc["qwen3-vl/tp2-pp2/noncolocate/chunk-1", "bridge / raw"] == pytest.approx(1.1)
+    md = write_summary(df, tmp_path)["md"].read_text()
+    assert "2 pairs where both passed: median bridge / raw 1.59, 1 above 1.3 (range 1.10-2.08)." in md
+    assert export_mode_comparison(summarize([raw])).empty
