@@ -429,12 +429,17 @@ def export_mode_lines(df: pd.DataFrame) -> list[str]:
         ]
         for r in pairs.to_dict(orient="records")
     ]
-    passed = pairs[(pairs["raw verdict"] == "PASS") & (pairs["bridge verdict"] == "PASS")]["bridge / raw"].dropna()
+    both = pairs[(pairs["raw verdict"] == "PASS") & (pairs["bridge verdict"] == "PASS")]
+    passed = both["bridge / raw"].dropna()
     if len(passed):
+        plural = "pair" if len(passed) == 1 else "pairs"
         count = (
-            f"{len(passed)} pairs where both passed: median bridge / raw {statistics.median(passed):.2f}, "
+            f"{len(passed)} {plural} where both passed: median bridge / raw {statistics.median(passed):.2f}, "
             f"{int((passed > BRIDGE_GOAL).sum())} above {BRIDGE_GOAL} (range {passed.min():.2f}-{passed.max():.2f})."
         )
+    elif len(both):
+        plural = "pair" if len(both) == 1 else "pairs"
+        count = f"{len(both)} {plural} where both passed, none with a steady time (one sync)."
     else:
         count = "No pair where both modes passed."
     return [

@@ -351,3 +351,8 @@ def test_bridge_against_raw_pairs_each_layout_and_counts_only_passing_pairs(
     md = write_summary(df, tmp_path)["md"].read_text()
     assert "2 pairs where both passed: median bridge / raw 1.59, 1 above 1.3 (range 1.10-2.08)." in md
     assert export_mode_comparison(summarize([raw])).empty
+    # one sync each: both pass, no steady time, nothing to count
+    for rec in records:
+        rec.syncs, rec.scenario.syncs = rec.syncs[:1], 1
+    md = write_summary(summarize(records), tmp_path)["md"].read_text()
+    assert "1 pair where both passed, none with a steady time (one sync)." in md
