@@ -113,19 +113,51 @@ def ok_without_transfer() -> None:
 
 
 def exit_after_rejected_chunk() -> None:
-    """The engine answers a rejected chunk, then its process dies (vLLM 0.32 on CPU: a failed layerwise
-    reload leaves meta tensors and the next step kills the engine core): every later call finds nobody."""
+    """The engine answers a rejected chunk, then its process dies at the next chunk it is sent (vLLM 0.32 on
+    CPU: a failed layerwise reload leaves meta tensors and the next step kills the engine core): every later
+    call finds nobody. The death follows the next chunk, not a clock, so it always lands in the sync loop of
+    the run, however fast the host (a timer let a fast run finish its syncs and start its recovery first)."""
+    answered = threading.Event()  # a rejection has gone out
 
     def at_validate(orig: Callable[..., Any]) -> Callable[..., Any]:
         def validate(self, names, dtype_names, shapes):  # type: ignore[no-untyped-def]
+            if answered.is_set():
+                os._exit(1)
             rejected, kinds = orig(self, names, dtype_names, shapes)
-            if rejected:  # die once the 4xx has gone out
-                threading.Timer(0.5, os._exit, args=(1,)).start()
+            if rejected:
+                answered.set()
             return rejected, kinds
 
         return validate
 
     seams.replace("engine_validate", at_validate)
+
+
+def exit_at_clean_sync() -> None:
+    """The engine rejects a tied `lm_head` in each of the run's three syncs (the trainer's fault), answers the
+    recovery probe, then dies at the next /start_weight_update: the clean sync the harness runs after the
+    failed ones (with the trainer's fault undone) finds nobody. For the fault `engine_dies_in_clean_sync`,
+    whose scenario has exactly three syncs, each with one rejected chunk."""
+    rejections = [0]
+
+    def at_validate(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def validate(self, names, dtype_names, shapes):  # type: ignore[no-untyped-def]
+            rejected, kinds = orig(self, names, dtype_names, shapes)
+            rejections[0] += bool(rejected)
+            return rejected, kinds
+
+        return validate
+
+    def at_session_start(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_counts(self):  # type: ignore[no-untyped-def]
+            if rejections[0] >= 3:  # the three syncs are over: this is the clean sync's session
+                os._exit(1)
+            return orig(self)
+
+        return reset_counts
+
+    seams.replace("engine_validate", at_validate)
+    seams.replace("engine_session_start", at_session_start)
 
 
 def weight_version_not_committed() -> None:
