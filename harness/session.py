@@ -448,7 +448,7 @@ class ScenarioSession:
         unchanged weights, with every fault undone, leave them holding the expected state? The answers go into
         `record.recovery` (the first engine that failed, else engine 0); the clean sync into `record.syncs`
         (judged like every other sync). An engine that no longer answers gets its log's tail recorded
-        instead."""
+        instead, also when it dies during the clean sync (`engine_died`)."""
         rec = RecoveryRecord(after_sync=after)
         self.record.recovery = rec
         for i, checker in enumerate(self.checkers):
@@ -467,10 +467,24 @@ class ScenarioSession:
         if self.fault is not None and self.fault.trainer is not None:
             self.on_ranks("run_in_process", RESTORE_SEAMS, what="undo the fault before recovery", timeout=60)
         index = self.record.syncs[-1].index + 1 if self.record.syncs else 0
-        clean = self.sync(index, perturbed=False)
+        # An engine that dies during the clean sync is the cause to name, as in the sync loop: the sync then
+        # ends unfinished, a rank raises on the broken transfer group, or the harness's own read after it
+        # finds nobody; `engine_died` records the death as this recovery's answer in each case.
+        try:
+            clean = self.sync(index, perturbed=False)
+        except EngineRejected as e:
+            self.record.notes.append(f"the clean sync stopped: the harness's {e.route} got {e.status} from the engine")
+            self.engine_died(after=after)
+            return
+        except ScenarioFailed:
+            if not self.record.deadlock:
+                self.engine_died(after=after)
+            raise
         clean.recovery = True
         rec.clean_sync = index
         rec.clean_sync_finished = not sync_failed(self.record, clean)
+        if not rec.clean_sync_finished:
+            self.engine_died(after=after)
 
     def engine_died(self, after: int) -> bool:
         """After a rank raised in sync `after`: when some engine no longer answers /health, record that as the

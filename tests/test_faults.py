@@ -161,6 +161,7 @@ MESSAGE_SAYS = {
     # gate, up, o_proj and down_proj of 3 of the 4 layers (q/k/v are copies the split makes; the last layer keeps)
     "gather_buffers_keyed_by_size": "12 of 46 tensors differ",
     "engine_dies_after_rejected_chunk": "the engine died after the failed sync",
+    "engine_dies_in_clean_sync": "the engine died after the failed sync 2",
     "no_prefix_cache_reset": "a cache (the prefix cache?) answered with the old weights",
     "encoder_cache_survives_update": "log-prob max |diff|",
     "weight_version_not_committed": "the engine reports weight version '0' after finishing version '1'",

@@ -220,6 +220,15 @@ FAULTS: dict[str, Fault] = {
             engine=engine.exit_after_rejected_chunk,
         ),
         Fault(
+            "engine_dies_in_clean_sync",
+            "a lm_head sent to a tied engine in each of three syncs; the engine survives them, answers the "
+            "recovery probe, then dies as the clean sync starts",
+            "CRASH",
+            {"model": "qwen3", **_SMALL},
+            trainer=trainer.tied_lm_head_sent,
+            engine=engine.exit_at_clean_sync,
+        ),
+        Fault(
             "wrong_dtype_once",
             "chunks declared bfloat16 for float32 bytes in sync 1 only: the engine refuses them, then recovers",
             "HTTP_ERROR",
