@@ -96,3 +96,18 @@ def ran_through(record: RunRecord, healthy: bool) -> bool:
     if not healthy or record.errors or record.recovery is not None:
         return False
     return len(record.syncs) == record.scenario.syncs + 1 and not any(sync_failed(record, s) for s in record.syncs)
+
+
+def in_flight_at_death(record: RunRecord, engine: int) -> str:
+    """What was in flight when engine `engine`'s server went away, for its `EngineExited` message: the sync of
+    the first call to it that got no response (status 0), else the first failed sync (a colocated sender's
+    calls to a dead engine fail fast and it moves on, so its phase says nothing of the death), else "the
+    scenario". Faults that fail every sync with a 4xx before the engine dies make the first failed sync
+    the wrong answer: the engine died in the sync whose call found nobody."""
+    unanswered = next(
+        (c.sync for c in record.http if c.status == 0 and c.engine == engine and c.sync is not None), None
+    )
+    if unanswered is not None:
+        return f"sync {unanswered}"
+    failed = [s.index for s in record.syncs if sync_failed(record, s)]
+    return f"sync {failed[0]}" if failed else "the scenario"

@@ -26,7 +26,15 @@ from harness import shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
-from harness.outcome import OUT_OF_STEP_GRACE_S, ended_clean, engines_reusable, in_step, stop_grace_s, sync_failed
+from harness.outcome import (
+    OUT_OF_STEP_GRACE_S,
+    ended_clean,
+    engines_reusable,
+    in_flight_at_death,
+    in_step,
+    stop_grace_s,
+    sync_failed,
+)
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
 from harness.scenario import Scenario
@@ -207,12 +215,10 @@ class Runner:
                 self._recover_calls(record)
             # A dead engine first, also when the syncs ended without a rank raising (a colocated sender
             # records its calls to a dead engine as status 0 and returns): its end is the cause to name.
-            # When a sync failed, that sync is what was in flight (a colocated sender's calls to a dead engine
-            # fail fast, and the sender has moved on since: its phase now says nothing of the death).
+            # What was in flight: `outcome.in_flight_at_death`.
             failed = [s.index for s in record.syncs if sync_failed(record, s)]
-            what = f"sync {failed[0]}" if failed else "the scenario"
-            for engine_watch in session.watches if session is not None else []:
-                engine_watch.name_the_engine(record.errors, what, sender=not failed)
+            for i, engine_watch in enumerate(session.watches if session is not None else []):
+                engine_watch.name_the_engine(record.errors, in_flight_at_death(record, i), sender=not failed)
             clean = ended_clean(record, healthy)  # else the ranks and engines may hold what went wrong
             if not clean and session is not None and in_step(record, healthy):  # ran through or recovered cleanly
                 clean = self._fault_undone(session, record)

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from harness.outcome import OUT_OF_STEP_GRACE_S, STOP_GRACE_S, ended_clean, engines_reusable, in_step, stop_grace_s
+from harness.outcome import (
+    OUT_OF_STEP_GRACE_S,
+    STOP_GRACE_S,
+    ended_clean,
+    engines_reusable,
+    in_flight_at_death,
+    in_step,
+    stop_grace_s,
+)
 from harness.record import ErrorRecord, HttpCall, RecoveryRecord, RunRecord
 from tests.checks.records import make_record
 
@@ -86,3 +94,17 @@ def test_a_recovery_sync_that_was_not_clean_leaves_nothing_in_step(defect: str) 
         recovery.clean_sync = 5
     assert not in_step(rec, healthy=healthy)
     assert not engines_reusable(rec, healthy=healthy)
+
+
+def test_the_sync_in_flight_at_an_engines_death_is_the_one_whose_call_found_nobody() -> None:
+    rec = make_record(syncs=3)  # syncs 0-3
+    assert in_flight_at_death(rec, 0) == "the scenario"  # nothing failed
+    for index in (0, 1, 2):  # every sync refused a chunk (a 4xx), the engine still alive
+        rec.http.append(HttpCall(route="/update_weights", status=400, ms=1.0, sync=index, chunk=1))
+    assert in_flight_at_death(rec, 0) == "sync 0"  # no call went unanswered: the first failed sync
+    rec.http.append(HttpCall(route="/start_weight_update", status=0, ms=40.0, sync=3, engine=1))
+    assert in_flight_at_death(rec, 0) == "sync 0"  # another engine's unanswered call says nothing of engine 0
+    assert in_flight_at_death(rec, 1) == "sync 3"
+    rec.http.append(HttpCall(route="/start_weight_update", status=0, ms=40.0, sync=3, engine=0))
+    rec.http.append(HttpCall(route="/weight_checker", status=0, ms=1.0, sync=None, engine=0))  # the harness's read
+    assert in_flight_at_death(rec, 0) == "sync 3"
