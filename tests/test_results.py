@@ -14,8 +14,6 @@ from harness.record import PHASES, Bound, ChunkRecord, HttpCall, OracleFailure, 
 from harness.results import (
     COLUMNS,
     MARKDOWN_HEADER,
-    engine_comparison,
-    export_mode_comparison,
     http_200_summary,
     markdown_table,
     summarize,
@@ -24,6 +22,7 @@ from harness.results import (
     write_summary,
 )
 from harness.scenario import Scenario
+from harness.side_by_side import engine_comparison, export_mode_comparison
 from reference_impl.engine import engine_kind
 
 NAMES = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
