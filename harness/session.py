@@ -257,9 +257,8 @@ class ScenarioSession:
                     self.on_ranks("run_in_process", RESTORE_SEAMS, what=f"disarm fault after sync {i}", timeout=60)
         except EngineRejected as e:  # the harness's own call (checksums, log-probs) got no 200: stop syncing
             self.record.notes.append(f"the syncs stopped: the harness's {e.route} got {e.status} from the engine")
-        except ScenarioFailed:
-            if not self.record.deadlock:  # a rank raised: an engine that died first is the cause to name
-                self.engine_died(after=len(self.record.syncs))
+        except ScenarioFailed:  # a rank raised: an engine that died first is the cause to name
+            self.engine_died(after=len(self.record.syncs))
             raise
         failed = [s.index for s in self.record.syncs if sync_failed(self.record, s)]
         if failed or len(self.record.syncs) < sc.syncs + 1:
@@ -467,9 +466,7 @@ class ScenarioSession:
         if self.fault is not None and self.fault.trainer is not None:
             self.on_ranks("run_in_process", RESTORE_SEAMS, what="undo the fault before recovery", timeout=60)
         index = self.record.syncs[-1].index + 1 if self.record.syncs else 0
-        # An engine that dies during the clean sync is the cause to name, as in the sync loop: the sync then
-        # ends unfinished, a rank raises on the broken transfer group, or the harness's own read after it
-        # finds nobody; `engine_died` records the death as this recovery's answer in each case.
+        # An engine that dies in the clean sync leaves it unfinished, a rank raising, or the harness's read refused.
         try:
             clean = self.sync(index, perturbed=False)
         except EngineRejected as e:
@@ -477,8 +474,7 @@ class ScenarioSession:
             self.engine_died(after=after)
             return
         except ScenarioFailed:
-            if not self.record.deadlock:
-                self.engine_died(after=after)
+            self.engine_died(after=after)
             raise
         clean.recovery = True
         rec.clean_sync = index
@@ -487,9 +483,12 @@ class ScenarioSession:
             self.engine_died(after=after)
 
     def engine_died(self, after: int) -> bool:
-        """After a rank raised in sync `after`: when some engine no longer answers /health, record that as the
-        failed sync's recovery (its status and log tail), so the verdict names the engine's death rather than
-        the broken transfer group it left behind in the trainer. Returns whether an engine died."""
+        """After a rank raised in sync `after`, or the clean sync after it failed: when some engine no longer
+        answers /health, record that as the failed sync's recovery (its status and log tail), so the verdict
+        names the engine's death rather than the broken transfer group it left behind in the trainer. Returns
+        whether an engine died; never after a deadlock, which its own check names."""
+        if self.record.deadlock:
+            return False
         for i, checker in enumerate(self.checkers):
             status = checker.health()
             if status != 200:
