@@ -151,8 +151,6 @@ def _rank(
             t0 = time.perf_counter()
             result = f(*args, **kwargs)
             spent[part] += time.perf_counter() - t0
-            if part == "all_gather":
-                calls["collectives"] += 1
             return result
 
         return call
@@ -222,7 +220,6 @@ def _rank(
     config = stream.convert_config(spec, checkpoint)
     pretrained = model.bridge.hf_pretrained
     library_state, headers = pretrained.state, header_state(checkpoint)
-    torch.distributed.all_gather = timed("all_gather", torch.distributed.all_gather)
 
     def counted(f: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -231,7 +228,8 @@ def _rank(
 
         return call
 
-    # every export's all-gathers: the library's list form (above), raw's flat form, the floor's into-tensor form
+    # every export's all-gathers: the library's list form (timed), raw's flat form, the floor's into-tensor form
+    torch.distributed.all_gather = counted(timed("all_gather", torch.distributed.all_gather))
     torch.distributed.all_gather_single = counted(torch.distributed.all_gather_single)
     torch.distributed.all_gather_into_tensor = counted(torch.distributed.all_gather_into_tensor)
     torch.cat = timed("cat", torch.cat)
