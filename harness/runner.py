@@ -37,8 +37,9 @@ from harness.outcome import (
 )
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node
 from harness.record import OracleFailure, RunRecord
+from harness.recovery import RESTORE_SEAMS
 from harness.scenario import Scenario
-from harness.session import RESTORE_SEAMS, ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
+from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from harness.watch import EngineWatch

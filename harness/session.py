@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from harness import recovery
 from harness.checks import LOGPROB_BUDGETS, check_transfer_init, logprob_parity
 from harness.faults import Fault
 from harness.oracles.expected import ExpectedState
@@ -33,11 +34,11 @@ from harness.record import (
     EngineSync,
     ErrorRecord,
     OracleFailure,
-    RecoveryRecord,
     RunRecord,
     SyncRecord,
     TransferGroupRecord,
 )
+from harness.recovery import RESTORE_SEAMS
 from harness.scenario import Scenario
 from harness.watch import EngineExited, EngineWatch, wait_watched
 from reference_impl.engine.base import EngineKind
@@ -48,7 +49,6 @@ from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient, EngineRejected
 from reference_impl.transport.progress import read_progress
 
-RESTORE_SEAMS = "reference_impl.seams:restore_all"  # undoes a fault armed for one sync
 # What the harness measures on an engine after a sync (`SyncRecord` and `EngineSync` fields alike).
 ENGINE_MEASURED = (
     "engine_checksums",
@@ -233,7 +233,7 @@ class ScenarioSession:
         """Syncs #0..N-1 with the trainer's step before each later one, then one more that re-sends unchanged
         weights (its log-probs must not move); after every sync the engine's report, the expected state and
         the log-probs. A fault armed for one sync (`fault_sync`) is applied just before it and undone after.
-        When some sync failed, the engine's liveness and a clean recovery sync end the run (`recover`)."""
+        When some sync failed, the engine's liveness and a clean recovery sync end the run (`harness.recovery`)."""
         sc = self.sc
         if sc.logprobs:
             budget = LOGPROB_BUDGETS[sc.dtype]
@@ -258,11 +258,12 @@ class ScenarioSession:
         except EngineRejected as e:  # the harness's own call (checksums, log-probs) got no 200: stop syncing
             self.record.notes.append(f"the syncs stopped: the harness's {e.route} got {e.status} from the engine")
         except ScenarioFailed:  # a rank raised: an engine that died first is the cause to name
-            self.engine_died(after=len(self.record.syncs))
+            tail = functools.partial(recovery.engine_log_tail, self.engines)
+            recovery.engine_died(self.record, self.checkers, tail, after=len(self.record.syncs))
             raise
         failed = [s.index for s in self.record.syncs if sync_failed(self.record, s)]
         if failed or len(self.record.syncs) < sc.syncs + 1:
-            self.recover(after=failed[-1] if failed else len(self.record.syncs) - 1)
+            recovery.recover(self, after=failed[-1] if failed else len(self.record.syncs) - 1)
 
     def _read_engine_start(self) -> None:
         """Each engine's checksums and weight version before sync 0 (its answers), and what a fresh engine of
@@ -441,66 +442,3 @@ class ScenarioSession:
             if sums is None:
                 return
             self.record.cross_mode_checksums[mode] = sums[0]
-
-    def recover(self, after: int) -> None:
-        """After a failed sync: is every engine alive (/health, one completion), and does one clean sync of the
-        unchanged weights, with every fault undone, leave them holding the expected state? The answers go into
-        `record.recovery` (the first engine that failed, else engine 0); the clean sync into `record.syncs`
-        (judged like every other sync). An engine that no longer answers gets its log's tail recorded
-        instead, also when it dies during the clean sync (`engine_died`)."""
-        rec = RecoveryRecord(after_sync=after)
-        self.record.recovery = rec
-        for i, checker in enumerate(self.checkers):
-            rec.engine, rec.health_status, rec.completion_status = i, checker.health(), None
-            if rec.health_status == 200 and self.prompts:
-                try:
-                    first = self.prompts[0]
-                    checker.prompt_logprobs(first.input_ids, 1.0, first.image_url, chat_content=first.chat_content)
-                    rec.completion_status = 200
-                except EngineRejected as e:
-                    rec.completion_status = e.status
-            if rec.health_status != 200 or rec.completion_status not in (None, 200):
-                rec.engine_log_tail = self._engine_log_tail(i)
-                return
-        rec.engine = 0
-        if self.fault is not None and self.fault.trainer is not None:
-            self.on_ranks("run_in_process", RESTORE_SEAMS, what="undo the fault before recovery", timeout=60)
-        index = self.record.syncs[-1].index + 1 if self.record.syncs else 0
-        # An engine that dies in the clean sync leaves it unfinished, a rank raising, or the harness's read refused.
-        try:
-            clean = self.sync(index, perturbed=False)
-        except EngineRejected as e:
-            self.record.notes.append(f"the clean sync stopped: the harness's {e.route} got {e.status} from the engine")
-            self.engine_died(after=after)
-            return
-        except ScenarioFailed:
-            self.engine_died(after=after)
-            raise
-        clean.recovery = True
-        rec.clean_sync = index
-        rec.clean_sync_finished = not sync_failed(self.record, clean)
-        if not rec.clean_sync_finished:
-            self.engine_died(after=after)
-
-    def engine_died(self, after: int) -> bool:
-        """After a rank raised in sync `after`, or the clean sync after it failed: when some engine no longer
-        answers /health, record that as the failed sync's recovery (its status and log tail), so the verdict
-        names the engine's death rather than the broken transfer group it left behind in the trainer. Returns
-        whether an engine died; never after a deadlock, which its own check names."""
-        if self.record.deadlock:
-            return False
-        for i, checker in enumerate(self.checkers):
-            status = checker.health()
-            if status != 200:
-                tail = self._engine_log_tail(i)
-                self.record.recovery = RecoveryRecord(
-                    after_sync=after, health_status=status, engine_log_tail=tail, engine=i
-                )
-                return True
-        return False
-
-    def _engine_log_tail(self, engine: int = 0) -> str:
-        try:
-            return str(ray.get(self.engines[engine].log_tail.remote(), timeout=30))
-        except Exception as e:  # the actor itself may be gone
-            return f"(no log tail: {type(e).__name__}: {e})"

@@ -245,18 +245,17 @@ def test_engine_that_survived_but_refuses_a_clean_sync_is_http_error(record: Run
 
 def test_rank_that_raised_because_the_engine_died_is_blamed_on_the_engine(record: RunRecord) -> None:
     """The engine dies while a chunk is on the wire: the sender's broadcast raises (gloo: "Read error") and the
-    sync never returns. The session asks /health before giving up (`ScenarioSession.engine_died`); the verdict
+    sync never returns. The session asks /health before giving up (`harness.recovery.engine_died`); the verdict
     names the engine, not the broken group it left behind."""
     from types import SimpleNamespace
 
-    from harness.session import ScenarioSession
+    from harness.recovery import engine_died
 
     record.syncs = record.syncs[:1]
     record.errors.append(ErrorRecord(rank=0, where="trainer", type="RuntimeError", message="gloo pair.cc: Read error"))
     alive, dead = SimpleNamespace(health=lambda: 200), SimpleNamespace(health=lambda: 0)
     tails = {1: "INFO: serving\nKilled\n"}
-    session = SimpleNamespace(record=record, checkers=[alive, dead], _engine_log_tail=tails.get)
-    assert ScenarioSession.engine_died(session, after=1)  # type: ignore[arg-type]
+    assert engine_died(record, [alive, dead], lambda i: tails.get(i, ""), after=1)
     assert record.recovery is not None and record.recovery.engine == 1  # the replica that died, not engine 0
     assert verdict_of(record)[0] == "CRASH"
     assert (
@@ -264,7 +263,6 @@ def test_rank_that_raised_because_the_engine_died_is_blamed_on_the_engine(record
         in verdict_of(record)[1]
     )
     record.recovery = None
-    everyone_alive = SimpleNamespace(record=record, checkers=[alive, alive], _engine_log_tail=tails.get)
-    assert not ScenarioSession.engine_died(everyone_alive, after=1)  # type: ignore[arg-type]
+    assert not engine_died(record, [alive, alive], lambda i: tails.get(i, ""), after=1)
     assert record.recovery is None
     assert verdict_of(record)[1].startswith("rank 0 (trainer) raised RuntimeError: gloo pair.cc: Read error")
