@@ -10,7 +10,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A `harness.runner.Runner` on a local Ray instance; trainer processes are shared between tests."""
+    """A `harness.runner.Runner` on a local Ray instance; trainer processes are shared between tests (with one
+    idle pool of another world size kept, `Runner.idle_pools`)."""
     import ray
 
     from harness.placement import ensure_ray
@@ -19,7 +20,8 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
     ensure_ray()
     out: Path = tmp_path_factory.mktemp("e2e")
-    r = Runner(out_dir=out, run_id="tests", after_sync=sample_resources)  # as `python -m harness` samples
+    # as `python -m harness` samples; the tests alternate world sizes, so one idle pool is kept beside the one in use
+    r = Runner(out_dir=out, run_id="tests", after_sync=sample_resources, idle_pools=1)
     yield r
     r.close()
     ray.shutdown()

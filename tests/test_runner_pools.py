@@ -1,0 +1,57 @@
+"""`Runner.pool`: which trainer pools stay alive between scenarios (`Runner.idle_pools`), checked against the
+order of pool starts and ends written out by hand, with `TrainerPool.create` replaced by a recorder (no Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness.runner import Runner
+
+
+@dataclass
+class FakePool:
+    world_size: int
+    log: list[str]
+
+    def kill(self) -> None:
+        self.log.append(f"end {self.world_size}")
+
+
+@pytest.fixture
+def log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    events: list[str] = []
+
+    def create(world_size: int) -> FakePool:
+        events.append(f"start {world_size}")
+        return FakePool(world_size, events)
+
+    monkeypatch.setattr("harness.runner.TrainerPool.create", create)
+    monkeypatch.setattr("harness.runner.use_gpus", lambda: False)
+    return events
+
+
+def test_one_idle_pool_is_kept_and_the_least_recently_used_is_ended(tmp_path: Path, log: list[str]) -> None:
+    runner = Runner(out_dir=tmp_path, run_id="t", idle_pools=1)
+    for ws in (1, 2, 1, 2, 4, 1, 4):
+        runner.pool(ws)
+    # 1 and 2 alternate in two pools; 4 ends 1 (used before 2's last use) before it starts; 1 then ends 2
+    assert log == ["start 1", "start 2", "end 1", "start 4", "end 2", "start 1"]
+    assert list(runner.pools) == [1, 4]  # least recently used first
+
+
+def test_without_idle_pools_a_pool_of_another_size_is_ended_first(tmp_path: Path, log: list[str]) -> None:
+    runner = Runner(out_dir=tmp_path, run_id="t")
+    for ws in (1, 1, 2, 1):
+        runner.pool(ws)
+    assert log == ["start 1", "end 1", "start 2", "end 2", "start 1"]
+
+
+def test_a_gpu_host_keeps_no_idle_pool(tmp_path: Path, log: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("harness.runner.use_gpus", lambda: True)  # an idle pool would hold its GPUs
+    runner = Runner(out_dir=tmp_path, run_id="t", idle_pools=1)
+    for ws in (1, 2):
+        runner.pool(ws)
+    assert log == ["start 1", "end 1", "start 2"]
