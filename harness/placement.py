@@ -182,12 +182,17 @@ def end_leftovers(started: list[psutil.Process], grace_s: float = 10.0) -> list[
     return killed
 
 
-@ray.remote(num_cpus=0.5)
+# Threaded (several calls at once): `stop` must not wait behind a `start` or `restart` still waiting for the
+# server's /health (an interrupted run would wait for the start to finish, up to its timeout, before the
+# server got its SIGTERM), nor `exit_status` and `log_tail` behind them.
+@ray.remote(num_cpus=0.5, max_concurrency=4)
 class EngineActor:
-    """Owns one engine server process (started in `start`, ended in `stop`)."""
+    """Owns one engine server process (started in `start`, ended in `stop`, also while `start` still waits
+    for it: the start then raises `EngineStartError`)."""
 
     def __init__(self) -> None:
         self.proc: ServerProcess | None = None
+        self.stopped = False  # `stop` was called: a start that comes or runs after it ends its server at once
 
     def start(
         self,
@@ -208,12 +213,15 @@ class EngineActor:
         127.0.0.1.
 
         Raises:
-            EngineStartError: the server exited or did not answer /health within its kind's start timeout.
+            EngineStartError: the server exited or did not answer /health within its kind's start timeout, or
+                `stop` was called before or while it started.
             ValueError: `reachable` without a token.
         """
         kind = engine_kind(engine)
         host = ray.util.get_node_ip_address() if reachable else LOOPBACK
         self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook, colocate, tp=tp, host=host, token=token)
+        if self.stopped:  # `stop` ran before there was a server to stop: this start raises, its server ended
+            self.proc.stop()
         return self.proc.start(kind.start_timeout_s)
 
     def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, fault: str | None = None) -> str:
@@ -236,7 +244,9 @@ class EngineActor:
         return self.proc.log_tail() if self.proc else "(engine never started)"
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """End the engine server (`ServerProcess.stop`: SIGTERM, SIGKILL after `grace_s` seconds)."""
+        """End the engine server (`ServerProcess.stop`: SIGTERM, SIGKILL after `grace_s` seconds), also one
+        whose start is still waiting for it, or has not launched it yet (that start then raises)."""
+        self.stopped = True
         if self.proc is not None:
             self.proc.stop(grace_s)
 

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from harness import placement
-from reference_impl.engine.embedded.launcher import EngineProcess
+from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 
@@ -141,3 +141,37 @@ def test_a_server_built_and_never_started_leaves_no_log_file(
     log = proc.log_path  # asked for: made then, once, in the temp folder
     assert log.parent == tmp_path and log.is_file() and proc.log_path == log
     assert list(tmp_path.iterdir()) == [log]
+
+
+def test_a_server_stopped_before_it_had_a_process_never_starts_one(tmp_path: Path) -> None:
+    # `EngineActor.stop` may run in another thread before `start` launched the server: that start must end
+    # what it launches at once, not leave a server nobody will stop.
+    proc = EngineProcess(str(make_checkpoint(load_model("qwen3"), 1234)), 4321, str(tmp_path / "engine.log"))
+    proc.stop()
+    with pytest.raises(EngineStartError, match="stopped while it started"):
+        proc.start(120)
+    assert proc.proc is not None and proc.proc.poll() is not None
+    assert not _gone_within([psutil.Process(proc.proc.pid)] if psutil.pid_exists(proc.proc.pid) else [], 10)
+
+
+def test_an_engine_actor_stopped_while_its_server_starts_ends_that_start(tmp_path: Path) -> None:
+    # An interrupted run stops its engines while their start still waits for /health. When the actor ran one
+    # call at a time, `stop` waited behind `start` until the server answered (or the start timed out), and an
+    # interrupt during a start took that long to end the run. The start must now fail, its server ended.
+    import ray
+
+    from harness.placement import EngineActor, ensure_ray
+
+    ensure_ray()
+    ckpt = make_checkpoint(load_model("qwen3"), 1234)
+    actor = EngineActor.remote()  # type: ignore[attr-defined]
+    try:
+        start = actor.start.remote("embedded", str(ckpt), 4321, str(tmp_path / "engine.log"), "float32")
+        time.sleep(0.5)  # the server is launched, or about to be; either way it must not come up
+        ray.get(actor.stop.remote(), timeout=60)
+        with pytest.raises(ray.exceptions.RayTaskError, match="EngineStartError"):
+            ray.get(start, timeout=120)
+        pid = ray.get(actor.pid.remote(), timeout=30)
+        assert pid is None or not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        ray.kill(actor, no_restart=True)

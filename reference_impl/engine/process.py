@@ -135,6 +135,7 @@ class ServerProcess(ABC):
         # the /dev/shm segments its process group held when it first answered /health (unlinked by `stop`)
         self.started_segments: set[str] = set()
         self.ended = False  # `stop` ended this start's process group (set by `stop`, cleared by `start`)
+        self.stop_requested = False  # `stop` came before `start` had a process: `start` then ends it at once
 
     @property
     def log_path(self) -> Path:
@@ -184,6 +185,9 @@ class ServerProcess(ABC):
             self.proc = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
             )
+        if self.stop_requested:  # a `stop` from another thread found no process yet
+            self.stop()
+            raise EngineStartError(f"{self.what} was stopped while it started")
         try:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
             self.url = wait_for_health(self.proc, url, timeout_s, self.log_tail, self.what, self.poll_s, headers)
@@ -229,6 +233,8 @@ class ServerProcess(ABC):
         remove its temp folder and unlink the /dev/shm segments the group made while it started
         (`started_segments`; for a server that never answered /health, those its group holds now: nothing
         was handed to it yet). Segments it was handed later (a colocated sender's) are never touched."""
+        if self.proc is None:
+            self.stop_requested = True
         own = self.started_segments
         try:
             if self.proc is not None and not self.url and not self.ended:  # the leader may be gone, its group not
