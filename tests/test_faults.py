@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from fault_runs import fault_scenario, run_once
-from harness_cli import harness_run
+from harness_cli import harness_run, sigint_not_ignored
 
 from harness import shm
 from harness.checks import expectation_met
@@ -194,13 +194,14 @@ def _assert_the_fault_is_named(name: str, rec: RunRecord) -> None:
 def test_interrupted_run_leaves_no_process(tmp_path: Path) -> None:
     marker = f"interrupt-{os.getpid()}"
     env = {**os.environ, "WSH_RUN_MARKER": marker}
-    proc = subprocess.Popen(
-        harness_run("cpu", tmp_path, "--filter", "qwen3/tp2-pp2/noncolocate/raw", "--run-id", "interrupted"),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    with sigint_not_ignored():
+        proc = subprocess.Popen(
+            harness_run("cpu", tmp_path, "--filter", "qwen3/tp2-pp2/noncolocate/raw", "--run-id", "interrupted"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     # Wait until the engine server of the scenario is up (its log exists), i.e. every kind of process runs.
     logs = tmp_path / "interrupted" / "logs"
     deadline = time.monotonic() + 240
@@ -209,8 +210,10 @@ def test_interrupted_run_leaves_no_process(tmp_path: Path) -> None:
     assert logs.exists(), proc.communicate(timeout=60)[0][-3000:]
     time.sleep(3)
     assert len(_our_processes(marker)) > 2  # driver, Ray, trainer ranks, engine
+    assert proc.poll() is None  # still running: the interrupt, not the run's end, must end it
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == -signal.SIGINT, out[-3000:]  # ended by the KeyboardInterrupt it raised
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and _our_processes(marker):
         time.sleep(1)

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from harness_cli import harness_run
+from harness_cli import harness_run, sigint_not_ignored
 
 from harness import shm
 from harness.record import RunRecord
@@ -304,14 +304,15 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     matrix = tmp_path / "matrix.yaml"
     matrix.write_text(yaml.safe_dump(entries))
     marker = f"hard-kill-{os.getpid()}-{seed}"
-    proc = subprocess.Popen(
-        harness_run(matrix, tmp_path, "--run-id", "signalled"),
-        env={**os.environ, "WSH_RUN_MARKER": marker},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    with sigint_not_ignored():
+        proc = subprocess.Popen(
+            harness_run(matrix, tmp_path, "--run-id", "signalled"),
+            env={**os.environ, "WSH_RUN_MARKER": marker},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     watcher = Holdings(marker)
     watcher.start()
     if isinstance(seed, str):
@@ -319,6 +320,7 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     else:
         time.sleep(rng.uniform(2.0, 16.0))  # from Ray's start to the second scenario
     ours = _marked(marker)
+    running = proc.poll() is None  # else the run ended before the signal (a fast host): nothing to interrupt
     if how.endswith("(Ctrl-C)"):
         os.killpg(proc.pid, signal.SIGINT)
     else:
@@ -331,6 +333,9 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
         out, _ = proc.communicate()
         pytest.fail(f"{how}: the harness did not exit within 60 s: {out[-3000:]}")
     assert time.monotonic() - signalled <= 30 + DEADLINE_S, how
+    # The signal ended it: a run that ignored it would end 0 once its scenarios ran (Python's exit after an
+    # uncaught KeyboardInterrupt, which SIGTERM also raises here, is -SIGINT).
+    assert not running or proc.returncode != 0, (how, proc.returncode, out[-2000:])
     for path in sorted((tmp_path / "signalled" / "records").glob("*.json")):
         assert RunRecord.load(path).verdict, path  # every finished scenario: a valid, judged record
     watcher.done.set()
