@@ -10,6 +10,7 @@ read it); neither decides a verdict itself.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -55,6 +56,11 @@ def engine_died(record: RunRecord, checkers: Sequence[Health], log_tail: Callabl
     return False
 
 
+def session_engine_died(session: ScenarioSession, after: int) -> bool:
+    """`engine_died` over a live scenario's record, engine clients and engine actors (their log tails)."""
+    return engine_died(session.record, session.checkers, functools.partial(engine_log_tail, session.engines), after)
+
+
 def recover(session: ScenarioSession, after: int) -> None:
     """After the failed sync `after`: is every engine alive (/health, one completion), and does one clean sync
     of the unchanged weights, with every fault undone, leave them holding the expected state? The answers go
@@ -84,22 +90,18 @@ def recover(session: ScenarioSession, after: int) -> None:
     if session.fault is not None and session.fault.trainer is not None:
         session.on_ranks("run_in_process", RESTORE_SEAMS, what="undo the fault before recovery", timeout=60)
     index = record.syncs[-1].index + 1 if record.syncs else 0
-
-    def died() -> bool:
-        return engine_died(record, session.checkers, lambda i: engine_log_tail(session.engines, i), after)
-
     # An engine that dies in the clean sync leaves it unfinished, a rank raising, or the harness's read refused.
     try:
         clean = session.sync(index, perturbed=False)
     except EngineRejected as e:
         record.notes.append(f"the clean sync stopped: the harness's {e.route} got {e.status} from the engine")
-        died()
+        session_engine_died(session, after)
         return
     except ScenarioFailed:
-        died()
+        session_engine_died(session, after)
         raise
     clean.recovery = True
     rec.clean_sync = index
     rec.clean_sync_finished = not sync_failed(record, clean)
     if not rec.clean_sync_finished:
-        died()
+        session_engine_died(session, after)

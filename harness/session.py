@@ -258,8 +258,7 @@ class ScenarioSession:
         except EngineRejected as e:  # the harness's own call (checksums, log-probs) got no 200: stop syncing
             self.record.notes.append(f"the syncs stopped: the harness's {e.route} got {e.status} from the engine")
         except ScenarioFailed:  # a rank raised: an engine that died first is the cause to name
-            tail = functools.partial(recovery.engine_log_tail, self.engines)
-            recovery.engine_died(self.record, self.checkers, tail, after=len(self.record.syncs))
+            recovery.session_engine_died(self, after=len(self.record.syncs))
             raise
         failed = [s.index for s in self.record.syncs if sync_failed(self.record, s)]
         if failed or len(self.record.syncs) < sc.syncs + 1:
