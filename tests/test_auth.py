@@ -14,7 +14,7 @@ from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware, bearer_header
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.embedded.loader import EngineLoader
 from reference_impl.engine.embedded.server import create_app
-from reference_impl.engine.vllm.launcher import AUTH_MIDDLEWARE, VllmEngineProcess
+from reference_impl.engine.vllm.launcher import AUTH_MIDDLEWARE, RESTART_MIDDLEWARE, VllmEngineProcess
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 
@@ -74,7 +74,13 @@ def test_servers_bind_beyond_loopback_only_with_a_token(tmp_path: Path, monkeypa
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     vllm = VllmEngineProcess("ckpt", 1, str(tmp_path / "log"), host="192.0.2.2", token=TOKEN, tp=2)
     argv = vllm.command(8000)
-    assert argv[argv.index("--middleware") + 1] == AUTH_MIDDLEWARE and TOKEN not in " ".join(argv)
+    # vLLM adds middlewares in order and the last added runs first: the token check last, so that it guards
+    # every route, the restart's included
+    assert middlewares(argv) == [RESTART_MIDDLEWARE, AUTH_MIDDLEWARE] and TOKEN not in " ".join(argv)
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--host") + 1] == "192.0.2.2"
     plain = VllmEngineProcess("ckpt", 1, str(tmp_path / "log")).command(8000)
-    assert "--middleware" not in plain and "--tensor-parallel-size" not in plain
+    assert middlewares(plain) == [RESTART_MIDDLEWARE] and "--tensor-parallel-size" not in plain
+
+
+def middlewares(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"]

@@ -113,6 +113,7 @@ class ServerProcess(ABC):
 
     what = "engine"
     poll_s = 0.1  # seconds between /health polls
+    restart_route: str | None = None  # the route of an in-place restart (`restart`); None: this kind has none
 
     def __init__(
         self, log_path: str | None, log_suffix: str = ".engine.log", host: str = LOOPBACK, token: str | None = None
@@ -206,14 +207,39 @@ class ServerProcess(ABC):
         fault: str | None = None,
         timeout_s: float = 300.0,
     ) -> str:
-        """Make the running server a fresh engine of `checkpoint` and `seed` without a new process (with fault
-        hook `fault` applied first, when given); returns its base URL. Only engine kinds with
-        `Capabilities.restart_in_place` can.
+        """Make the running server a fresh engine of `checkpoint` with the dummy weights of `seed` and `tp` TP
+        ranks, its output going to `log_path` from now on (`POST <restart_route>` with those fields; what the
+        server keeps and drops is its kind's: `embedded.restart`, `wsh_vllm_plugin.restart`); returns its base
+        URL (unchanged). `fault`: a fault hook `MODULE:FUNCTION` applied before the build, as at a start (only
+        kinds that load hooks). Only kinds with `Capabilities.restart_in_place` have a `restart_route`.
 
         Raises:
-            EngineStartError: this kind cannot (here, always).
+            EngineStartError: this kind cannot restart in place, the server is not running, it refused (an
+                update session open, a checkpoint or TP it cannot take, a fault hook it could not undo) or
+                failed, or did not answer within `timeout_s` seconds; its answer or log tail is in the message.
         """
-        raise EngineStartError(f"{type(self).__name__} cannot restart in place; stop it and start a new one")
+        if self.restart_route is None:
+            raise EngineStartError(f"{type(self).__name__} cannot restart in place; stop it and start a new one")
+        if self.proc is None or self.proc.poll() is not None or not self.url:
+            raise EngineStartError(f"the {self.what} server is not running; start it instead of restarting it")
+        body = {
+            "checkpoint": checkpoint,
+            "seed": seed,
+            "tensor_parallel_size": tp,
+            "log_path": log_path,
+            "fault": fault,
+        }
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        try:
+            resp = httpx.post(self.url + self.restart_route, json=body, headers=headers, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise EngineStartError(
+                f"{self.what} restart got no answer: {type(e).__name__}: {e}: {self.log_tail()}"
+            ) from e
+        if resp.status_code != 200:
+            raise EngineStartError(f"{self.what} restart answered {resp.status_code}: {resp.text[:2000]}")
+        self.log_path = Path(log_path)
+        return self.url
 
     def pid(self) -> int | None:
         """The server's pid (leader of its process group), None before start."""

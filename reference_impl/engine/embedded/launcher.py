@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from reference_impl.engine.process import EngineStartError, ServerProcess
 
@@ -21,6 +20,8 @@ __all__ = ["EngineProcess", "EngineStartError"]
 
 class EngineProcess(ServerProcess):
     """One embedded engine server process."""
+
+    restart_route = "/wsh/restart"  # embedded.restart.RESTART_ROUTE (not imported: it pulls in the server)
 
     def __init__(
         self,
@@ -85,34 +86,14 @@ class EngineProcess(ServerProcess):
         fault: str | None = None,
         timeout_s: float = 300.0,
     ) -> str:
-        """Make the running server a fresh engine of `checkpoint` with the dummy weights of `seed` and `tp` TP
-        ranks, its output going to `log_path` from now on (`POST /wsh/restart`, `embedded.restart`); returns
-        its base URL (unchanged). Takes about the model build's time instead of a process start. `fault`: a
-        fault hook `MODULE:FUNCTION` applied before the build, as `--fault` at a start (a hook the server has
-        is undone first).
+        """`ServerProcess.restart` (`POST /wsh/restart`, `embedded.restart`): a new model of `checkpoint`'s
+        architecture with `seed`'s dummy weights, new state and caches, `tp` TP ranks, fault hook `fault`
+        applied before the build (a hook the server has is undone first). Takes about the model build's time
+        instead of a process start.
 
         Raises:
-            EngineStartError: not started, the server refused (an update session open, a fault hook it could
-                not undo, a body or hook it could not read) or failed, or did not answer within `timeout_s`
-                seconds; the server's answer or log tail is in the message.
+            EngineStartError: as `ServerProcess.restart`.
         """
-        import httpx
-
-        if self.proc is None or self.proc.poll() is not None or not self.url:
-            raise EngineStartError("the engine server is not running; start it instead of restarting it")
-        body = {
-            "checkpoint": checkpoint,
-            "seed": seed,
-            "tensor_parallel_size": tp,
-            "log_path": log_path,
-            "fault": fault,
-        }
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        try:
-            resp = httpx.post(self.url + "/wsh/restart", json=body, headers=headers, timeout=timeout_s)
-        except httpx.HTTPError as e:
-            raise EngineStartError(f"engine restart got no answer: {type(e).__name__}: {e}: {self.log_tail()}") from e
-        if resp.status_code != 200:
-            raise EngineStartError(f"engine restart answered {resp.status_code}: {resp.text[:2000]}")
-        self.checkpoint, self.seed, self.tp, self.log_path, self.fault = checkpoint, seed, tp, Path(log_path), fault
-        return self.url
+        url = super().restart(checkpoint, seed, log_path, tp, fault, timeout_s)
+        self.checkpoint, self.seed, self.tp, self.fault = checkpoint, seed, tp, fault
+        return url

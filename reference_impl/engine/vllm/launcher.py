@@ -7,6 +7,8 @@ from vLLM's own environment (`env.vllm_python()`)::
         --load-format dummy --seed SEED --dtype DTYPE [--skip-tokenizer-init] \
         --weight-transfer-config '{"backend": "gloo"}' --host 127.0.0.1 --port PORT ...
 
+(plus `--worker-extension-cls` and `--middleware` of `wsh_vllm_plugin.restart`, the in-place restart
+`VllmEngineProcess.restart` posts to, and the token check's `--middleware` when the run has a token).
 `VLLM_SERVER_DEV_MODE=1` registers the RLHF weight-update routes (vLLM `entrypoints/rl`);
 `--load-format dummy` starts from random weights, so a sync that moves nothing cannot pass a
 log-prob comparison; `--skip-tokenizer-init` where the adapter asks for it (text checkpoints carry no
@@ -31,10 +33,12 @@ import re
 import tempfile
 from collections.abc import Callable
 
-from reference_impl.engine.process import ServerProcess, free_port
+from reference_impl.engine.process import EngineStartError, ServerProcess, free_port
 from reference_impl.engine.vllm.env import plugin_import_dir, vllm_python
 
 AUTH_MIDDLEWARE = "wsh_vllm_plugin.auth.BearerTokenMiddleware"  # every route asks for the run's token
+RESTART_MIDDLEWARE = "wsh_vllm_plugin.restart.RestartMiddleware"  # POST /wsh/restart (wsh_vllm_plugin/restart.py)
+RESTART_WORKER = "wsh_vllm_plugin.restart.WorkerRestart"  # the worker's part of it (--worker-extension-cls)
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 BACKENDS = ("gloo", "nccl", "ipc")  # the --weight-transfer-config backends the harness starts vLLM with
 COLOCATE_GPU_MEMORY_UTILIZATION = 0.4  # vLLM's share of a GPU it shares with the trainer's sender rank
@@ -101,6 +105,17 @@ def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
     return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp))
 
 
+def worker_in_engine_core(backend: str, tp: int, environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """Whether a server `VllmEngineProcess.launch` starts with weight-transfer backend `backend` and `tp`
+    workers, in environment `environ` (default this process's), runs its one worker inside the engine-core
+    process: a CPU server ("gloo") at TP 1 whose caller set neither `VLLM_CPU_OMP_THREADS_BIND` nor
+    `VLLM_ENABLE_V1_MULTIPROCESSING` to anything but "0" (`launch`). Only such a server restarts in place
+    (`wsh_vllm_plugin.restart`: a restart redirects the output of the processes it reaches, and a worker
+    process of its own would leave the engine core's in the old log)."""
+    env = os.environ if environ is None else environ
+    return backend == "gloo" and tp == 1 and THREADS_BIND not in env and env.get(MULTIPROCESSING, "0") == "0"
+
+
 def cpu_worker_threads(cpus: list[int] | None = None) -> int:
     """The OpenMP threads vLLM's automatic binding gives the one CPU worker of a TP 1 server: the CPUs this
     process may run on (`cpus`, default its affinity) less one reserved for the engine core's scheduler
@@ -115,6 +130,7 @@ class VllmEngineProcess(ServerProcess):
 
     what = "vLLM"
     poll_s = 0.5
+    restart_route = "/wsh/restart"  # wsh_vllm_plugin.restart.RESTART_ROUTE, where `restartable`
 
     def __init__(
         self,
@@ -178,9 +194,48 @@ class VllmEngineProcess(ServerProcess):
             "--port",
             str(port),
             *(["--tensor-parallel-size", str(self.tp)] if self.tp != 1 else []),
+            "--worker-extension-cls",
+            RESTART_WORKER,
+            # vLLM adds middlewares in this order and the last added runs first: the token check guards
+            # the restart route too
+            "--middleware",
+            RESTART_MIDDLEWARE,
             *(["--middleware", AUTH_MIDDLEWARE] if self.token else []),
             *self.extra_args,
         ]
+
+    @property
+    def restartable(self) -> bool:
+        """Whether this server can restart in place (`worker_in_engine_core`)."""
+        return worker_in_engine_core(self.backend, self.tp)
+
+    def restart(
+        self,
+        checkpoint: str,
+        seed: int,
+        log_path: str,
+        tp: int = 1,
+        fault: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> str:
+        """`ServerProcess.restart` (`POST /wsh/restart`, `wsh_vllm_plugin.restart`): the same model with
+        new dummy weights drawn from `seed` through vLLM's own reload path, no transfer group, empty prefix,
+        multi-modal and encoder caches, vLLM's initial weight version. `checkpoint` must be of the served
+        model (its config.json equal), `tp` the server's, `fault` None. About 1 s for a tiny model on a
+        2-core host, against 15-20 s for a new start.
+
+        Raises:
+            EngineStartError: not `restartable` (before any request), or as `ServerProcess.restart` (a
+                refusal names what to change).
+        """
+        if not self.restartable:
+            raise EngineStartError(
+                f"this vLLM server cannot restart in place (backend {self.backend!r}, TP {self.tp}): only a CPU "
+                "server at TP 1 with its worker inside the engine core can; stop it and start a new one"
+            )
+        url = super().restart(checkpoint, seed, log_path, tp, fault, timeout_s)
+        self.checkpoint, self.seed = checkpoint, seed
+        return url
 
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
         """vLLM's argv on a free port, its environment (the dev routes on; nothing of the trainer's
