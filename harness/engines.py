@@ -1,10 +1,12 @@
 """Engine servers kept between scenarios: which may serve a later scenario, and how every one is ended.
 
 Starting an engine costs a process start (Ray actor, interpreter, torch and FastAPI imports, the model
-build): about 6 s for a tiny model on a 2-core host, most of a small scenario's wall time. An engine kind
-with `Capabilities.restart_in_place` (the embedded engine) can instead become a fresh engine of the next
-scenario's checkpoint and seed in the same process (`ServerProcess.restart`: a new model with that seed's
-dummy weights, new state, empty caches, no transfer backend; nothing of the old app is kept), so the
+build): about 6 s for a tiny model on a 2-core host (vLLM: 15-20 s), most of a small scenario's wall time.
+An engine kind with `Capabilities.restart_in_place` can instead become a fresh engine of the next
+scenario's checkpoint and seed in the same process (`ServerProcess.restart`; the embedded engine: a new
+model with that seed's dummy weights, new state, empty caches, no transfer backend, nothing of the old app
+kept; vLLM on the placements `EngineKind.restartable` allows: the same model with new dummy weights of that
+seed, no transfer group, empty caches, so its `EngineKey` holds the model and dtype too), so the
 runner shelves such an engine after a scenario that ran through (no error, every sync run and answered
 200) or recovered cleanly from a failed sync (`harness.outcome.in_step`) and restarts it for the next
 scenario of the same `EngineKey`, also after a fault: the restart undoes an engine fault hook and refuses
@@ -29,7 +31,8 @@ from reference_impl.engine.process import STOP_GRACE_S
 class EngineKey:
     """What an engine server must share with a scenario to serve it: its kind, TP ranks and replica count,
     where it is placed (colocated engines live in the trainer pool's placement group, so also the pool's
-    world size) and whether other nodes reach it (the address it bound to)."""
+    world size), whether other nodes reach it (the address it bound to), and for a kind whose restart keeps
+    its model (`EngineKind.restart_keeps_model`: vLLM) the model and dtype."""
 
     engine: str
     colocate: bool
@@ -37,11 +40,23 @@ class EngineKey:
     engine_tp: int
     engines: int
     reachable: bool
+    model: str = ""  # the model and dtype, where the kind's restart keeps its model (vLLM); else ""
+    dtype: str = ""
 
     @classmethod
     def of(cls, sc: Scenario, reachable: bool) -> EngineKey:
         """The key of scenario `sc`'s engines."""
-        return cls(sc.engine, sc.colocate, sc.world_size if sc.colocate else 0, sc.engine_tp, sc.engines, reachable)
+        same_model = engine_kind(sc.engine).restart_keeps_model
+        return cls(
+            sc.engine,
+            sc.colocate,
+            sc.world_size if sc.colocate else 0,
+            sc.engine_tp,
+            sc.engines,
+            reachable,
+            sc.model if same_model else "",
+            sc.dtype if same_model else "",
+        )
 
 
 def end_engines(engines: Sequence[Any], pids: Sequence[int | None], engine: str, grace_s: float = STOP_GRACE_S) -> None:

@@ -52,7 +52,8 @@ def stop_grace_s(record: RunRecord, healthy: bool) -> float:
 
 def engines_reusable(record: RunRecord, healthy: bool) -> bool:
     """Whether the scenario's engines may serve the next scenario after a restart in place (they become
-    fresh engines: a new model, state and caches; `engine_fresh` then checks their starting weights): it
+    fresh engines: new dummy weights, state and caches; `engine_fresh` then checks the starting weights of
+    engines that report per-tensor checksums): it
     ended `in_step`, with or without a fault. An engine fault hook is undone by that restart, which refuses
     when the engine's seams do not all run what they ran before the hook, or while an update session is
     open (the runner then starts a new engine). A failed sync with no clean recovery sync after it leaves

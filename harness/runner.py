@@ -154,7 +154,8 @@ class Runner:
             hook = fault.hook if fault is not None else None
             reachable = multi_node()  # engines another node must reach bind to their node's address
             key = EngineKey.of(sc, reachable)
-            reusable = kind.capabilities.restart_in_place  # a fault hook is applied (and later undone) at a restart
+            # a fault hook is applied (and later undone) at a restart
+            reusable = kind.restartable(sc.colocate, sc.engine_tp, use_gpus())
             engines, urls = self._restarted(key, sc, ckpt, record, hook) if reusable else ([], [])
             if not engines:
                 options = pool.engine_options(sc.colocate, sc.engine_tp)
@@ -308,7 +309,7 @@ class Runner:
             return [], []
         record.notes.append(
             f"engine process reused: restarted in place as a fresh engine (pid {', '.join(map(str, pids))}; "
-            "a new model with this scenario's dummy weights, state and caches"
+            "this scenario's dummy weights, no transfer group, empty caches"
             + (f"; fault hook {hook} applied before it was built)" if hook else ")")
         )
         return engines, list(urls)

@@ -40,7 +40,9 @@ class Capabilities(BaseModel):
         replicas: several engines of this kind can be fed by one transfer group.
         fault_hooks: loads a fault hook (`--fault MODULE:FUNCTION`) at start, for mutation tests.
         restart_in_place: its server process can become a fresh engine of another checkpoint and seed
-            without a new process (`ServerProcess.restart`), so a harness may reuse it across scenarios.
+            without a new process (`ServerProcess.restart`), so a harness may reuse it across scenarios
+            (on the placements `EngineKind.restartable` says; of the same model where the kind's
+            `restart_keeps_model`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -105,6 +107,7 @@ class EngineKind(ABC):
     capabilities: Capabilities
     start_timeout_s: float  # seconds from launch to /health 200 on a loaded 2-core host
     note: str = ""  # a sentence for every record of this engine (what its checks rest on), "" for none
+    restart_keeps_model: bool = False  # an in-place restart cannot change the model (only its weights)
 
     def validate(self, request: EngineRequest) -> str | None:
         """None when this engine can run `request` on this host, else one sentence saying what to change.
@@ -152,6 +155,12 @@ class EngineKind(ABC):
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:
         """This engine's non-200 answer to `route` as `Rejection`s (pure). `sent_names` are the HF names of
         the chunk for /update_weights (engine-side names are mapped back to them), empty otherwise."""
+
+    def restartable(self, colocate: bool, engine_tp: int, cuda: bool) -> bool:
+        """Whether a server of this kind for a placement (`colocate`, `engine_tp` TP ranks) on a host with
+        (`cuda`) or without CUDA devices can restart in place (`ServerProcess.restart`). Default: every one of
+        a kind with `Capabilities.restart_in_place`."""
+        return self.capabilities.restart_in_place
 
     def reap(self, pid: int | None) -> None:
         """End what is left of a server whose launcher was killed before its `stop` (default: nothing;

@@ -16,6 +16,8 @@ from vllm_env import require_vllm as _require_vllm
 from harness.runner import Runner
 from harness.scenario import Scenario
 from harness.validate import validate
+from reference_impl.models.checkpoint import make_checkpoint
+from reference_impl.models.registry import load_model
 
 
 def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
@@ -30,6 +32,26 @@ def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
     assert not any(s.engine_checksums for s in rec.syncs)  # vLLM's checksums are not used as HF ones
     coverage = next(c for c in rec.checks if c["name"] == "coverage")
     assert coverage["ok"] and not coverage["skipped"]
+
+
+def test_vllm_server_is_restarted_in_place_for_the_next_scenario(runner: Runner) -> None:
+    """Two Qwen3 scenarios on vLLM back to back, with checkpoints of other seeds: the second runs on the first's
+    server restarted in place (`wsh_vllm_plugin/restart.py`), its output in the second's own log from the
+    restart on, and passes on its own evidence: log-probs after every sync against the trainer's forward, the
+    probe through the caches."""
+    _require_vllm()
+    scenarios = [
+        Scenario(model="qwen3", engine="vllm", syncs=2, seed=seed, chunk_bytes=1 << 18, suffix=f"restart-{seed}")
+        for seed in (11, 12)
+    ]
+    first, second = (runner.run_scenario(sc) for sc in scenarios)
+    assert first.verdict == second.verdict == "PASS", [c for r in (first, second) for c in r.checks if not c["ok"]]
+    assert any(n.startswith("engine process reused: restarted in place") for n in second.notes), second.notes
+    second_ckpt = str(make_checkpoint(load_model("qwen3"), 12))
+    log = runner.engine_log(second.scenario_id, 0).read_text()
+    assert f"fresh engine from {second_ckpt} (seed {scenarios[1].engine_seed})" in log
+    assert "gloo weight transfer: joined" in log  # the new transfer group, in the new log
+    assert second_ckpt not in runner.engine_log(first.scenario_id, 0).read_text()
 
 
 def test_vllm_moe_scenario_through_the_runner(runner: Runner) -> None:

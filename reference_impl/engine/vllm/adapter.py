@@ -70,7 +70,9 @@ class VllmEngine(EngineKind):
         tensor_parallel=True,
         replicas=True,
         image_prompts_via_chat=True,
+        restart_in_place=True,  # a CPU server at TP 1 (`restartable`), same model (wsh_vllm_plugin/restart.py)
     )
+    restart_keeps_model = True  # the restart reloads weights; the architecture is the one vLLM built
     # An engine core that profiles memory and warms up: 18-55 s on 2 shared cores, much more under load.
     start_timeout_s = 900.0
     note = (
@@ -115,6 +117,13 @@ class VllmEngine(EngineKind):
         if colocate:
             return Transfer(WIRE_VLLM, "ipc")
         return Transfer(WIRE_VLLM, "nccl" if cuda else "gloo")
+
+    def restartable(self, colocate: bool, engine_tp: int, cuda: bool) -> bool:
+        """Only a server whose one worker runs inside the engine core (a CPU server at TP 1,
+        `launcher.worker_in_engine_core`): the restart redirects the output of the processes it reaches."""
+        from reference_impl.engine.vllm.launcher import worker_in_engine_core
+
+        return worker_in_engine_core(self.transfer(colocate, cuda).backend, engine_tp)
 
     def server(
         self,
