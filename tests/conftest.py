@@ -25,3 +25,14 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     yield r
     r.close()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_vllm() -> Iterator[object]:
+    """vLLM servers shared by the test modules that start their own, restarted in place as fresh engines for
+    each module (`tests/shared_vllm.py`); every one is stopped at the session's end."""
+    from shared_vllm import SharedVllm
+
+    shared = SharedVllm()
+    yield shared
+    shared.close()

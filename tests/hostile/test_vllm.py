@@ -32,6 +32,7 @@ import httpx
 import pytest
 import torch
 from process_groups import alive_in_group
+from shared_vllm import SharedVllm
 from vllm_env import require_vllm
 from wsh_vllm_plugin import protocol
 from wsh_vllm_plugin.packed import declared_nbytes, nccl_init_info, nccl_update_info
@@ -56,25 +57,31 @@ GROUP_TIMEOUT_S = 20.0  # the transfer groups' gloo timeout: a broadcast nobody 
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
-    """vLLM for the sample, the embedded engine beside it, and a dedicated vLLM for the session race,
-    started together (vLLM takes a while) and stopped by pid."""
+def servers(tmp_path_factory: pytest.TempPathFactory, shared_vllm: SharedVllm) -> Iterator[dict[str, ServerProcess]]:
+    """vLLM for the sample (one of the session's shared servers: restarted in place as a fresh engine when one
+    is idle, given back at the end), the embedded engine beside it, and a dedicated vLLM for the session race
+    (its test stops it), made ready together (vLLM takes a while); the others stopped by pid."""
     require_vllm()
-    ckpt = str(make_checkpoint(load_model("qwen3"), SEED))
+    ckpt = make_checkpoint(load_model("qwen3"), SEED)
     logs = tmp_path_factory.mktemp("hostile-vllm")
-    procs: dict[str, ServerProcess] = {
-        "vllm": VllmEngineProcess(ckpt, ENGINE_SEED, str(logs / "vllm.log")),
-        "embedded": EngineProcess(ckpt, ENGINE_SEED, str(logs / "embedded.log")),
-        "vllm-race": VllmEngineProcess(ckpt, ENGINE_SEED, str(logs / "vllm-race.log")),
+    own: dict[str, ServerProcess] = {
+        "embedded": EngineProcess(str(ckpt), ENGINE_SEED, str(logs / "embedded.log")),
+        "vllm-race": VllmEngineProcess(str(ckpt), ENGINE_SEED, str(logs / "vllm-race.log")),
     }
+    procs: dict[str, ServerProcess] = {}
     try:
-        with ThreadPoolExecutor(len(procs)) as pool:
-            for fut in [pool.submit(p.start, 300) for p in procs.values()]:
-                fut.result()  # EngineStartError carries the log's tail
-        yield procs
+        with ThreadPoolExecutor(len(own) + 1) as pool:
+            shared = pool.submit(shared_vllm.take, ckpt, ENGINE_SEED, logs / "vllm.log")
+            starts = [pool.submit(p.start, 300) for p in own.values()]
+            procs["vllm"] = shared.result()  # EngineStartError carries the log's tail
+            for fut in starts:
+                fut.result()
+        yield procs | own
     finally:
-        for p in procs.values():
+        for p in own.values():
             p.stop()
+        if "vllm" in procs:
+            shared_vllm.give_back(procs["vllm"])
 
 
 def _client(kind: str, url: str) -> EngineClient:

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from shared_vllm import SharedVllm
 from vllm_env import require_vllm
 
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
@@ -119,29 +120,39 @@ def connect(kind: str, proc: Any, url: str, ckpt: Path, model: str) -> Connected
     return Connected(kind, proc, client, channel, ckpt, model)
 
 
-def both_engines(model: str, logs: Path) -> Iterator[dict[str, Connected]]:
-    """vLLM (from its adapter, as the runner starts it) and the embedded engine on the same checkpoint of
-    `model`, started together, each joined to this process; stopped by pid."""
+def both_engines(model: str, logs: Path, shared: SharedVllm) -> Iterator[dict[str, Connected]]:
+    """vLLM (one of the session's `shared` servers, a fresh engine of this checkpoint, as the runner starts
+    it) and the embedded engine (started here) on the same checkpoint of `model`, made ready together, each
+    joined to this process; the embedded engine stopped by pid, the vLLM server given back."""
     require_vllm()
     ckpt = make_checkpoint(load_model(model), SEED)
-    vllm = engine_kind("vllm").server(str(ckpt), ENGINE_SEED, str(logs / "vllm.log"), "float32")
     embedded = EngineProcess(str(ckpt), ENGINE_SEED, str(logs / "embedded.log"))
-    urls: dict[str, str] = {}
-    started = threading.Thread(target=lambda: urls.update(vllm=vllm.start()))
+    procs: dict[str, Any] = {}
+    failed: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            procs["vllm"] = shared.take(ckpt, ENGINE_SEED, logs / "vllm.log")
+        except BaseException as e:
+            failed.append(e)
+
+    started = threading.Thread(target=take)
     started.start()
     try:
-        urls["embedded"] = embedded.start()
+        url = embedded.start()
         started.join()
-        if "vllm" not in urls:
-            pytest.fail(f"vLLM did not start; log: {vllm.log_tail(3000)}")
-        out = {k: connect(k, p, urls[k], ckpt, model) for k, p in (("vllm", vllm), ("embedded", embedded))}
+        if failed:
+            pytest.fail(f"vLLM did not start: {failed[0]}")
+        vllm = procs["vllm"]
+        out = {k: connect(k, p, u, ckpt, model) for k, p, u in (("vllm", vllm, vllm.url), ("embedded", embedded, url))}
         yield out
         for conn in out.values():
             conn.channel.close()
             conn.client.close()
     finally:
         started.join()
-        vllm.stop()
+        if "vllm" in procs:
+            shared.give_back(procs["vllm"])
         embedded.stop()
 
 

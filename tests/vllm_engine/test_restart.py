@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from safetensors import safe_open
+from shared_vllm import SharedVllm
 from vllm_env import require_vllm
 from wsh_vllm_plugin.restart import checkpoint_tensors, dummy_weights
 
@@ -31,22 +32,23 @@ from reference_impl.transport.vllm_packed import connect_packed_gloo
 
 from .engines import ENGINE_SEED, PACKED_BUFFER, SEED, Connected, full, measure_logprobs
 
-TOKEN = "restart-test-token"
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 5]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmEngineProcess, Path]]:
-    """One vLLM server on the tiny Qwen3 checkpoint, as the runner starts it (its adapter, a bearer token);
-    the logs folder beside it."""
+def server(
+    tmp_path_factory: pytest.TempPathFactory, shared_vllm: SharedVllm
+) -> Iterator[tuple[VllmEngineProcess, Path]]:
+    """One vLLM server on the tiny Qwen3 checkpoint, as the runner starts it (one of the session's shared
+    servers, fresh: a new start, or one restarted in place), given back at the end; the logs folder beside
+    it. Its token check in front of the restart is `test_servers.py`'s."""
     require_vllm()
     logs = tmp_path_factory.mktemp("vllm-restart")
-    ckpt = make_checkpoint(load_model("qwen3"), SEED)
-    proc = engine_kind("vllm").server(str(ckpt), ENGINE_SEED, str(logs / "start.log"), "float32", token=TOKEN)
-    assert isinstance(proc, VllmEngineProcess)
-    with proc:
-        proc.start(600)
+    proc = shared_vllm.take(make_checkpoint(load_model("qwen3"), SEED), ENGINE_SEED, logs / "start.log")
+    try:
         yield proc, logs
+    finally:
+        shared_vllm.give_back(proc)
 
 
 def _client(url: str) -> EngineClient:
@@ -56,7 +58,6 @@ def _client(url: str) -> EngineClient:
         timeout_s=300,
         session_ends_on_error=caps.session_ends_on_error,
         parse_rejections=engine_kind("vllm").parse_rejections,
-        token=TOKEN,
     )
 
 
@@ -128,7 +129,7 @@ def test_a_restart_forgets_what_was_synced_and_takes_the_next_sync(
 ) -> None:
     proc, logs = server
     ckpt = Path(proc.checkpoint)
-    assert _near_uniform(_logprobs(proc), ckpt) < 1e-3  # a fresh start: vLLM's dummy weights
+    assert _near_uniform(_logprobs(proc), ckpt) < 1e-3  # fresh: vLLM's dummy weights, or a restart's
     synced = _synced(proc, 0)
     assert _near_uniform(synced, ckpt) > 0.1  # the checkpoint's weights are far from uniform
 
@@ -148,7 +149,7 @@ def test_a_restart_forgets_what_was_synced_and_takes_the_next_sync(
     assert seed8 != seed7 and _near_uniform(seed8, ckpt) < 1e-3
 
     # each restart's output went to its own log, from the engine core too
-    assert "fresh engine from" not in (logs / "start.log").read_text()
+    assert "(seed 7)" not in (logs / "start.log").read_text()
     seed7_log = (logs / "seed7.log").read_text()
     assert f"fresh engine from {other} (seed 7)" in seed7_log
     assert "EngineCore" in seed7_log and "gloo weight transfer: finish" in seed7_log
@@ -161,16 +162,15 @@ def test_what_a_restart_cannot_do_is_refused_and_changes_nothing(server: tuple[V
     before = _logprobs(proc)
     vl = make_checkpoint(load_model("qwen3-vl"), SEED)
     body = {"checkpoint": proc.checkpoint, "seed": 3, "tensor_parallel_size": 1, "log_path": None, "fault": None}
-    auth = {"Authorization": f"Bearer {TOKEN}"}
     cases = [
-        ({}, body, 401, "bearer token"),
-        (auth, {**body, "fault": "tests.faults:hook"}, 400, "no fault hooks"),
-        (auth, {**body, "checkpoint": str(vl)}, 400, "another model"),
-        (auth, {**body, "tensor_parallel_size": 2}, 400, "runs at TP 1"),
-        (auth, {**body, "seed": "3"}, 400, "(an integer)"),
+        ({**body, "fault": "tests.faults:hook"}, 400, "no fault hooks"),
+        ({**body, "checkpoint": str(vl)}, 400, "another model"),
+        ({**body, "tensor_parallel_size": 2}, 400, "runs at TP 1"),
+        ({**body, "seed": "3"}, 400, "(an integer)"),
+        ("not an object", 400, "a JSON object"),
     ]
-    for headers, sent, status, why in cases:
-        r = httpx.post(proc.url + "/wsh/restart", json=sent, headers=headers, timeout=60)
+    for sent, status, why in cases:
+        r = httpx.post(proc.url + "/wsh/restart", json=sent, timeout=60)
         assert (r.status_code, why in r.text) == (status, True), (sent, r.status_code, r.text)
 
     client = _client(proc.url)  # inside an update session: refused by the worker before it changes anything

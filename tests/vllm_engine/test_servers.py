@@ -47,7 +47,8 @@ def test_vllm_that_cannot_start_is_a_start_error_naming_why(tmp_path: Path) -> N
 
 def test_vllm_with_two_tp_workers_takes_every_chunk_and_asks_for_the_token(tmp_path: Path) -> None:
     """vLLM with `--tensor-parallel-size 2` on CPU (each worker its own CPU group) and the run's bearer token:
-    every route without the token is a 401; both workers join the transfer group (ranks 1 and 2 of 3) and take
+    every route without the token is a 401 (the in-place restart's too, which a TP 2 server refuses with a 409);
+    both workers join the transfer group (ranks 1 and 2 of 3) and take
     every chunk of a sync in many chunks; its log-probs then equal a transformers forward over the checkpoint."""
     _require_vllm()
     token = "token-of-this-test"
@@ -62,8 +63,13 @@ def test_vllm_with_two_tp_workers_takes_every_chunk_and_asks_for_the_token(tmp_p
             ("POST", "/v1/completions"),
             ("POST", "/init_weight_transfer_engine"),
             ("GET", "/weight_info"),
+            ("POST", "/wsh/restart"),  # the restart's middleware runs inside the token check
         ):
             assert httpx.request(method, url + route, json={}, timeout=30).status_code == 401, route
+        # with the token: refused, its workers being processes of their own (wsh_vllm_plugin/restart.py)
+        body = {"checkpoint": str(ckpt), "seed": 1, "tensor_parallel_size": 2, "log_path": None, "fault": None}
+        r = httpx.post(url + "/wsh/restart", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert r.status_code == 409 and "process of its own" in r.text, r.text
         client = EngineClient(
             url,
             timeout_s=300,
