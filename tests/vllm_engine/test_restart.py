@@ -5,11 +5,14 @@ cannot do is refused before anything changes.
 
 The oracles: a transformers forward over the checkpoint (the sync landed), and the dummy range itself:
 weights uniform in [-1e-3, 1e-3) give logits within about 1e-3 of zero, so every prompt log-prob is
-within 1e-3 of -ln(vocab size), which the trainer's weights are nowhere near."""
+within 1e-3 of -ln(vocab size), which the trainer's weights are nowhere near. What else a fresh server is
+comes from vLLM itself: its prefix-cache counters (`/metrics`) and its initial weight version."""
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from harness.checks import judge
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import EngineStartError
 from reference_impl.engine.vllm.launcher import VllmEngineProcess, worker_in_engine_core
+from reference_impl.forward.prompts import probe_prompt
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient
@@ -33,6 +37,7 @@ from reference_impl.transport.vllm_packed import connect_packed_gloo
 from .engines import ENGINE_SEED, PACKED_BUFFER, SEED, Connected, full, measure_logprobs
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 5]
+FRESH_WEIGHT_VERSION = "default"  # a new engine core's (vllm/v1/engine/core.py, EngineCore.__init__)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +90,36 @@ def _logprobs(proc: VllmEngineProcess) -> list[float]:
         client.close()
 
 
+def _prefix_cache_counters(url: str) -> tuple[float, float]:
+    """vLLM's own prefix-cache counters from `GET /metrics` (Prometheus text): (tokens queried, tokens hit),
+    summed over engines (vllm/v1/metrics/loggers.py, `vllm:prefix_cache_queries` / `_hits`)."""
+    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
+
+
+def _probe_hits(proc: VllmEngineProcess, probe: list[int]) -> float:
+    """Serve `probe` once (a generated token, no prompt log-probs: vLLM may serve the prompt from its prefix
+    cache) and return how many of its tokens vLLM counted as prefix-cache hits, once its stats for the
+    request are in (the queried count moved)."""
+    queried, hits = _prefix_cache_counters(proc.url)
+    client = _client(proc.url)
+    try:
+        client.generate(probe, 1.0)
+    finally:
+        client.close()
+    deadline = time.monotonic() + 30
+    while True:
+        now_queried, now_hits = _prefix_cache_counters(proc.url)
+        if now_queried > queried or time.monotonic() > deadline:
+            assert now_queried > queried, "vLLM counted no prefix-cache query for the probe"
+            return now_hits - hits
+        time.sleep(0.1)
+
+
 def _near_uniform(logprobs: list[float], ckpt: Path) -> float:
     """The largest distance of a prompt log-prob from -ln(vocab size)."""
     import json
@@ -132,12 +167,22 @@ def test_a_restart_forgets_what_was_synced_and_takes_the_next_sync(
     assert _near_uniform(_logprobs(proc), ckpt) < 1e-3  # fresh: vLLM's dummy weights, or a restart's
     synced = _synced(proc, 0)
     assert _near_uniform(synced, ckpt) > 0.1  # the checkpoint's weights are far from uniform
+    probe = probe_prompt(json.loads((ckpt / "config.json").read_text()))
+    _probe_hits(proc, probe)
+    assert _probe_hits(proc, probe) > 0  # seen again: served from the prefix cache, under the synced weights
 
     other = make_checkpoint(load_model("qwen3"), SEED + 1)  # the same model, other weights
     url = proc.url
     assert proc.restart(str(other), 7, str(logs / "seed7.log")) == url
     seed7 = _logprobs(proc)
     assert _near_uniform(seed7, ckpt) < 1e-3, (seed7, synced)
+    assert _probe_hits(proc, probe) == 0  # nothing cached before the restart serves after it
+
+    client = _client(proc.url)
+    try:
+        assert client.weight_version() == FRESH_WEIGHT_VERSION  # not sync 0's
+    finally:
+        client.close()
 
     # a new group forms and carries a sync again; then the same seed gives the same weights, whatever came before
     proc.restart(str(ckpt), 7, str(logs / "again.log"))

@@ -41,6 +41,13 @@ RESTART_MIDDLEWARE = "wsh_vllm_plugin.restart.RestartMiddleware"  # POST /wsh/re
 RESTART_WORKER = "wsh_vllm_plugin.restart.WorkerRestart"  # the worker's part of it (--worker-extension-cls)
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 BACKENDS = ("gloo", "nccl", "ipc")  # the --weight-transfer-config backends the harness starts vLLM with
+# Tokens per KV-cache block of a CPU server. vLLM's CPU platform makes it 128 unless asked
+# (vllm/platforms/cpu.py, CpuPlatform.check_and_update_config): a prefix cache then reuses nothing of a prompt
+# under 128 tokens, and the harness's cache probe (40 tokens, `forward.prompts.PROBE_TOKENS`) would never be
+# served from it, so a prefix cache that outlives an update could not show. At 32 (the smallest the CPU
+# attention kernel takes: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])") the probe's first
+# 32 tokens are served from the cache when it comes again.
+CPU_BLOCK_SIZE = 32
 COLOCATE_GPU_MEMORY_UTILIZATION = 0.4  # vLLM's share of a GPU it shares with the trainer's sender rank
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"  # torch's variable; a caller's own value is kept
 DYNAMO_DISABLE = "TORCHDYNAMO_DISABLE"  # torch's variable: `torch.compile` returns the function it was given
@@ -189,6 +196,7 @@ class VllmEngineProcess(ServerProcess):
             "--max-num-seqs",
             "4",
             "--enforce-eager",
+            *(["--block-size", str(CPU_BLOCK_SIZE)] if self.backend == "gloo" else []),
             "--host",
             self.host,
             "--port",
