@@ -13,15 +13,17 @@ from harness.scenario import Scenario
 # Trainer-side faults that a non-colocate Qwen3 or Qwen3-VL scenario shows, each run against real vLLM and
 # against the embedded engine: both verdicts must be the fault's. They run at temperature 1.0 on both
 # engines (vLLM's prompt log-probs do not honour the temperature); the other faults at the embedded
-# engine's default (0.7, which exercises the temperature's path).
+# engine's default (0.7, which exercises the temperature's path). In the order they run: the runner restarts
+# one Qwen3 vLLM server for each Qwen3 fault that leaves it in step, so the deadlock, which ends its server,
+# comes last (before it, `no_prefix_cache_reset` had to start a new server: about 25 s on a 2-core host).
 VLLM_FAULTS = (
     "tied_lm_head_sent",
     "wrong_dtype",
     "drop_last_chunk",
     "gqa_split_wrong",
-    "pp_barrier_in_chunk_loop",
-    "legacy_vision_names",
     "no_prefix_cache_reset",
+    "legacy_vision_names",
+    "pp_barrier_in_chunk_loop",
 )
 
 _RECORDS: dict[str, RunRecord] = {}
