@@ -1,0 +1,91 @@
+"""Work done ahead of need at the lowest CPU priority, so that it only takes CPU nothing else wants.
+
+Linux keeps a nice value per thread (`setpriority(PRIO_PROCESS, 0, ...)` and `nice(2)` change the calling
+thread only; `sched(7)`, "The nice value"), so a process can run one piece of work at nice 19 and go back to its
+own priority afterwards, where it may raise its priority again: root with CAP_SYS_NICE, or an RLIMIT_NICE
+soft limit of at least 20 - its nice (`getrlimit(2)`). Ray starts its worker processes at nice 15 (its
+`worker_niceness`), the driver keeps its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+LOWEST_NICE = 19
+
+
+def can_raise_priority() -> bool:
+    """Whether the calling thread may lower its nice value again after raising it (tried one step up and back;
+    where the way back is refused, the thread stays one step lower than it was)."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if before >= LOWEST_NICE:
+        return False
+    os.setpriority(os.PRIO_PROCESS, 0, before + 1)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+    except PermissionError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def lowest_priority() -> Iterator[bool]:
+    """Run the block with the calling thread at nice 19 and give it back its nice afterwards; yields whether
+    the priority was lowered (only where `can_raise_priority`; else the block runs at the thread's own)."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = can_raise_priority()
+    if lowered:
+        os.setpriority(os.PRIO_PROCESS, 0, LOWEST_NICE)
+    try:
+        yield lowered
+    finally:
+        if lowered:
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
+def in_lowest_priority_thread(work: Callable[[], None]) -> None:
+    """Run `work` in a new thread at nice 19 (`lowest_priority`) and wait for it; the calling thread keeps its
+    own priority, so a process's main thread never runs below its usual priority. Re-raises what `work` raised."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with lowest_priority():
+                work()
+        except BaseException as e:  # handed to the caller
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="lowest-priority")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
+def raise_threads_to(pid: int, nice: int) -> list[int]:
+    """Give every thread of process `pid` that runs at a lower priority than `nice` (a higher nice value) the
+    nice value `nice`; returns their thread ids. A thread that ends meanwhile, or that this process may not
+    change (`can_raise_priority`), is left as it is. Read from `/proc/<pid>/task/<tid>/stat` (`proc(5)`, field
+    19)."""
+    raised = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if thread_nice(pid, int(task.name)) > nice:
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+                raised.append(int(task.name))
+    return raised
+
+
+def thread_nice(pid: int, tid: int) -> int:
+    """The nice value of thread `tid` of process `pid`, from `/proc/<pid>/task/<tid>/stat` (`proc(5)`, field 19;
+    the fields after the command's closing parenthesis start at field 3).
+
+    Raises:
+        OSError: no such thread.
+    """
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[16])
