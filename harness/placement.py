@@ -33,6 +33,7 @@ from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import STOP_GRACE_S, EngineStartError, ServerProcess, free_port
+from reference_impl.priority import lowest_priority, raise_threads_to
 
 SETUP_TIMEOUT_S = 900.0
 TRAINER_NODE = "wsh_trainer_node"  # a node offering this custom resource hosts the trainer ranks
@@ -206,11 +207,13 @@ class EngineActor:
         tp: int = 1,
         reachable: bool = False,
         token: str | None = None,
+        low_priority: bool = False,
     ) -> str:
         """Start the scenario's engine (an engine kind of `reference_impl.engine`) for a colocated or a
         separate sender (`colocate`) with `tp` TP ranks and return its base URL. `reachable`: other nodes must
         reach it, so it binds to this node's address (with `token`, which every route then asks for); else to
-        127.0.0.1.
+        127.0.0.1. `low_priority`: the server starts at nice 19 (a spare started ahead of need, where the
+        priority can be given back, `priority.lowest_priority`; `restore_priority` gives it back).
 
         Raises:
             EngineStartError: the server exited or did not answer /health within its kind's start timeout, or
@@ -222,7 +225,22 @@ class EngineActor:
         self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook, colocate, tp=tp, host=host, token=token)
         if self.stopped:  # `stop` ran before there was a server to stop: this start raises, its server ended
             self.proc.stop()
-        return self.proc.start(kind.start_timeout_s)
+        # A thread's nice is per thread and a child starts with its parent thread's: only the server is lowered.
+        with lowest_priority() if low_priority else contextlib.nullcontext():
+            return self.proc.start(kind.start_timeout_s)
+
+    def restore_priority(self) -> None:
+        """Give every thread of the engine server and of its descendants this actor's priority (Ray's worker
+        priority): a server started with `low_priority` runs at nice 19. Threads it may not change are left as
+        they are."""
+        pid = self.proc.pid() if self.proc else None
+        if pid is None:
+            return
+        nice = psutil.Process().nice()
+        with contextlib.suppress(psutil.Error):
+            server = psutil.Process(pid)
+            for proc in [server, *server.children(recursive=True)]:
+                raise_threads_to(proc.pid, nice)
 
     def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, fault: str | None = None) -> str:
         """Make the running server a fresh engine of `checkpoint` with the dummy weights of `seed` (its kind's
@@ -267,12 +285,14 @@ class TrainerPool:
     pg: PlacementGroup
     actors: list[Any] = field(default_factory=list)
     pid_refs: list[Any] = field(default_factory=list)  # each actor's `pid()` call, asked at creation
+    warm_refs: list[Any] = field(default_factory=list)  # each actor's `warm()` call, for a pool made warm
     _pids: list[int] | None = None
 
     @classmethod
-    def create(cls, world_size: int) -> TrainerPool:
+    def create(cls, world_size: int, warm: bool = False) -> TrainerPool:
         """Place `world_size` trainer ranks (on the trainer node, when the cluster names one) and start the rank
-        actors."""
+        actors; with `warm`, each rank then imports what its first setup would (`TrainerWorker.warm`, not
+        waited for: a later call to the rank runs after it)."""
         from reference_impl.worker import TrainerWorker
 
         # Bundle r = trainer rank r. Bundles have 2 CPUs so a colocated engine (fractional share) fits beside
@@ -295,7 +315,10 @@ class TrainerPool:
         ]
         # Not waited for here: the rank processes start (a Ray worker, torch and Megatron imports) while the
         # caller starts the scenario's engines.
-        return cls(world_size=world_size, pg=pg, actors=actors, pid_refs=[a.pid.remote() for a in actors])
+        pool = cls(world_size=world_size, pg=pg, actors=actors, pid_refs=[a.pid.remote() for a in actors])
+        if warm:
+            pool.warm_refs = [a.warm.remote() for a in actors]
+        return pool
 
     @property
     def pids(self) -> list[int]:
@@ -343,6 +366,15 @@ class TrainerPool:
         if held:
             psutil.wait_procs(ranks, timeout=10)
             shm.unlink(held)
+
+    def restore_priority(self) -> None:
+        """Give every thread of every rank the priority of the rank's main thread (Ray's worker priority): a warm
+        pool's ranks import in a thread at nice 19 (`TrainerWorker.warm`), which is then raised, so a rank
+        taken while it still imports finishes at its own priority. Where that is not allowed
+        (`priority.can_raise_priority`) nothing changes."""
+        for proc in self.local_processes():
+            with contextlib.suppress(psutil.Error):
+                raise_threads_to(proc.pid, proc.nice())
 
     def local_processes(self) -> list[psutil.Process]:
         """The rank processes that run on this host (a Ray worker of `TrainerWorker` with that pid)."""

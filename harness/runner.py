@@ -82,6 +82,17 @@ class Runner:
     # (about 8 s on a 2-core host). Worth it where scenarios of several world sizes alternate (the tests).
     idle_pools: int = 0
     shelf: EngineShelf = field(default_factory=EngineShelf)  # engines of scenarios that ended in step, restarted later
+    # Processes started ahead of need (none on a GPU host, where a pool holds its GPUs): one pool per world size
+    # in `spare_pools`, its ranks warm (`TrainerWorker.warm`), and one non-colocated engine (one replica, TP 1) of
+    # kind `spare_engine`, which must restart in place. A scenario that would start a pool or such an engine
+    # (the first of its kind, or the one after a scenario that ended its processes) takes the spare, which
+    # imported while earlier scenarios ran, and a new spare starts. A spare rank holds about 0.8 GB, a spare
+    # embedded engine about 0.7 GB. Worth it where scenarios end their processes often (the fault tests).
+    spare_pools: tuple[int, ...] = ()
+    spare_engine: str | None = None
+    spares: dict[int, TrainerPool] = field(default_factory=dict)
+    spare_engines: dict[EngineKey, tuple[Any, Any]] = field(default_factory=dict)  # key -> (actor, start ref)
+    _spares_started: int = 0
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def pool(self, world_size: int) -> TrainerPool:
@@ -95,7 +106,14 @@ class Runner:
             keep = 0 if use_gpus() else self.idle_pools
             while len(self.pools) > keep:
                 self.drop_pool(next(iter(self.pools)))
-            self.pools[world_size] = TrainerPool.create(world_size)
+            spare = self.spares.pop(world_size, None)
+            if spare is not None:
+                spare.restore_priority()  # its ranks may still be importing, at nice 19
+            self.pools[world_size] = spare if spare is not None else TrainerPool.create(world_size)
+        if not use_gpus():
+            for ws in self.spare_pools:
+                if ws not in self.spares:
+                    self.spares[ws] = TrainerPool.create(ws, warm=True)
         return self.pools[world_size]
 
     def drop_pool(self, world_size: int) -> None:
@@ -106,10 +124,15 @@ class Runner:
             pool.kill()
 
     def close(self) -> None:
-        """End every shelved engine and kill every pool."""
+        """End every shelved and spare engine and kill every pool, spares too."""
         self.shelf.close()
         for ws in list(self.pools):
             self.drop_pool(ws)
+        for key in list(self.spare_engines):
+            actor, _ = self.spare_engines.pop(key)
+            end_engines([actor], [None], key.engine)
+        while self.spares:
+            self.spares.popitem()[1].kill()
 
     def run_scenario(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
         """Run and judge one scenario; the record is written before returning. Unless `validated` (the
@@ -195,6 +218,7 @@ class Runner:
             session.pids, session.after_sync = pids, self.after_sync
             session.watches = [EngineWatch(e, pids[engine_label(i)], trace) for i, e in enumerate(engines)]
             session.get(setup_refs, SETUP_TIMEOUT_S, "trainer setup")
+            self._start_spare_engine(key, sc, ckpt, pool)  # while this scenario syncs, for a later one
             if fault is not None and fault.trainer is not None and sc.fault_sync is None:
                 session.on_ranks("run_in_process", fault.trainer, what="apply fault", timeout=60)
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
@@ -294,6 +318,9 @@ class Runner:
         URLs; ([], []) when none is shelved or a restart failed (those are ended, said in a note, and the caller
         starts new ones)."""
         shelved = self.shelf.take(key)
+        spare = shelved is None and key in self.spare_engines
+        if spare:
+            shelved = self._take_spare_engine(key, record)
         if shelved is None:
             return [], []
         engines, pids = shelved
@@ -308,11 +335,47 @@ class Runner:
             end_engines(engines, pids, sc.engine, OUT_OF_STEP_GRACE_S)  # discarded: a restart may be stuck mid-way
             return [], []
         record.notes.append(
-            f"engine process reused: restarted in place as a fresh engine (pid {', '.join(map(str, pids))}; "
+            ("spare engine process taken" if spare else "engine process reused")
+            + f": restarted in place as a fresh engine (pid {', '.join(map(str, pids))}; "
             "this scenario's dummy weights, no transfer group, empty caches"
             + (f"; fault hook {hook} applied before it was built)" if hook else ")")
         )
         return engines, list(urls)
+
+    def _take_spare_engine(self, key: EngineKey, record: RunRecord) -> tuple[list[Any], list[int | None]] | None:
+        """The spare engine of `key` (`spare_engine`), once its start has ended, as ([actor], [server pid]); None
+        when its start failed (it is ended, said in a note)."""
+        actor, start = self.spare_engines.pop(key)
+        try:
+            ray.get(actor.restore_priority.remote(), timeout=30)  # it may still be starting, at nice 19
+            ray.get(start, timeout=engine_kind(key.engine).start_timeout_s)
+            ray.get(actor.restore_priority.remote(), timeout=30)  # and the threads it started meanwhile
+            pid = ray.get(actor.pid.remote(), timeout=30)
+        except Exception as e:
+            record.notes.append(f"the spare engine did not start ({type(e).__name__}: {str(e)[:300]}); started anew")
+            end_engines([actor], [None], key.engine, OUT_OF_STEP_GRACE_S)
+            return None
+        return [actor], [pid]
+
+    def _start_spare_engine(self, key: EngineKey, sc: Scenario, ckpt: Path, pool: TrainerPool) -> None:
+        """Start the spare engine of `key` when `key` is the spare's placement (kind `spare_engine`, not colocated,
+        one replica, TP 1, restartable here) and none is started: from dummy weights of the scenario's engine
+        seed on its checkpoint (a spare is always restarted as the next scenario's fresh engine before it
+        serves), at nice 19 until it is taken, its log in `logs/spare-<n>.engine.log`."""
+        if (
+            use_gpus()
+            or key in self.spare_engines
+            or (key.engine, key.colocate, key.engine_tp, key.engines) != (self.spare_engine, False, 1, 1)
+            or not engine_kind(key.engine).restartable(False, 1, False)
+        ):
+            return
+        self._spares_started += 1
+        log = self.out_dir / "logs" / f"spare-{self._spares_started}.engine.log"
+        actor = EngineActor.options(**pool.engine_options(False, 1)).remote()
+        start = actor.start.remote(
+            sc.engine, str(ckpt), sc.engine_seed, str(log), sc.dtype, None, False, 1, key.reachable, self.token, True
+        )
+        self.spare_engines[key] = (actor, start)
 
     def engine_log(self, scenario_id: str, engine: int) -> Path:
         """Where engine replica `engine`'s server log goes (`<scenario>.engine.log`, `<scenario>.engine1.log`, ...)."""

@@ -29,8 +29,9 @@ from reference_impl.export import stream
 from reference_impl.export.stream import convert_config
 from reference_impl.memory import release_memory
 from reference_impl.models.registry import load_model
+from reference_impl.priority import in_lowest_priority_thread
 from reference_impl.trainer import step as train_step
-from reference_impl.trainer.model import TrainerModel, build_model
+from reference_impl.trainer.model import TrainerModel, build_model, import_megatron
 from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
 from reference_impl.trainer.params import GatherBuffers, iter_global_params
 from reference_impl.transport import bound, sync
@@ -89,6 +90,16 @@ class TrainerWorker:
     def pid(self) -> int:
         """OS process id (for stack dumps and cleanup)."""
         return os.getpid()
+
+    def warm(self) -> float:
+        """Import what this process's first `setup` imports (`trainer.model.import_megatron`), ahead of any
+        scenario: the ranks of a spare pool do it while other scenarios run (`harness.runner.Runner`,
+        `spare_pools`), in a thread of its own at nice 19 where it may return to the rank's priority afterwards
+        (`priority.in_lowest_priority_thread`; the runner raises that thread to the rank's priority when it takes
+        the spare). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        in_lowest_priority_thread(import_megatron)
+        return time.perf_counter() - t0
 
     def setup(self, setup: TrainerSetup) -> dict[str, Any]:
         """Build this rank's shard of the model and load the checkpoint into it. Returns timings (s)."""

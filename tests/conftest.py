@@ -11,7 +11,9 @@ import pytest
 @pytest.fixture(scope="session")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A `harness.runner.Runner` on a local Ray instance; trainer processes are shared between tests (with one
-    idle pool of another world size kept, `Runner.idle_pools`)."""
+    idle pool of another world size kept, `Runner.idle_pools`), and spares are started ahead of need: a warm pool
+    of 1 and one of 2 ranks and an embedded engine (`Runner.spare_pools`, `Runner.spare_engine`), since many of
+    the tests' scenarios end their processes on purpose (faults, hard kills)."""
     import ray
 
     from harness.placement import ensure_ray
@@ -21,7 +23,14 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     ensure_ray()
     out: Path = tmp_path_factory.mktemp("e2e")
     # as `python -m harness` samples; the tests alternate world sizes, so one idle pool is kept beside the one in use
-    r = Runner(out_dir=out, run_id="tests", after_sync=sample_resources, idle_pools=1)
+    r = Runner(
+        out_dir=out,
+        run_id="tests",
+        after_sync=sample_resources,
+        idle_pools=1,
+        spare_pools=(1, 2),
+        spare_engine="embedded",
+    )
     yield r
     r.close()
     ray.shutdown()

@@ -1,5 +1,6 @@
-"""`Runner.pool`: which trainer pools stay alive between scenarios (`Runner.idle_pools`), checked against the
-order of pool starts and ends written out by hand, with `TrainerPool.create` replaced by a recorder (no Ray)."""
+"""`Runner.pool`: which trainer pools stay alive between scenarios (`Runner.idle_pools`) and which are started
+ahead of need (`Runner.spare_pools`), checked against the order of pool starts and ends written out by hand,
+with `TrainerPool.create` replaced by a recorder (no Ray)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ class FakePool:
     def kill(self) -> None:
         self.log.append(f"end {self.world_size}")
 
+    def restore_priority(self) -> None:
+        self.log.append(f"priority {self.world_size}")
+
 
 @pytest.fixture
 def log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     events: list[str] = []
 
-    def create(world_size: int) -> FakePool:
-        events.append(f"start {world_size}")
+    def create(world_size: int, warm: bool = False) -> FakePool:
+        events.append(f"{'warm ' if warm else ''}start {world_size}")
         return FakePool(world_size, events)
 
     monkeypatch.setattr("harness.runner.TrainerPool.create", create)
@@ -55,3 +59,30 @@ def test_a_gpu_host_keeps_no_idle_pool(tmp_path: Path, log: list[str], monkeypat
     for ws in (1, 2):
         runner.pool(ws)
     assert log == ["start 1", "end 1", "start 2"]
+
+
+def test_a_spare_pool_replaces_one_that_was_ended_and_a_new_spare_starts(tmp_path: Path, log: list[str]) -> None:
+    """With `spare_pools=(1,)`: the first call starts its own pool of 1 rank (no spare yet), then a warm spare.
+    A pool of 1 that a scenario ended (`drop_pool`) is replaced by the spare, given its priority back (its ranks
+    import at nice 19), and a new spare starts; a pool of 2 never comes from a spare."""
+    runner = Runner(out_dir=tmp_path, run_id="t", spare_pools=(1,))
+    first = runner.pool(1)
+    assert log == ["start 1", "warm start 1"]
+    assert runner.pool(1) is first  # in use: no spare taken
+    spare = runner.spares[1]
+    runner.drop_pool(1)  # a scenario ended its ranks
+    assert runner.pool(1) is spare and runner.spares[1] is not spare
+    assert log == ["start 1", "warm start 1", "end 1", "priority 1", "warm start 1"]
+    runner.pool(2)
+    assert log[-2:] == ["end 1", "start 2"]  # no idle pool kept: the pool of 1 ends, the spare of 1 stays
+    assert list(runner.spares) == [1]
+    runner.close()
+    assert log[-2:] == ["end 2", "end 1"]  # the spare is ended with the rest
+    assert runner.spares == {}
+
+
+def test_a_gpu_host_starts_no_spare(tmp_path: Path, log: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("harness.runner.use_gpus", lambda: True)  # a spare would hold its GPUs
+    runner = Runner(out_dir=tmp_path, run_id="t", spare_pools=(1, 2))
+    runner.pool(1)
+    assert log == ["start 1"] and runner.spares == {}

@@ -43,6 +43,16 @@ class TrainerModel:
     export_cache: dict[str, Any] = field(default_factory=dict)
 
 
+def import_megatron() -> None:
+    """Import what the first `build_model` in a process imports before it builds anything: the CPU shims
+    (`cpu_shims.apply_cpu_shims`, which import Megatron-Bridge and every model bridge it registers) and
+    megatron-core's GPT layer specs. Measured on a 2-core host: about 6 s of CPU and 0.8 GB resident in a
+    new process, most of a new trainer rank's first setup."""
+    apply_cpu_shims()
+    import megatron.bridge
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+
+
 def build_model(
     checkpoint: Path, model_type: str, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1
 ) -> TrainerModel:
