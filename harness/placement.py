@@ -212,8 +212,9 @@ class EngineActor:
         """Start the scenario's engine (an engine kind of `reference_impl.engine`) for a colocated or a
         separate sender (`colocate`) with `tp` TP ranks and return its base URL. `reachable`: other nodes must
         reach it, so it binds to this node's address (with `token`, which every route then asks for); else to
-        127.0.0.1. `low_priority`: the server starts at nice 19 (a spare started ahead of need, where the
-        priority can be given back, `priority.lowest_priority`; `restore_priority` gives it back).
+        127.0.0.1. `low_priority`: the server starts at the lowest priority, SCHED_IDLE at nice 19 (a spare
+        started ahead of need, where the priority can be given back, `priority.lowest_priority`;
+        `restore_priority` gives it back).
 
         Raises:
             EngineStartError: the server exited or did not answer /health within its kind's start timeout, or
@@ -231,8 +232,8 @@ class EngineActor:
 
     def restore_priority(self) -> None:
         """Give every thread of the engine server and of its descendants this actor's priority (Ray's worker
-        priority): a server started with `low_priority` runs at nice 19. Threads it may not change are left as
-        they are."""
+        priority): a server started with `low_priority` runs at the lowest priority. Threads it may not change
+        are left as they are."""
         pid = self.proc.pid() if self.proc else None
         if pid is None:
             return
@@ -369,8 +370,8 @@ class TrainerPool:
 
     def restore_priority(self) -> None:
         """Give every thread of every rank the priority of the rank's main thread (Ray's worker priority): a warm
-        pool's ranks import in a thread at nice 19 (`TrainerWorker.warm`), which is then raised, so a rank
-        taken while it still imports finishes at its own priority. Where that is not allowed
+        pool's ranks import in a thread at the lowest priority (`TrainerWorker.warm`), which is then raised, so
+        a rank taken while it still imports finishes at its own priority. Where that is not allowed
         (`priority.can_raise_priority`) nothing changes."""
         for proc in self.local_processes():
             with contextlib.suppress(psutil.Error):

@@ -1,10 +1,14 @@
 """Work done ahead of need at the lowest CPU priority, so that it only takes CPU nothing else wants.
 
+Lowest is Linux's SCHED_IDLE policy at nice 19 (`sched(7)`): a SCHED_IDLE thread weighs about 1/12 of a nice-19
+thread, so it yields even to Ray's workers, which Ray starts at nice 15 (its `worker_niceness`); nice alone
+would not (a nice-19 thread still gets about 30% of a CPU beside one nice-15 thread).
+
 Linux keeps a nice value per thread (`setpriority(PRIO_PROCESS, 0, ...)` and `nice(2)` change the calling
 thread only; `sched(7)`, "The nice value"), so a process can run one piece of work at nice 19 and go back to its
 own priority afterwards, where it may raise its priority again: root with CAP_SYS_NICE, or an RLIMIT_NICE
-soft limit of at least 20 - its nice (`getrlimit(2)`). Ray starts its worker processes at nice 15 (its
-`worker_niceness`), the driver keeps its own.
+soft limit of at least 20 - its nice (`getrlimit(2)`); the same lets it leave SCHED_IDLE for SCHED_OTHER again.
+Both are per thread, and a child process starts with its parent thread's.
 """
 
 from __future__ import annotations
@@ -34,22 +38,26 @@ def can_raise_priority() -> bool:
 
 @contextlib.contextmanager
 def lowest_priority() -> Iterator[bool]:
-    """Run the block with the calling thread at nice 19 and give it back its nice afterwards; yields whether
-    the priority was lowered (only where `can_raise_priority`; else the block runs at the thread's own)."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    lowered = can_raise_priority()
+    """Run the block with the calling thread in SCHED_IDLE at nice 19 and give it back its policy (SCHED_OTHER)
+    and nice afterwards; yields whether the priority was lowered (only a SCHED_OTHER thread where
+    `can_raise_priority`; else the block runs at the thread's own)."""
+    before, policy = os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)
+    lowered = policy == os.SCHED_OTHER and can_raise_priority()
     if lowered:
         os.setpriority(os.PRIO_PROCESS, 0, LOWEST_NICE)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     try:
         yield lowered
     finally:
         if lowered:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
 def in_lowest_priority_thread(work: Callable[[], None]) -> None:
-    """Run `work` in a new thread at nice 19 (`lowest_priority`) and wait for it; the calling thread keeps its
-    own priority, so a process's main thread never runs below its usual priority. Re-raises what `work` raised."""
+    """Run `work` in a new thread at the lowest priority (`lowest_priority`) and wait for it; the calling thread
+    keeps its own priority, so a process's main thread never runs below its usual priority. Re-raises what
+    `work` raised."""
     failed: list[BaseException] = []
 
     def run() -> None:
@@ -67,16 +75,20 @@ def in_lowest_priority_thread(work: Callable[[], None]) -> None:
 
 
 def raise_threads_to(pid: int, nice: int) -> list[int]:
-    """Give every thread of process `pid` that runs at a lower priority than `nice` (a higher nice value) the
-    nice value `nice`; returns their thread ids. A thread that ends meanwhile, or that this process may not
-    change (`can_raise_priority`), is left as it is. Read from `/proc/<pid>/task/<tid>/stat` (`proc(5)`, field
-    19)."""
+    """Give every thread of process `pid` that runs in SCHED_IDLE or at a lower priority than `nice` (a higher
+    nice value) SCHED_OTHER at nice value `nice`; returns their thread ids. A thread that ends meanwhile, or
+    that this process may not change (`can_raise_priority`), is left as it is. Nice values are read from
+    `/proc/<pid>/task/<tid>/stat` (`proc(5)`, field 19)."""
     raised = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
+        tid = int(task.name)
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if thread_nice(pid, int(task.name)) > nice:
-                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
-                raised.append(int(task.name))
+            idle = os.sched_getscheduler(tid) == os.SCHED_IDLE
+            if idle or thread_nice(pid, tid) > nice:
+                if idle:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                raised.append(tid)
     return raised
 
 

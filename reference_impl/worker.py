@@ -94,9 +94,9 @@ class TrainerWorker:
     def warm(self) -> float:
         """Import what this process's first `setup` imports (`trainer.model.import_megatron`), ahead of any
         scenario: the ranks of a spare pool do it while other scenarios run (`harness.runner.Runner`,
-        `spare_pools`), in a thread of its own at nice 19 where it may return to the rank's priority afterwards
-        (`priority.in_lowest_priority_thread`; the runner raises that thread to the rank's priority when it takes
-        the spare). Returns the seconds it took."""
+        `spare_pools`), in a thread of its own at the lowest priority, where it may return to the rank's priority
+        afterwards (`priority.in_lowest_priority_thread`; the runner raises that thread to the rank's priority
+        when it takes the spare). Returns the seconds it took."""
         t0 = time.perf_counter()
         in_lowest_priority_thread(import_megatron)
         return time.perf_counter() - t0
