@@ -86,8 +86,9 @@ class Runner:
     # in `spare_pools`, its ranks warm (`TrainerWorker.warm`), and one non-colocated engine (one replica, TP 1) of
     # kind `spare_engine`, which must restart in place. A scenario that would start a pool or such an engine
     # (the first of its kind, or the one after a scenario that ended its processes) takes the spare, which
-    # imported while earlier scenarios ran, and a new spare starts. A spare rank holds about 0.8 GB, a spare
-    # embedded engine about 0.7 GB. Worth it where scenarios end their processes often (the fault tests).
+    # imported while earlier scenarios ran, and a new spare starts once that scenario is set up
+    # (`start_spare_pools`, `_start_spare_engine`), at the lowest CPU priority. A spare rank holds about 0.8 GB,
+    # a spare embedded engine about 0.7 GB. Worth it where scenarios end their processes often (the fault tests).
     spare_pools: tuple[int, ...] = ()
     spare_engine: str | None = None
     spares: dict[int, TrainerPool] = field(default_factory=dict)
@@ -108,13 +109,20 @@ class Runner:
                 self.drop_pool(next(iter(self.pools)))
             spare = self.spares.pop(world_size, None)
             if spare is not None:
-                spare.restore_priority()  # its ranks may still be importing, at nice 19
+                spare.restore_priority()  # its ranks may still be importing, at the lowest priority
             self.pools[world_size] = spare if spare is not None else TrainerPool.create(world_size)
-        if not use_gpus():
-            for ws in self.spare_pools:
-                if ws not in self.spares:
-                    self.spares[ws] = TrainerPool.create(ws, warm=True)
         return self.pools[world_size]
+
+    def start_spare_pools(self) -> None:
+        """Start a warm pool (`TrainerPool.create(warm=True)`) of each world size in `spare_pools` that has none;
+        none on a GPU host. The runner calls it once a scenario's own ranks and engines are set up: Ray starts
+        only a few worker processes at a time (about one per CPU), so spares asked for earlier would hold back
+        the scenario's own engine actor."""
+        if use_gpus():
+            return
+        for ws in self.spare_pools:
+            if ws not in self.spares:
+                self.spares[ws] = TrainerPool.create(ws, warm=True)
 
     def drop_pool(self, world_size: int) -> None:
         """Kill a pool whose processes may be in a bad state, and the shelved engines in its placement group."""
@@ -218,7 +226,9 @@ class Runner:
             session.pids, session.after_sync = pids, self.after_sync
             session.watches = [EngineWatch(e, pids[engine_label(i)], trace) for i, e in enumerate(engines)]
             session.get(setup_refs, SETUP_TIMEOUT_S, "trainer setup")
-            self._start_spare_engine(key, sc, ckpt, pool)  # while this scenario syncs, for a later one
+            # while this scenario syncs, for a later one
+            self.start_spare_pools()
+            self._start_spare_engine(key, sc, ckpt, pool)
             if fault is not None and fault.trainer is not None and sc.fault_sync is None:
                 session.on_ranks("run_in_process", fault.trainer, what="apply fault", timeout=60)
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
@@ -347,7 +357,7 @@ class Runner:
         when its start failed (it is ended, said in a note)."""
         actor, start = self.spare_engines.pop(key)
         try:
-            ray.get(actor.restore_priority.remote(), timeout=30)  # it may still be starting, at nice 19
+            ray.get(actor.restore_priority.remote(), timeout=30)  # it may still be starting, at lowest priority
             ray.get(start, timeout=engine_kind(key.engine).start_timeout_s)
             ray.get(actor.restore_priority.remote(), timeout=30)  # and the threads it started meanwhile
             pid = ray.get(actor.pid.remote(), timeout=30)
@@ -361,7 +371,7 @@ class Runner:
         """Start the spare engine of `key` when `key` is the spare's placement (kind `spare_engine`, not colocated,
         one replica, TP 1, restartable here) and none is started: from dummy weights of the scenario's engine
         seed on its checkpoint (a spare is always restarted as the next scenario's fresh engine before it
-        serves), at nice 19 until it is taken, its log in `logs/spare-<n>.engine.log`."""
+        serves), at the lowest priority until it is taken, its log in `logs/spare-<n>.engine.log`."""
         if (
             use_gpus()
             or key in self.spare_engines

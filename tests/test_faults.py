@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import ray
 from fault_runs import fault_scenario, run_once
 from harness_cli import harness_run, sigint_not_ignored
 
@@ -166,6 +167,36 @@ def test_a_sync_the_engine_refused_leaves_ranks_and_engine_to_the_next_scenario_
     assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
     assert runner.pools[1].pids == ranks
     assert f"engine process reused: restarted in place as a fresh engine (pid {engine_pid};" in " ".join(rec.notes)
+
+
+def test_the_scenario_after_one_whose_engine_died_takes_the_spare_ranks_and_engine(runner) -> None:
+    """After `engine_dies_after_rejected_chunk` (the engine exits: CRASH; its ranks are ended too) the next
+    scenario runs in the spare pool's rank processes and the spare engine's process (`Runner.spare_pools`,
+    `Runner.spare_engine`), restarted as a fresh engine of its own seed, and passes on its own oracles, the
+    engine's starting weights included (`engine_fresh`); new spares are started for the scenario after it."""
+    base = {"model": "qwen3", "syncs": 1, "chunk_bytes": 65536, "logprobs": False}
+    faulted = Scenario(**base, fault="engine_dies_after_rejected_chunk", expect="CRASH", suffix="spare-faulted")
+    after = Scenario(**base, suffix="spare-after", engine_seed=777)
+
+    runner.run_scenario(Scenario(**base, suffix="spare-before"))  # a spare engine exists after a scenario like it
+    rec = runner.run_scenario(faulted)
+    assert rec.verdict == "CRASH"
+    spare_ranks, spare_engine = runner.spares[1].pids, _spare_engine_pid(runner)
+    rec = runner.run_scenario(after)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    taken = f"spare engine process taken: restarted in place as a fresh engine (pid {spare_engine};"
+    assert taken in " ".join(rec.notes), rec.notes
+    assert runner.pools[1].pids == spare_ranks
+    fresh = next(c for c in rec.checks if c["name"] == "engine_fresh")
+    assert fresh["ok"] and not fresh["skipped"], fresh
+    assert runner.spares[1].pids != spare_ranks and _spare_engine_pid(runner) != spare_engine
+
+
+def _spare_engine_pid(runner) -> int:
+    """The server pid of the runner's one spare engine, once it has started."""
+    ((actor, start),) = runner.spare_engines.values()
+    ray.get(start, timeout=180)
+    return ray.get(actor.pid.remote(), timeout=30)
 
 
 def _our_processes(marker: str) -> list[int]:

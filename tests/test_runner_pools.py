@@ -62,16 +62,20 @@ def test_a_gpu_host_keeps_no_idle_pool(tmp_path: Path, log: list[str], monkeypat
 
 
 def test_a_spare_pool_replaces_one_that_was_ended_and_a_new_spare_starts(tmp_path: Path, log: list[str]) -> None:
-    """With `spare_pools=(1,)`: the first call starts its own pool of 1 rank (no spare yet), then a warm spare.
-    A pool of 1 that a scenario ended (`drop_pool`) is replaced by the spare, given its priority back (its ranks
-    import at nice 19), and a new spare starts; a pool of 2 never comes from a spare."""
+    """With `spare_pools=(1,)`: a warm spare of 1 rank starts once asked for (the runner asks once a scenario's
+    own processes are set up). A pool of 1 that a scenario ended (`drop_pool`) is replaced by the spare, given
+    its priority back (its ranks import at the lowest priority), and the next ask starts a new spare; a pool of
+    2 never comes from a spare."""
     runner = Runner(out_dir=tmp_path, run_id="t", spare_pools=(1,))
     first = runner.pool(1)
+    runner.start_spare_pools()
     assert log == ["start 1", "warm start 1"]
-    assert runner.pool(1) is first  # in use: no spare taken
+    runner.start_spare_pools()  # one spare per world size
+    assert runner.pool(1) is first and log == ["start 1", "warm start 1"]  # in use: no spare taken
     spare = runner.spares[1]
     runner.drop_pool(1)  # a scenario ended its ranks
-    assert runner.pool(1) is spare and runner.spares[1] is not spare
+    assert runner.pool(1) is spare and 1 not in runner.spares
+    runner.start_spare_pools()
     assert log == ["start 1", "warm start 1", "end 1", "priority 1", "warm start 1"]
     runner.pool(2)
     assert log[-2:] == ["end 1", "start 2"]  # no idle pool kept: the pool of 1 ends, the spare of 1 stays
@@ -85,4 +89,5 @@ def test_a_gpu_host_starts_no_spare(tmp_path: Path, log: list[str], monkeypatch:
     monkeypatch.setattr("harness.runner.use_gpus", lambda: True)  # a spare would hold its GPUs
     runner = Runner(out_dir=tmp_path, run_id="t", spare_pools=(1, 2))
     runner.pool(1)
+    runner.start_spare_pools()
     assert log == ["start 1"] and runner.spares == {}
