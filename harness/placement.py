@@ -239,8 +239,7 @@ class EngineActor:
             return
         nice = psutil.Process().nice()
         with contextlib.suppress(psutil.Error):
-            server = psutil.Process(pid)
-            for proc in [server, *server.children(recursive=True)]:
+            for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
                 raise_threads_to(proc.pid, nice)
 
     def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, fault: str | None = None) -> str:
@@ -286,7 +285,6 @@ class TrainerPool:
     pg: PlacementGroup
     actors: list[Any] = field(default_factory=list)
     pid_refs: list[Any] = field(default_factory=list)  # each actor's `pid()` call, asked at creation
-    warm_refs: list[Any] = field(default_factory=list)  # each actor's `warm()` call, for a pool made warm
     _pids: list[int] | None = None
 
     @classmethod
@@ -317,8 +315,9 @@ class TrainerPool:
         # Not waited for here: the rank processes start (a Ray worker, torch and Megatron imports) while the
         # caller starts the scenario's engines.
         pool = cls(world_size=world_size, pg=pg, actors=actors, pid_refs=[a.pid.remote() for a in actors])
-        if warm:
-            pool.warm_refs = [a.warm.remote() for a in actors]
+        if warm:  # after `pid`: a rank runs its calls in order, and `restore_priority` needs the pids meanwhile
+            for a in actors:
+                a.warm.remote()
         return pool
 
     @property

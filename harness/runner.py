@@ -107,10 +107,12 @@ class Runner:
             keep = 0 if use_gpus() else self.idle_pools
             while len(self.pools) > keep:
                 self.drop_pool(next(iter(self.pools)))
-            spare = self.spares.pop(world_size, None)
-            if spare is not None:
-                spare.restore_priority()  # its ranks may still be importing, at the lowest priority
-            self.pools[world_size] = spare if spare is not None else TrainerPool.create(world_size)
+            pool = self.spares.pop(world_size, None)
+            if pool is None:
+                pool = TrainerPool.create(world_size)
+            else:
+                pool.restore_priority()  # its ranks may still be importing, at the lowest priority
+            self.pools[world_size] = pool
         return self.pools[world_size]
 
     def start_spare_pools(self) -> None:

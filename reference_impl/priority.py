@@ -17,7 +17,8 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
+
+import psutil
 
 LOWEST_NICE = 19
 
@@ -77,27 +78,16 @@ def in_lowest_priority_thread(work: Callable[[], None]) -> None:
 def raise_threads_to(pid: int, nice: int) -> list[int]:
     """Give every thread of process `pid` that runs in SCHED_IDLE or at a lower priority than `nice` (a higher
     nice value) SCHED_OTHER at nice value `nice`; returns their thread ids. A thread that ends meanwhile, or
-    that this process may not change (`can_raise_priority`), is left as it is. Nice values are read from
-    `/proc/<pid>/task/<tid>/stat` (`proc(5)`, field 19)."""
+    that this process may not change (`can_raise_priority`), is left as it is; a process that has ended has
+    none. On Linux, `getpriority(PRIO_PROCESS, tid)` reads one thread's nice."""
     raised = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        tid = int(task.name)
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            idle = os.sched_getscheduler(tid) == os.SCHED_IDLE
-            if idle or thread_nice(pid, tid) > nice:
-                if idle:
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-                raised.append(tid)
+    with contextlib.suppress(psutil.Error):
+        for thread in psutil.Process(pid).threads():
+            with contextlib.suppress(OSError):
+                idle = os.sched_getscheduler(thread.id) == os.SCHED_IDLE
+                if idle or os.getpriority(os.PRIO_PROCESS, thread.id) > nice:
+                    if idle:
+                        os.sched_setscheduler(thread.id, os.SCHED_OTHER, os.sched_param(0))
+                    os.setpriority(os.PRIO_PROCESS, thread.id, nice)
+                    raised.append(thread.id)
     return raised
-
-
-def thread_nice(pid: int, tid: int) -> int:
-    """The nice value of thread `tid` of process `pid`, from `/proc/<pid>/task/<tid>/stat` (`proc(5)`, field 19;
-    the fields after the command's closing parenthesis start at field 3).
-
-    Raises:
-        OSError: no such thread.
-    """
-    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[16])
