@@ -88,3 +88,37 @@ def test_vllm_takes_vl_and_moe_models(monkeypatch: pytest.MonkeyPatch, model: st
     monkeypatch.setattr(env, "vllm_python", lambda: Path("/venv/bin/python"))
     request = EngineRequest(load_model(model), "float32", colocate=False, logprobs=True, logprob_temperature=1.0)
     assert engine_kind("vllm").validate(request) is None
+
+
+def test_an_engine_actor_imports_no_torch() -> None:
+    """An engine actor (`harness.placement.EngineActor`) only launches and watches a server: its module, the
+    engine kinds, every model's registry entry and a server object of either kind come without torch,
+    transformers or Megatron (importing torch would cost each actor about 3 s of CPU and 0.5 GB before its
+    server even starts), and `cuda_available` still gives torch's answer. The checkpoint is made here; the
+    child only reads it."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from reference_impl.models.checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(load_model("qwen3"), 1234)
+    code = (
+        "import sys, json\n"
+        "import harness.placement\n"
+        "from reference_impl.engine import ENGINES, engine_kind\n"
+        "from reference_impl.models.registry import available_models, load_model\n"
+        "[load_model(m) for m in available_models()]\n"
+        f"[engine_kind(k).server({str(ckpt)!r}, 7, '/tmp/x.log', 'float32') for k in ENGINES]\n"
+        "from reference_impl.cuda import cuda_available\n"
+        "print(json.dumps([cuda_available(), sorted({m.split('.')[0] for m in sys.modules})]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cuda, modules = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cuda == torch.cuda.is_available()  # the answer the trainer's ranks act on
+    top = set(modules)
+    assert "ray" in top and "reference_impl" in top
+    assert not top & {"torch", "transformers", "megatron", "vllm"}, top & {"torch", "transformers", "megatron", "vllm"}

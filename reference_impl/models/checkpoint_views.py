@@ -29,10 +29,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only annotations here: a process that reads the rules (an engine actor) needs no torch
+    import torch
 
-View = Callable[[torch.Tensor, int | None], torch.Tensor]
+View = Callable[["torch.Tensor", int | None], "torch.Tensor"]
 
 
 def identity(p: torch.Tensor, e: int | None) -> torch.Tensor:

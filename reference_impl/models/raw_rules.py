@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only annotations here: reading the tables (an engine actor does) needs no torch
+    import torch
 
 
 class UnmappedName(KeyError):
@@ -35,7 +37,7 @@ class ConvertConfig:
     fused_experts_layout: str = "released"  # "released" | "transformers" (Qwen3-VL-MoE fused experts)
 
 
-Transform = Callable[[torch.Tensor, ConvertConfig], list[torch.Tensor]]
+Transform = Callable[["torch.Tensor", ConvertConfig], list["torch.Tensor"]]
 
 
 def copy(t: torch.Tensor, f: ConvertConfig) -> list[torch.Tensor]:
@@ -134,7 +136,7 @@ def convert(
     raise UnmappedName(f"no raw conversion rule matches Megatron parameter {name!r}; add one to the family table")
 
 
-PostPass = Callable[[list[tuple[str, torch.Tensor]], ConvertConfig], list[tuple[str, torch.Tensor]]]
+PostPass = Callable[[list[tuple[str, "torch.Tensor"]], ConvertConfig], list[tuple[str, "torch.Tensor"]]]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from reference_impl import shm_segments
+from reference_impl.cuda import cuda_available
 from reference_impl.engine.base import WIRE_VLLM, Capabilities, EngineKind, EngineRequest, Transfer
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.transport.observed import Rejection
@@ -94,9 +95,7 @@ class VllmEngine(EngineKind):
                 "log-probs before any sampling processor (gpu_model_runner _get_prompt_logprobs_dict), i.e. at "
                 "temperature 1.0; leave logprob_temperature unset or set it to 1.0"
             )
-        import torch
-
-        if request.colocate and not torch.cuda.is_available():
+        if request.colocate and not cuda_available():
             return (
                 "engine vllm runs colocate only on a GPU host (vLLM's ipc backend shares CUDA buffers; on CPU "
                 "its weights travel over a gloo group): set colocate: false, or use engine: embedded for colocate"
@@ -143,9 +142,7 @@ class VllmEngine(EngineKind):
         A text checkpoint starts with `--skip-tokenizer-init` (its prompts are token ids); a VL checkpoint
         (its config.json has a `vision_config`) with its tokenizer and processors, for the chat route of the
         image prompt, and `server_args_for_vl`. `tp`: vLLM's TP size (every TP worker joins the group)."""
-        import torch
-
-        backend = self.transfer(colocate, torch.cuda.is_available()).backend
+        backend = self.transfer(colocate, cuda_available()).backend
         config = json.loads((Path(checkpoint) / "config.json").read_text())
         vl = "vision_config" in config
         return VllmEngineProcess(

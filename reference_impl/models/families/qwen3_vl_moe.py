@@ -22,14 +22,16 @@ released layout. The trainer keeps the layer spec Megatron-Bridge's Qwen3-VL pro
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from reference_impl.models.checkpoint_views import SavedAs, ViewRule, transpose_last_two
 from reference_impl.models.families import qwen3, qwen3_moe, qwen3_vl
 from reference_impl.models.family import ModelFamily
 from reference_impl.models.raw_rules import ConvertConfig, FamilyTable, Rule, prefixed
 from reference_impl.models.vllm_names import FamilyNames, expert_rules, under
+
+if TYPE_CHECKING:  # imported where the experts are fused: reading the table (an engine actor does) needs no torch
+    import torch
 
 RULES: list[Rule] = qwen3_vl.VISION_RULES + prefixed(qwen3_moe.RULES, "language_model.", qwen3_vl.language_hf)
 
@@ -42,6 +44,8 @@ def fuse_experts(named: list[tuple[str, torch.Tensor]], config: ConvertConfig) -
     Raises:
         ValueError: a layer's experts are not exactly 0..E-1 (an expert id is missing or repeated).
     """
+    import torch
+
     layers: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out: list[tuple[str, torch.Tensor]] = []
     for name, t in named:
