@@ -1,7 +1,8 @@
 """The trainer's own Megatron forward (`reference_impl.forward.megatron`) against transformers.
 
-Trainer ranks are plain processes (torch.multiprocessing, spawn) joined in a gloo default group, one
-pool per world size (1, 2, 4), reused across the cases of that size. Each case builds the Megatron model
+Trainer ranks are plain processes (torch.multiprocessing, forked from a fork server that has imported what
+they need) joined in a gloo default group, one pool per world size (1, 2, 4), reused across the cases of that
+size. Each case builds the Megatron model
 through Megatron-Bridge (`trainer.model.build_model`), loads the seeded checkpoint, and runs
 `megatron_logprobs` collectively at two temperatures. The truth is an independent transformers forward
 over the checkpoint on disk (`forward.hf.HfForward` with `read_checkpoint`).
@@ -128,11 +129,19 @@ def _run_case(case: Case, checkpoint: str) -> dict[str, Any] | None:
     return {"logprobs": out, "seconds": seconds, "build_s": build_s}
 
 
+# What every rank imports, imported once in the fork server its ranks are forked from: each spawned rank would
+# import torch, megatron-core and Megatron-Bridge itself (6-9 s of CPU apiece on a 2-core host).
+RANK_IMPORTS = ["reference_impl.trainer.model", "reference_impl.trainer.parallel", "reference_impl.forward.megatron"]
+
+
 class RankPool:
-    """`world` spawned rank processes in one gloo default group; `close` ends every one of them."""
+    """`world` rank processes in one gloo default group, forked from a fork server that has imported
+    `RANK_IMPORTS` (fresh interpreters otherwise: no state of the test process is inherited); `close` ends
+    every one of them."""
 
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(RANK_IMPORTS)
         self.world = world
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
