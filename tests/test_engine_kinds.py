@@ -121,4 +121,5 @@ def test_an_engine_actor_imports_no_torch() -> None:
     assert cuda == torch.cuda.is_available()  # the answer the trainer's ranks act on
     top = set(modules)
     assert "ray" in top and "reference_impl" in top
-    assert not top & {"torch", "transformers", "megatron", "vllm"}, top & {"torch", "transformers", "megatron", "vllm"}
+    heavy = top & {"torch", "transformers", "megatron", "vllm"}
+    assert not heavy, heavy

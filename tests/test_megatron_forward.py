@@ -2,10 +2,9 @@
 
 Trainer ranks are plain processes (torch.multiprocessing, forked from a fork server that has imported what
 they need) joined in a gloo default group, one pool per world size (1, 2, 4), reused across the cases of that
-size. Each case builds the Megatron model
-through Megatron-Bridge (`trainer.model.build_model`), loads the seeded checkpoint, and runs
-`megatron_logprobs` collectively at two temperatures. The truth is an independent transformers forward
-over the checkpoint on disk (`forward.hf.HfForward` with `read_checkpoint`).
+size. Each case builds the Megatron model through Megatron-Bridge (`trainer.model.build_model`), loads the
+seeded checkpoint, and runs `megatron_logprobs` collectively at two temperatures. The truth is an independent
+transformers forward over the checkpoint on disk (`forward.hf.HfForward` with `read_checkpoint`).
 
 Qwen3-VL: Megatron-Bridge 0.6.2's vision patch mergers (the final merger and the deepstack mergers,
 `modelling_qwen3_vl/utils.py` `Qwen3VLVisionPatchMerger`) apply the vision config's activation,
