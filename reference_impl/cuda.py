@@ -1,10 +1,10 @@
 """Whether this process can use CUDA, without importing torch where it plainly cannot.
 
-`torch.cuda.is_available()` is the answer the trainer ranks act on (`reference_impl.worker`: which transfer
-backend the sender uses); a process that only launches an engine server (an engine actor) must pick the
-same backend, but importing torch costs it about 3 s of CPU and 0.5 GB. CUDA needs the NVIDIA driver's
-device nodes (`/dev/nvidiactl`, `/dev/nvidia<N>`; under WSL 2, `/dev/dxg`): where none exists the answer is
-False without torch; elsewhere torch is asked, so both sides agree on every host."""
+Both sides of a transfer ask it: the sender (`reference_impl.worker.TrainerWorker.connect_engine`) and the
+process that launches the engine server (the vLLM adapter's `server`, run in an engine actor), so they pick the
+same backend; the actor would otherwise import torch only for this, about 3 s of CPU and 0.5 GB. CUDA needs the
+NVIDIA driver's device nodes (`/dev/nvidiactl`, `/dev/nvidia<N>`; under WSL 2, `/dev/dxg`): where none exists
+the answer is False without torch; elsewhere torch is asked, so both sides agree on every host."""
 
 from __future__ import annotations
 

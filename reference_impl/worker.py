@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from reference_impl import seams
 from reference_impl.checksum import tensor_checksum
+from reference_impl.cuda import cuda_available
 from reference_impl.engine import engine_kind
 from reference_impl.export import stream
 from reference_impl.export.stream import convert_config
@@ -160,7 +161,7 @@ class TrainerWorker:
         ]
         self.client = clients[0] if len(clients) == 1 else ReplicaClient(clients)
         self.progress.at("connect: /init_weight_transfer_engine in flight")
-        transfer = kind.transfer(colocate, torch.cuda.is_available())
+        transfer = kind.transfer(colocate, cuda_available())  # as the engine's launcher asks (adapter.server)
         ranks = list(engine_ranks) if engine_ranks is not None else [1] * len(urls)
         self.channel = connect_channel(self.client, transfer.wire, transfer.backend, timeout_s, ranks, master_address)
         return self._drain_calls()

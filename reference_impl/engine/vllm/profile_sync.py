@@ -173,9 +173,9 @@ def main() -> int:
     ap.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "wsh-vllm-profile.log")
     args = ap.parse_args()
 
-    import torch
     from safetensors.torch import load_file
 
+    from reference_impl.cuda import cuda_available
     from reference_impl.engine import engine_kind
     from reference_impl.engine.vllm.launcher import VllmEngineProcess
     from reference_impl.models.checkpoint import make_checkpoint
@@ -206,7 +206,7 @@ def main() -> int:
         spy: subprocess.Popen[bytes] | None = None
         raw = Path(tempfile.gettempdir()) / f"wsh-vllm-profile-{os.getpid()}.raw"
         try:
-            transfer = kind.transfer(colocate=False, cuda=torch.cuda.is_available())
+            transfer = kind.transfer(colocate=False, cuda=cuda_available())
             channel = connect_channel(client, transfer.wire, transfer.backend)
             report["transfer"] = {"wire": transfer.wire, "backend": transfer.backend}
             log_offset = 0
