@@ -239,7 +239,8 @@ class EngineActor:
             return
         nice = psutil.Process().nice()
         with contextlib.suppress(psutil.Error):
-            for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            server = psutil.Process(pid)
+            for proc in [server, *server.children(recursive=True)]:
                 raise_threads_to(proc.pid, nice)
 
     def restart(self, checkpoint: str, seed: int, log_path: str, tp: int = 1, fault: str | None = None) -> str:
