@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
+from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.process import STOP_GRACE_S, EngineStartError, ServerProcess, free_port
 from reference_impl.priority import lowest_priority, raise_threads_to
 
@@ -208,13 +209,15 @@ class EngineActor:
         reachable: bool = False,
         token: str | None = None,
         low_priority: bool = False,
+        fork_server: ForkServerAddress | None = None,
     ) -> str:
         """Start the scenario's engine (an engine kind of `reference_impl.engine`) for a colocated or a
         separate sender (`colocate`) with `tp` TP ranks and return its base URL. `reachable`: other nodes must
         reach it, so it binds to this node's address (with `token`, which every route then asks for); else to
         127.0.0.1. `low_priority`: the server starts at the lowest priority, SCHED_IDLE at nice 19 (a spare
         started ahead of need, where the priority can be given back, `priority.lowest_priority`;
-        `restore_priority` gives it back).
+        `restore_priority` gives it back). `fork_server`: where a kind that can forks its server
+        (`EngineKind.forks_from_fork_server`), when this actor runs on its node.
 
         Raises:
             EngineStartError: the server exited or did not answer /health within its kind's start timeout, or
@@ -223,7 +226,18 @@ class EngineActor:
         """
         kind = engine_kind(engine)
         host = ray.util.get_node_ip_address() if reachable else LOOPBACK
-        self.proc = kind.server(checkpoint, seed, log_path, dtype, fault_hook, colocate, tp=tp, host=host, token=token)
+        self.proc = kind.server(
+            checkpoint,
+            seed,
+            log_path,
+            dtype,
+            fault_hook,
+            colocate,
+            tp=tp,
+            host=host,
+            token=token,
+            fork_server=fork_server,
+        )
         if self.stopped:  # `stop` ran before there was a server to stop: this start raises, its server ended
             self.proc.stop()
         # A thread's nice is per thread and a child starts with its parent thread's: only the server is lowered.

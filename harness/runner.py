@@ -43,7 +43,8 @@ from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_fro
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from harness.watch import EngineWatch
-from reference_impl.engine import engine_kind
+from reference_impl.engine import EngineKind, engine_kind
+from reference_impl.engine.embedded.fork_server import ForkServer, ForkServerAddress, ForkServerError
 from reference_impl.forward.hf import fixed_prompts
 from reference_impl.forward.prompts import probe_prompt
 from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
@@ -94,6 +95,13 @@ class Runner:
     spares: dict[int, TrainerPool] = field(default_factory=dict)
     spare_engines: dict[EngineKey, tuple[Any, Any]] = field(default_factory=dict)  # key -> (actor, start ref)
     _spares_started: int = 0
+    # Engine servers of kinds that can (`EngineKind.forks_from_fork_server`, the embedded engine) are forked from a
+    # fork server on the driver's node (`embedded.fork_server`) instead of started as new interpreters: the owner's
+    # `fork_server` when given (a test session shares its own), else one this runner starts at the first such
+    # engine and ends in `close`. Actors on other nodes start their servers as new processes. False: all do.
+    fork_engines: bool = True
+    fork_server: ForkServerAddress | None = None
+    _own_fork_server: ForkServer | None = None
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def pool(self, world_size: int) -> TrainerPool:
@@ -143,6 +151,27 @@ class Runner:
             end_engines([actor], [None], key.engine)
         while self.spares:
             self.spares.popitem()[1].kill()
+        if self._own_fork_server is not None:
+            self._own_fork_server.stop()
+            self._own_fork_server = self.fork_server = None
+
+    def engine_fork_server(self, kind: EngineKind, record: RunRecord) -> ForkServerAddress | None:
+        """Where `kind`'s servers fork from (`fork_engines`), None where they start as new processes; starts this
+        runner's own fork server the first time one is needed. A fork server that does not start is a note in
+        `record`, and every server then starts as a new process."""
+        if not (self.fork_engines and kind.forks_from_fork_server):
+            return None
+        if self.fork_server is None:
+            try:
+                self._own_fork_server = ForkServer.start(
+                    self.out_dir / "logs" / "fork-server.log", node_id=ray.get_runtime_context().get_node_id()
+                )
+            except ForkServerError as e:
+                record.notes.append(f"engine servers start as new processes: {e}"[:2000])
+                self.fork_engines = False
+                return None
+            self.fork_server = self._own_fork_server.address
+        return self.fork_server
 
     def run_scenario(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
         """Run and judge one scenario; the record is written before returning. Unless `validated` (the
@@ -192,6 +221,7 @@ class Runner:
             engines, urls = self._restarted(key, sc, ckpt, record, hook) if reusable else ([], [])
             if not engines:
                 options = pool.engine_options(sc.colocate, sc.engine_tp)
+                fork_server = self.engine_fork_server(kind, record)
                 engines = [EngineActor.options(**options).remote() for _ in range(sc.engines)]
                 starts = [  # every replica from dummy weights of its own seed
                     e.start.remote(
@@ -205,6 +235,7 @@ class Runner:
                         sc.engine_tp,
                         reachable,
                         self.token,
+                        fork_server=fork_server,
                     )
                     for i, e in enumerate(engines)
                 ]
@@ -230,7 +261,7 @@ class Runner:
             session.get(setup_refs, SETUP_TIMEOUT_S, "trainer setup")
             # while this scenario syncs, for a later one
             self.start_spare_pools()
-            self._start_spare_engine(key, sc, ckpt, pool)
+            self._start_spare_engine(key, sc, ckpt, pool, record)
             if fault is not None and fault.trainer is not None and sc.fault_sync is None:
                 session.on_ranks("run_in_process", fault.trainer, what="apply fault", timeout=60)
                 record.notes.append(f"fault injected: {fault.name} ({fault.description})")
@@ -369,7 +400,9 @@ class Runner:
             return None
         return [actor], [pid]
 
-    def _start_spare_engine(self, key: EngineKey, sc: Scenario, ckpt: Path, pool: TrainerPool) -> None:
+    def _start_spare_engine(
+        self, key: EngineKey, sc: Scenario, ckpt: Path, pool: TrainerPool, record: RunRecord
+    ) -> None:
         """Start the spare engine of `key` when `key` is the spare's placement (kind `spare_engine`, not colocated,
         one replica, TP 1, restartable here) and none is started: from dummy weights of the scenario's engine
         seed on its checkpoint (a spare is always restarted as the next scenario's fresh engine before it
@@ -383,9 +416,21 @@ class Runner:
             return
         self._spares_started += 1
         log = self.out_dir / "logs" / f"spare-{self._spares_started}.engine.log"
+        fork_server = self.engine_fork_server(engine_kind(key.engine), record)
         actor = EngineActor.options(**pool.engine_options(False, 1)).remote()
         start = actor.start.remote(
-            sc.engine, str(ckpt), sc.engine_seed, str(log), sc.dtype, None, False, 1, key.reachable, self.token, True
+            sc.engine,
+            str(ckpt),
+            sc.engine_seed,
+            str(log),
+            sc.dtype,
+            None,
+            False,
+            1,
+            key.reachable,
+            self.token,
+            True,
+            fork_server=fork_server,
         )
         self.spare_engines[key] = (actor, start)
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 from wsh_vllm_plugin import protocol
 
+from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.forward import prompts
 from reference_impl.models.checkpoint import build_hf_model, make_checkpoint
@@ -59,11 +60,14 @@ def _reference_model(checkpoint: Path, seed: int) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Served]]:
+def served(tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServerAddress) -> Iterator[dict[str, Served]]:
     """One engine per model of MODELS, started in parallel; stopped by pid at the end."""
     tmp = tmp_path_factory.mktemp("completions")
     ckpts = {m: make_checkpoint(load_model(m), seed=CKPT_SEED) for m in MODELS}
-    procs = {m: EngineProcess(str(c), ENGINE_SEED, log_path=str(tmp / f"{m}.log")) for m, c in ckpts.items()}
+    procs = {
+        m: EngineProcess(str(c), ENGINE_SEED, log_path=str(tmp / f"{m}.log"), fork_server=fork_server)
+        for m, c in ckpts.items()
+    }
     try:
         with ThreadPoolExecutor(len(procs)) as ex:
             started = [ex.submit(p.start, 120) for p in procs.values()]

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
@@ -53,10 +54,12 @@ def _state(url: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _running(checkpoint: Path, seed: int, log: Path, fault: str | None = None) -> Iterator[EngineProcess]:
-    """An embedded engine process of `checkpoint` (dummy weights of `seed`, fault hook `fault`), started and
-    stopped by pid at the end of the block."""
-    with EngineProcess(str(checkpoint), seed, str(log), fault=fault) as proc:
+def _running(
+    checkpoint: Path, seed: int, log: Path, fault: str | None = None, fork_server: ForkServerAddress | None = None
+) -> Iterator[EngineProcess]:
+    """An embedded engine process of `checkpoint` (dummy weights of `seed`, fault hook `fault`), forked from
+    `fork_server` when given, else a new interpreter; started, and stopped by pid at the end of the block."""
+    with EngineProcess(str(checkpoint), seed, str(log), fault=fault, fork_server=fork_server) as proc:
         proc.start(timeout_s=300)
         yield proc
 
@@ -68,23 +71,27 @@ def checkpoints() -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def fresh(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The oracle: a fresh engine process of qwen3 with the engine seed, its state read once."""
+    """The oracle: a fresh engine process of qwen3 with the engine seed, its state read once; a new interpreter,
+    while the engines it judges are forked from the session's fork server."""
     with _running(checkpoints["qwen3"], ENGINE_SEED, tmp_path_factory.mktemp("fresh") / "engine.log") as proc:
         yield _state(proc.url)
 
 
 @pytest.fixture
-def other(checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[EngineProcess]:
+def other(checkpoints: dict[str, Path], tmp_path: Path, fork_server: ForkServerAddress) -> Iterator[EngineProcess]:
     """An engine process of another model and seed."""
-    with _running(checkpoints["qwen3-moe"], 7, tmp_path / "first.log") as proc:
+    with _running(checkpoints["qwen3-moe"], 7, tmp_path / "first.log", fork_server=fork_server) as proc:
         yield proc
 
 
 @pytest.fixture(scope="module")
-def refusing(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+def refusing(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServerAddress
+) -> Iterator[EngineProcess]:
     """One engine process of another model and seed for every unreadable restart body: a 400 leaves the
     engine serving as it was (each case asserts it), so the cases need no process of their own."""
-    with _running(checkpoints["qwen3-moe"], 7, tmp_path_factory.mktemp("refusing") / "engine.log") as proc:
+    log = tmp_path_factory.mktemp("refusing") / "engine.log"
+    with _running(checkpoints["qwen3-moe"], 7, log, fork_server=fork_server) as proc:
         yield proc
 
 
@@ -162,10 +169,10 @@ def _commits(url: str, version: int) -> Any:
 
 
 def test_a_restart_undoes_the_hook_the_engine_started_with(
-    fresh: dict[str, Any], checkpoints: dict[str, Path], tmp_path: Path
+    fresh: dict[str, Any], checkpoints: dict[str, Path], tmp_path: Path, fork_server: ForkServerAddress
 ) -> None:
     hook = "harness.faults.engine:weight_version_not_committed"
-    with _running(checkpoints["qwen3"], ENGINE_SEED, tmp_path / "e.log", fault=hook) as proc:
+    with _running(checkpoints["qwen3"], ENGINE_SEED, tmp_path / "e.log", hook, fork_server) as proc:
         url = proc.url
         assert _commits(url, 1) == "0"  # the hook runs
         log = tmp_path / "e2.log"
@@ -176,11 +183,12 @@ def test_a_restart_undoes_the_hook_the_engine_started_with(
 
 
 def test_a_hook_that_outlives_its_undo_keeps_the_engine_from_restarting(
-    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fork_server: ForkServerAddress
 ) -> None:
     (tmp_path / "lasting_hook.py").write_text(LASTING_HOOK)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    with _running(checkpoints["qwen3"], ENGINE_SEED, tmp_path / "e.log", fault="lasting_hook:commit_nothing") as proc:
+    hook = "lasting_hook:commit_nothing"  # found through PYTHONPATH, also by a forked server
+    with _running(checkpoints["qwen3"], ENGINE_SEED, tmp_path / "e.log", hook, fork_server) as proc:
         url = proc.url
         assert _commits(url, 1) == "0"  # the hook runs
         for _ in range(2):  # and again: the process stays refused

@@ -31,6 +31,7 @@ from harness import shm
 from harness.record import RunRecord
 from harness.scenario import Scenario
 from harness.soak import sample_resources
+from reference_impl.engine.embedded.fork_server import FORKED_LINE
 
 pytestmark = pytest.mark.e2e
 
@@ -69,6 +70,17 @@ def _wait_gone(pids: set[int], within: float = GONE_WITHIN_S) -> list[str]:
             except psutil.NoSuchProcess:
                 continue
     return left
+
+
+def _launcher(server: psutil.Process, logs: Path) -> int:
+    """The pid of an engine server's launcher (its Ray actor): its parent, or, for a server forked by a fork server
+    (`embedded.fork_server`), the launcher its log names (`FORKED_LINE`; a spare's log is its start's, in `logs`)."""
+    line = FORKED_LINE.format(pid=server.pid, fork_server=server.ppid(), launcher="")
+    for log in logs.glob("*.log"):
+        for text in log.read_text(errors="replace").splitlines():
+            if text.startswith(line):
+                return int(text.removeprefix(line))
+    return server.ppid()
 
 
 def _segments_left(held: set[str], within: float = GONE_WITHIN_S) -> set[str]:
@@ -150,7 +162,7 @@ def _run_with_kill(runner, sc: Scenario, make_killer: Callable[[Path, dict[str, 
                 proc = psutil.Process(pid)
                 seen.update(c.pid for c in proc.children(recursive=True))
                 if "engine" in scenario_pids and pid == scenario_pids["engine"]:
-                    seen.add(proc.ppid())
+                    seen.add(_launcher(proc, runner.engine_log(sc.id, 0).parent))
             except psutil.NoSuchProcess:
                 continue
         sample_resources(record, sync, scenario_pids)

@@ -12,12 +12,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
 from reference_impl.engine.process import ServerProcess
 from reference_impl.models.registry import ModelSpec
 from reference_impl.transport.observed import Rejection
+
+if TYPE_CHECKING:
+    from reference_impl.engine.embedded.fork_server import ForkServerAddress
 
 
 class Capabilities(BaseModel):
@@ -108,6 +112,7 @@ class EngineKind(ABC):
     start_timeout_s: float  # seconds from launch to /health 200 on a loaded 2-core host
     note: str = ""  # a sentence for every record of this engine (what its checks rest on), "" for none
     restart_keeps_model: bool = False  # an in-place restart cannot change the model (only its weights)
+    forks_from_fork_server: bool = False  # its servers start from a fork server when given one (`server`)
 
     def validate(self, request: EngineRequest) -> str | None:
         """None when this engine can run `request` on this host, else one sentence saying what to change.
@@ -145,11 +150,13 @@ class EngineKind(ABC):
         tp: int = 1,
         host: str = "127.0.0.1",
         token: str | None = None,
+        fork_server: ForkServerAddress | None = None,
     ) -> ServerProcess:
         """The (not yet started) server process for `checkpoint` with dummy weights of `seed`, for a
         colocated (`colocate`) or separate sender, with `tp` TP ranks in the transfer group, bound to `host`
         (127.0.0.1 unless another node must reach it), every route asking for `token` when one is given
-        (`wsh_vllm_plugin.auth`)."""
+        (`wsh_vllm_plugin.auth`). `fork_server`: where kinds with `forks_from_fork_server` fork their server
+        (`embedded.fork_server`); the others start it as before."""
 
     @abstractmethod
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:

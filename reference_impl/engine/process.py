@@ -25,13 +25,25 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Self
+from typing import Protocol, Self
 
 import httpx
 
 from reference_impl import shm_segments
 
 LOOPBACK = "127.0.0.1"
+
+
+class ProcessHandle(Protocol):
+    """What a launcher keeps of its server process: `subprocess.Popen`'s `pid`, `returncode`, `poll` and `wait`
+    (a server forked by a fork server has the same, `embedded.fork_server.ForkedProcess`)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 class EngineStartError(RuntimeError):
@@ -71,7 +83,7 @@ def free_port(host: str = LOOPBACK, attempts: int = 64) -> int:
 
 
 def wait_for_health(
-    proc: subprocess.Popen[bytes],
+    proc: ProcessHandle,
     base_url: Callable[[], str | None],
     timeout_s: float,
     log_tail: Callable[[], str],
@@ -129,7 +141,7 @@ class ServerProcess(ABC):
             raise ValueError(f"an engine server bound to {host} (reachable from other hosts) needs a bearer token")
         self._log_path = Path(log_path) if log_path else None
         self._log_suffix = log_suffix
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ProcessHandle | None = None
         self.url = ""
         self.host, self.token = host, token
         self.temp_dir: Path | None = None  # the server's TMPDIR while it runs (made by `start`, removed by `stop`)
@@ -182,10 +194,7 @@ class ServerProcess(ABC):
         self.ended = False
         env = {**env, "TMPDIR": str(self.server_temp_dir())}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
-            )
+        self.proc = self.spawn(argv, env, cwd)
         if self.stop_requested:  # a `stop` from another thread found no process yet
             self.stop()
             raise EngineStartError(f"{self.what} was stopped while it started")
@@ -197,6 +206,21 @@ class ServerProcess(ABC):
             raise
         self.started_segments = shm_segments.held_by_group(self.proc.pid)
         return self.url
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> ProcessHandle:
+        """Start the server process of `argv` in a session (process group) of its own, its output appended to
+        `log_path`, its standard input /dev/null. This one runs `subprocess.Popen`; a kind may start it another
+        way that keeps those facts (`embedded.launcher.EngineProcess` with a fork server)."""
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
 
     def restart(
         self,

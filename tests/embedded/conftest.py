@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
@@ -57,13 +58,16 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
 
 
 @pytest.fixture(scope="session")
-def shm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProcess]]:
-    """Three qwen3 engines started through EngineProcess (no fault, and each fault), in parallel, all
-    initialised with backend shm; stopped by pid at the end."""
+def shm_engines(
+    tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServerAddress
+) -> Iterator[dict[str, EngineProcess]]:
+    """Three qwen3 engines started through EngineProcess (no fault, and each fault), in parallel, forked from the
+    session's fork server, all initialised with backend shm; stopped by pid at the end. (`engines` starts its
+    servers as new interpreters, with `python -m`.)"""
     tmp = tmp_path_factory.mktemp("shm-engines")
     ckpt = str(make_checkpoint(load_model("qwen3"), seed=CKPT_SEED))
     procs = {
-        name: EngineProcess(ckpt, ENGINE_SEED, log_path=str(tmp / f"{name}.log"), fault=fault)
+        name: EngineProcess(ckpt, ENGINE_SEED, log_path=str(tmp / f"{name}.log"), fault=fault, fork_server=fork_server)
         for name, fault in ((CLEAN, None), (FINALIZE_PER_CHUNK, FINALIZE_PER_CHUNK), (OK_WITHOUT_TRANSFER,) * 2)
     }
     try:

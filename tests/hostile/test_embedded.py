@@ -41,6 +41,7 @@ from wsh_vllm_plugin.protocol import InitInfo
 
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.answers import parse_rejections
+from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import free_port
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
@@ -99,9 +100,10 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+def live(tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServerAddress) -> Iterator[Live]:
     ckpt = make_checkpoint(load_model("qwen3"), seed=CKPT_SEED)
-    proc = EngineProcess(str(ckpt), ENGINE_SEED, log_path=str(tmp_path_factory.mktemp("hostile") / "engine.log"))
+    log = tmp_path_factory.mktemp("hostile") / "engine.log"
+    proc = EngineProcess(str(ckpt), ENGINE_SEED, log_path=str(log), fork_server=fork_server)
     with SharedMemoryBuffer(4 * NORM_BYTES) as good, SharedMemoryBuffer(100) as small:
         try:
             proc.start(timeout_s=120)

@@ -41,6 +41,7 @@ from harness.checks import judge
 from harness.record import HttpCall, RunRecord
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
+from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import ServerProcess, free_port
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
@@ -57,7 +58,9 @@ GROUP_TIMEOUT_S = 20.0  # the transfer groups' gloo timeout: a broadcast nobody 
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, shared_vllm: SharedVllm) -> Iterator[dict[str, ServerProcess]]:
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, shared_vllm: SharedVllm, fork_server: ForkServerAddress
+) -> Iterator[dict[str, ServerProcess]]:
     """vLLM for the sample (one of the session's shared servers: restarted in place as a fresh engine when one
     is idle, given back at the end), the embedded engine beside it, and a dedicated vLLM for the session race
     (its test stops it), made ready together (vLLM takes a while); the others stopped by pid."""
@@ -65,7 +68,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, shared_vllm: SharedVllm) -
     ckpt = make_checkpoint(load_model("qwen3"), SEED)
     logs = tmp_path_factory.mktemp("hostile-vllm")
     own: dict[str, ServerProcess] = {
-        "embedded": EngineProcess(str(ckpt), ENGINE_SEED, str(logs / "embedded.log")),
+        "embedded": EngineProcess(str(ckpt), ENGINE_SEED, str(logs / "embedded.log"), fork_server=fork_server),
         "vllm-race": VllmEngineProcess(str(ckpt), ENGINE_SEED, str(logs / "vllm-race.log")),
     }
     procs: dict[str, ServerProcess] = {}

@@ -35,6 +35,7 @@ from harness.record import HttpCall, RunRecord
 from harness.scenario import Scenario
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
+from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.forward.hf import HfForward, fixed_prompts
 from reference_impl.models.checkpoint import make_checkpoint
@@ -120,13 +121,15 @@ def connect(kind: str, proc: Any, url: str, ckpt: Path, model: str) -> Connected
     return Connected(kind, proc, client, channel, ckpt, model)
 
 
-def both_engines(model: str, logs: Path, shared: SharedVllm) -> Iterator[dict[str, Connected]]:
+def both_engines(
+    model: str, logs: Path, shared: SharedVllm, fork_server: ForkServerAddress | None = None
+) -> Iterator[dict[str, Connected]]:
     """vLLM (one of the session's `shared` servers, a fresh engine of this checkpoint, as the runner starts
     it) and the embedded engine (started here) on the same checkpoint of `model`, made ready together, each
     joined to this process; the embedded engine stopped by pid, the vLLM server given back."""
     require_vllm()
     ckpt = make_checkpoint(load_model(model), SEED)
-    embedded = EngineProcess(str(ckpt), ENGINE_SEED, str(logs / "embedded.log"))
+    embedded = EngineProcess(str(ckpt), ENGINE_SEED, str(logs / "embedded.log"), fork_server=fork_server)
     procs: dict[str, Any] = {}
     failed: list[BaseException] = []
 

@@ -8,11 +8,15 @@ honours the request's temperature in prompt log-probs, takes chunks by broadcast
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from reference_impl.engine.base import Capabilities, EngineKind, EngineRequest
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.models.vllm_tp import TP_RULES, has_tp_rules
 from reference_impl.transport.observed import Rejection
+
+if TYPE_CHECKING:
+    from reference_impl.engine.embedded.fork_server import ForkServerAddress
 
 
 class EmbeddedEngine(EngineKind):
@@ -30,6 +34,7 @@ class EmbeddedEngine(EngineKind):
         restart_in_place=True,
     )
     start_timeout_s = 300.0  # loads a small transformers model
+    forks_from_fork_server = True
 
     def validate(self, request: EngineRequest) -> str | None:
         """The capabilities (`EngineKind.validate`), and TP ranks only for model families whose vLLM TP layout
@@ -56,10 +61,14 @@ class EmbeddedEngine(EngineKind):
         tp: int = 1,
         host: str = "127.0.0.1",
         token: str | None = None,
+        fork_server: ForkServerAddress | None = None,
     ) -> EngineProcess:
         """An `EngineProcess` (the checkpoint's own dtype; `dtype` is not needed; its transfer backend is
-        chosen by the sender's /init_weight_transfer_engine, so `colocate` is not needed either)."""
-        return EngineProcess(checkpoint, seed, log_path, fault=fault_hook, tp=tp, host=host, token=token)
+        chosen by the sender's /init_weight_transfer_engine, so `colocate` is not needed either), forked from
+        `fork_server` where it can be."""
+        return EngineProcess(
+            checkpoint, seed, log_path, fault=fault_hook, tp=tp, host=host, token=token, fork_server=fork_server
+        )
 
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:
         """The server's `{"detail": {"error", "rejected", "kinds"}}` bodies (`answers`)."""

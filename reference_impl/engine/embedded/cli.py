@@ -23,6 +23,7 @@ from starlette.types import ASGIApp
 from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware
 
 from reference_impl import seams
+from reference_impl.engine.embedded.fork_server import start_time
 from reference_impl.engine.embedded.hooks import apply_hook, load_hook
 from reference_impl.engine.embedded.loader import EngineLoader
 from reference_impl.engine.embedded.restart import RestartableApp, RestartRequest
@@ -79,10 +80,13 @@ async def _serve(app: ASGIApp, host: str, port: int, port_file: Path | None) -> 
 
 
 def _exit_with_parent(pid: int, period_s: float = 1.0) -> None:
-    """Watch `pid` from a daemon thread; when it is gone (this process was re-parented), exit at once."""
+    """Watch the launcher `pid` from a daemon thread; once it has ended, exit at once. Watched by its start time
+    (`fork_server.start_time`), not as this process's parent: a server forked by a fork server has the fork
+    server as its parent, and a pid reused by another process has another start time."""
+    started = start_time(pid)
 
     def watch() -> None:
-        while os.getppid() == pid:
+        while started is not None and start_time(pid) == started:
             time.sleep(period_s)
         os._exit(0)
 

@@ -4,7 +4,9 @@
 token, the address another node reaches it at) with port 0 (the server writes the port it bound to a
 port file), waits until it answers GET /health, and returns
 its base URL. `stop()` ends it by its pid (`engine.process.ServerProcess`). The server also watches
-its launcher (`--exit-with-parent`): a killed launcher never leaves a server behind.
+its launcher (`--exit-with-parent`): a killed launcher never leaves a server behind. Given a fork server
+(`fork_server.ForkServerAddress`) it can use, the server is forked from it instead of started as a new
+interpreter: the same server, without importing torch and transformers again (`fork_server`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from reference_impl.engine.process import EngineStartError, ServerProcess
+from reference_impl.engine.process import EngineStartError, ProcessHandle, ServerProcess
+
+if TYPE_CHECKING:  # imported where used: `python -m ...fork_server` must not find it imported by the package
+    from reference_impl.engine.embedded.fork_server import ForkServerAddress
 
 __all__ = ["EngineProcess", "EngineStartError"]
 
@@ -33,16 +39,20 @@ class EngineProcess(ServerProcess):
         tp: int = 1,
         host: str = "127.0.0.1",
         token: str | None = None,
+        fork_server: ForkServerAddress | None = None,
     ) -> None:
         """`fault`: a fault hook `MODULE:FUNCTION` the server loads at start (`--fault`), for the harness's
         mutation tests only. `tp`: its TP ranks in the transfer group (`--tensor-parallel-size`). `host`,
-        `token`: where it binds and the bearer token every route asks for (`ServerProcess`).
+        `token`: where it binds and the bearer token every route asks for (`ServerProcess`). `fork_server`: fork
+        the server from it where this process can (`ForkServerAddress.usable`), else start it with `Popen`.
 
         Raises:
             ValueError: a `host` other than 127.0.0.1 without a token.
         """
         super().__init__(log_path, host=host, token=token)
         self.checkpoint, self.seed, self.threads, self.fault, self.tp = checkpoint, seed, threads, fault, tp
+        self.fork_server = fork_server
+        self.forked = False  # the running server came from the fork server (set by `spawn`)
 
     def launch(self) -> tuple[list[str], dict[str, str], str | None, Callable[[], str | None]]:
         """The server's argv and environment; its URL is known once it has written its port file."""
@@ -76,6 +86,24 @@ class EngineProcess(ServerProcess):
             return f"http://{self.host}:{int(port_file.read_text())}" if port_file.exists() else None
 
         return argv, env, None, url
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> ProcessHandle:
+        """Fork the server from `fork_server` when this process can use it (its exit status lands in the
+        server's temp folder), else, or when the fork server refuses or is gone (a line in the server's log
+        says why), `ServerProcess.spawn`."""
+        from reference_impl.engine.embedded.fork_server import ForkServerError, fork
+
+        self.forked = False
+        if self.fork_server is not None and self.fork_server.usable():
+            try:
+                proc = fork(self.fork_server, argv, env, cwd, self.log_path, self.server_temp_dir() / "exit-status")
+            except ForkServerError as e:
+                with open(self.log_path, "a") as log:
+                    log.write(f"{e}; started as a new process\n")
+            else:
+                self.forked = True
+                return proc
+        return super().spawn(argv, env, cwd)
 
     def restart(
         self,

@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -28,6 +28,9 @@ from reference_impl.cuda import cuda_available
 from reference_impl.engine.base import WIRE_VLLM, Capabilities, EngineKind, EngineRequest, Transfer
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.transport.observed import Rejection
+
+if TYPE_CHECKING:
+    from reference_impl.engine.embedded.fork_server import ForkServerAddress
 
 # Name prefixes of the /dev/shm segments a vLLM server makes itself: Python's default `SharedMemory` names (its
 # `shm_broadcast.MessageQueue`s) and its CPU TP communicator's `vllm_dist_<id>-...-cpushm_<n>`.
@@ -136,12 +139,14 @@ class VllmEngine(EngineKind):
         tp: int = 1,
         host: str = "127.0.0.1",
         token: str | None = None,
+        fork_server: ForkServerAddress | None = None,
     ) -> VllmEngineProcess:
         """A `VllmEngineProcess` started with the weight-transfer backend `transfer` names for this host
         (`--weight-transfer-config '{"backend": ...}'`); the sender derives its channel from the same call.
         A text checkpoint starts with `--skip-tokenizer-init` (its prompts are token ids); a VL checkpoint
         (its config.json has a `vision_config`) with its tokenizer and processors, for the chat route of the
-        image prompt, and `server_args_for_vl`. `tp`: vLLM's TP size (every TP worker joins the group)."""
+        image prompt, and `server_args_for_vl`. `tp`: vLLM's TP size (every TP worker joins the group).
+        `fork_server` is not used: vLLM runs in an environment of its own and starts as a new process."""
         backend = self.transfer(colocate, cuda_available()).backend
         config = json.loads((Path(checkpoint) / "config.json").read_text())
         vl = "vision_config" in config
