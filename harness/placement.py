@@ -97,6 +97,13 @@ def ensure_ray(address: str | None = None) -> None:
             os.environ[RAY_TAG_VAR] = previous
 
 
+def ray_tag_env() -> dict[str, str]:
+    """The environment entry that makes a process this driver starts itself count as one of its Ray's
+    (`ray_processes`): {RAY_TAG_VAR: tag} once this driver started a Ray of its own, else {}. The runner's fork
+    server gets it, so the engine servers it forks are found wherever they were re-parented."""
+    return {RAY_TAG_VAR: _ray_tag} if _ray_tag is not None else {}
+
+
 def ray_processes() -> list[psutil.Process]:
     """Every live process (other than this one) of a Ray this driver started (`ensure_ray`), found by the
     environment tag it inherited, wherever it has been re-parented; empty when this driver started none.

@@ -35,7 +35,7 @@ from harness.outcome import (
     stop_grace_s,
     sync_failed,
 )
-from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node, use_gpus
+from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node, ray_tag_env, use_gpus
 from harness.record import OracleFailure, RunRecord
 from harness.recovery import RESTORE_SEAMS
 from harness.scenario import Scenario
@@ -142,18 +142,20 @@ class Runner:
             pool.kill()
 
     def close(self) -> None:
-        """End every shelved and spare engine and kill every pool, spares too."""
-        self.shelf.close()
-        for ws in list(self.pools):
-            self.drop_pool(ws)
-        for key in list(self.spare_engines):
-            actor, _ = self.spare_engines.pop(key)
-            end_engines([actor], [None], key.engine)
-        while self.spares:
-            self.spares.popitem()[1].kill()
-        if self._own_fork_server is not None:
-            self._own_fork_server.stop()
-            self._own_fork_server = self.fork_server = None
+        """End every shelved and spare engine and kill every pool, spares too; then this runner's fork server."""
+        try:
+            self.shelf.close()
+            for ws in list(self.pools):
+                self.drop_pool(ws)
+            for key in list(self.spare_engines):
+                actor, _ = self.spare_engines.pop(key)
+                end_engines([actor], [None], key.engine)
+            while self.spares:
+                self.spares.popitem()[1].kill()
+        finally:
+            if self._own_fork_server is not None:
+                self._own_fork_server.stop()
+                self._own_fork_server = self.fork_server = None
 
     def engine_fork_server(self, kind: EngineKind, record: RunRecord) -> ForkServerAddress | None:
         """Where `kind`'s servers fork from (`fork_engines`), None where they start as new processes; starts this
@@ -164,7 +166,9 @@ class Runner:
         if self.fork_server is None:
             try:
                 self._own_fork_server = ForkServer.start(
-                    self.out_dir / "logs" / "fork-server.log", node_id=ray.get_runtime_context().get_node_id()
+                    self.out_dir / "logs" / "fork-server.log",
+                    node_id=ray.get_runtime_context().get_node_id(),
+                    env=ray_tag_env(),  # its servers are found as the Ray's processes are (`end_leftovers`)
                 )
             except ForkServerError as e:
                 record.notes.append(f"engine servers start as new processes: {e}"[:2000])

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -99,6 +100,12 @@ def test_a_forked_server_answers_as_a_new_interpreter_does(
         assert forked.proc is not None and psutil.Process(forked.proc.pid).ppid() != os.getpid()
         named = FORKED_LINE.format(pid=forked.proc.pid, fork_server=psutil.Process(forked.proc.pid).ppid(), launcher="")
         assert f"{named}{os.getpid()}" in forked.log_tail()  # it says whose it is
+        codes = []
+        for proc in (new, forked):  # Ctrl-C ends both the same way
+            assert proc.proc is not None
+            os.kill(proc.proc.pid, signal.SIGINT)
+            codes.append(proc.proc.wait(30))
+        assert codes[1] == codes[0], codes
 
 
 def test_a_forked_server_sees_its_launchers_environment_priority_and_group(
@@ -158,7 +165,7 @@ def test_a_forked_server_that_fails_or_is_killed_has_the_exit_status_of_a_new_in
 
 LAUNCHER = """
 import sys, time
-from reference_impl.engine.embedded.fork_server import FORKED_LINE, ForkServerAddress
+from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 proc = EngineProcess(sys.argv[2], 4321, sys.argv[3], fork_server=ForkServerAddress(sys.argv[1], sys.executable))
 proc.start(120)
@@ -167,11 +174,8 @@ time.sleep(600)
 """
 
 OWNER = """
-import sys, time
 from reference_impl.engine.embedded.fork_server import ForkServer
-server = ForkServer.start()
-print(server.proc.pid, server.folder, flush=True)
-time.sleep(600)
+ForkServer.start()
 """
 
 
@@ -205,17 +209,41 @@ def test_a_forked_server_ends_with_its_launcher_and_a_fork_server_with_its_owner
         assert _gone_within(int(pid), 10), "a forked server outlived its launcher"
     finally:
         shutil.rmtree(temp, ignore_errors=True)  # what its launcher's stop would have removed
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    # an owner killed while its fork server still imports (it then never sees its owner alive)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER])
     try:
-        assert owner.stdout is not None
-        server_pid, folder = owner.stdout.readline().split()
+        deadline = time.monotonic() + 60
+        while not (servers := psutil.Process(owner.pid).children()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert servers, "the owner started no fork server"
+        folder = Path(servers[0].cmdline()[servers[0].cmdline().index("--socket") + 1]).parent
     finally:
         owner.kill()
         owner.wait()
+    assert not (folder / "ready").exists(), "the fork server had finished importing: kill its owner sooner"
     try:
-        assert _gone_within(int(server_pid), 10), "a fork server outlived its owner"
+        assert _gone_within(servers[0].pid, 60), "a fork server outlived its owner"
+        assert not folder.exists(), "a fork server whose owner ended left its folder"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_malformed_request_is_refused_before_anything_is_forked(fork_server: ForkServerAddress) -> None:
+    server = psutil.Process(int(Path(fork_server.socket).with_name("ready").read_text()))
+    before = {c.pid for c in server.children()}
+    cases = {
+        b"not json\n": "JSONDecodeError",
+        b'["args"]\n': "a launch request is a JSON object",
+        b'{"args": "--seed 1"}\n': "field 'args' must be a list",
+    }
+    for body, why in cases.items():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(fork_server.socket)
+            s.sendall(body)
+            answer = json.loads(s.makefile().readline())
+        assert "pid" not in answer and why in answer["error"], answer
+    assert {c.pid for c in server.children()} <= before
 
 
 def test_a_launcher_that_cannot_use_a_fork_server_starts_a_new_interpreter(checkpoint: str, tmp_path: Path) -> None:

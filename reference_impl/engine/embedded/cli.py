@@ -23,6 +23,7 @@ from starlette.types import ASGIApp
 from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware
 
 from reference_impl import seams
+from reference_impl.engine.embedded import fork_server
 from reference_impl.engine.embedded.fork_server import start_time
 from reference_impl.engine.embedded.hooks import apply_hook, load_hook
 from reference_impl.engine.embedded.loader import EngineLoader
@@ -80,13 +81,22 @@ async def _serve(app: ASGIApp, host: str, port: int, port_file: Path | None) -> 
 
 
 def _exit_with_parent(pid: int, period_s: float = 1.0) -> None:
-    """Watch the launcher `pid` from a daemon thread; once it has ended, exit at once. Watched by its start time
-    (`fork_server.start_time`), not as this process's parent: a server forked by a fork server has the fork
-    server as its parent, and a pid reused by another process has another start time."""
-    started = start_time(pid)
+    """Watch the launcher `pid` from a daemon thread; once it has ended, exit at once. A server started by its
+    launcher watches its parent (re-parented once the launcher is gone, also before this runs); a server forked by
+    a fork server (`fork_server.forked_for`; the fork server is its parent) watches the launcher's start time (a
+    pid reused by another process has another)."""
+    if fork_server.forked_for is None:
+
+        def ended() -> bool:
+            return os.getppid() != pid
+    else:
+        started = start_time(pid)
+
+        def ended() -> bool:
+            return started is None or start_time(pid) != started
 
     def watch() -> None:
-        while started is not None and start_time(pid) == started:
+        while not ended():
             time.sleep(period_s)
         os._exit(0)
 

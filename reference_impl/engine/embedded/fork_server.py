@@ -61,10 +61,13 @@ PRELOAD = (
     "uvicorn.loops.asyncio",
     "anyio._core._sockets",
 )
+forked_for: int | None = None  # in a forked server: its launcher's pid (set by `_child`); None in any other process
 # a forked server's first log line (its parent is not its launcher: it says who is)
 FORKED_LINE = "wsh engine: server {pid} forked by fork server {fork_server} for launcher {launcher}"
 REQUEST_LIMIT = 1 << 20  # bytes of one launch request (argv and environment as JSON)
-STATUS_WAIT_S = 5.0  # seconds an ended server's exit status may take to be written (its fork server polls at 0.2 s)
+STATUS_WAIT_S = 1.0  # seconds an ended server's exit status may take to be written (its fork server polls at 0.2 s)
+ANSWER_TIMEOUT_S = 10.0  # seconds a launch request and its answer may take on the socket (a fork takes milliseconds)
+REQUEST_FIELDS = {"args": list, "env": dict, "cwd": str, "log_path": str, "status_path": str, "nice": int, "idle": bool}
 START_TIMEOUT_S = 120.0  # seconds `ForkServer.start` waits for the socket (the imports: about 5 s of CPU)
 
 
@@ -151,19 +154,19 @@ def fork(
     """
     if argv[:3] != [address.python, "-m", SERVER_MODULE]:
         raise ForkServerError(f"a fork server starts `{address.python} -m {SERVER_MODULE}` only, not {argv[:3]}")
-    request = {
-        "args": argv[3:],
-        "env": env,
-        "cwd": cwd or os.getcwd(),  # a child of this process would start here
-        "log_path": str(log_path),
-        "status_path": str(status_path),
-        "nice": os.getpriority(os.PRIO_PROCESS, 0),  # this thread's (Linux keeps nice per thread)
-        "idle": os.sched_getscheduler(0) == os.SCHED_IDLE,
-        "launcher": os.getpid(),
-    }
     try:
+        request = {
+            "args": argv[3:],
+            "env": env,
+            "cwd": os.path.abspath(cwd or os.getcwd()),  # a child of this process would start here
+            "log_path": os.path.abspath(log_path),
+            "status_path": os.path.abspath(status_path),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),  # this thread's (Linux keeps nice per thread)
+            "idle": os.sched_getscheduler(0) == os.SCHED_IDLE,
+            "launcher": os.getpid(),
+        }
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(30)
+            s.settimeout(ANSWER_TIMEOUT_S)
             s.connect(address.socket)
             s.sendall(json.dumps(request).encode() + b"\n")
             answer = json.loads(_read_line(s))
@@ -194,33 +197,51 @@ class ForkServer:
         self.proc, self.folder, self.address = proc, folder, address
 
     @classmethod
-    def start(cls, log_path: Path | None = None, node_id: str | None = None) -> ForkServer:
+    def start(
+        cls, log_path: Path | None = None, node_id: str | None = None, env: dict[str, str] | None = None
+    ) -> ForkServer:
         """Start a fork server with this interpreter and wait until it has imported `PRELOAD` and listens; its
         output goes to `log_path` (else nowhere). `node_id`: the Ray node it runs on, for `ForkServerAddress`.
+        `env`: added to this process's environment for it (what its children's `/proc/<pid>/environ` then shows,
+        e.g. a tag that finds them; OMP_NUM_THREADS is 1 unless given, as the servers' default `--threads`). It
+        runs in a session of its own (an interrupt to its owner's process group leaves it, and the servers it
+        forked, to their owners) and ends once its owner has.
 
         Raises:
             ForkServerError: it exited or did not listen within `START_TIMEOUT_S` seconds (its log tail in the
-                message when it has a log).
+                message when it has a log); on any error or interrupt while it starts, it is stopped first.
         """
         folder = Path(tempfile.mkdtemp(prefix="wsh-fork-"))
         sock = folder / "fork.sock"
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+        owner = f"{os.getpid()}:{start_time(os.getpid())}"
+        argv = [sys.executable, "-m", __name__, "--socket", str(sock), "--exit-with-parent", owner]
+        child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         try:
-            argv = [sys.executable, "-m", __name__, "--socket", str(sock), "--exit-with-parent", str(os.getpid())]
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        finally:
-            if out is not subprocess.DEVNULL:
-                out.close()
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path or os.devnull, "ab") as out:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=child_env,
+                    start_new_session=True,
+                )
+        except BaseException:
+            _remove_folder(folder)
+            raise
         server = cls(proc, folder, ForkServerAddress(str(sock), sys.executable, node_id))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (folder / "ready").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                server.stop()
-                tail = log_path.read_text(errors="replace")[-3000:] if log_path is not None else "(no log)"
-                raise ForkServerError(f"the fork server did not start (exit status {proc.returncode}): {tail}")
-            time.sleep(0.05)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not (folder / "ready").exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-3000:] if log_path is not None else "(no log)"
+                    raise ForkServerError(f"the fork server did not start (exit status {proc.poll()}): {tail}")
+                time.sleep(0.05)
+        except BaseException:
+            server.stop()
+            raise
         return server
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -248,12 +269,20 @@ def preload() -> None:
         getattr(transformers, arch)
 
 
-def _child(request: dict[str, Any]) -> None:
-    """In the forked child: become the server `request` asks for; never returns."""
+def _child(request: dict[str, Any], ready: int) -> None:
+    """In the forked child: become the server `request` asks for; never returns. Writes a byte to the pipe `ready`
+    once it leads a session of its own (its launcher may then signal its group)."""
     code = 1
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's own handler is not the server's
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a new interpreter's handlers, not the fork server's
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()
+        os.write(ready, b"x")
+        os.close(ready)
+        # on the module the server imports (this code runs as `__main__` of `python -m`, another module object)
+        from reference_impl.engine.embedded import fork_server
+
+        fork_server.forked_for = request["launcher"]
         with contextlib.suppress(OSError):  # a launcher below this process's priority: take what may be taken
             os.setpriority(os.PRIO_PROCESS, 0, int(request["nice"]))
         if request["idle"]:
@@ -274,6 +303,7 @@ def _child(request: dict[str, Any]) -> None:
         # sys.path as `python -m` builds it: the working folder first, then PYTHONPATH's entries
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.path[:0] = [os.getcwd(), *extra]
+        importlib.invalidate_caches()  # modules added since the fork server looked (a hook written for a test)
         if os.environ.get("PYTHONFAULTHANDLER"):
             faulthandler.enable()
         import reference_impl.engine.embedded
@@ -288,12 +318,17 @@ def _child(request: dict[str, Any]) -> None:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:  # as an interpreter ends on an uncaught SIGINT: killed by it (-2)
+        code = -signal.SIGINT
     except BaseException:
         traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
 
 
@@ -304,9 +339,10 @@ def _write_status(path: str, code: int) -> None:
         os.replace(tmp, path)
 
 
-def serve(sock_path: Path, parent: int | None) -> None:
+def serve(sock_path: Path, parent: tuple[int, str | None] | None) -> None:
     """Preload, listen on `sock_path`, fork one server per request, reap them and write their exit statuses;
-    return once `parent` (a pid) has ended. Single-threaded on purpose: a fork copies only the calling thread."""
+    return once `parent` (pid, start time) has ended (at once when it already had). Single-threaded on purpose:
+    a fork copies only the calling thread."""
     preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock_path))
@@ -326,37 +362,72 @@ def _remove_folder(folder: Path) -> None:
         folder.rmdir()
 
 
-def _serve(listener: socket.socket, parent: int | None) -> None:
+def _request(conn: socket.socket) -> dict[str, Any]:
+    """The launch request on `conn`, checked field by field (`REQUEST_FIELDS`) before anything is forked.
+
+    Raises:
+        ValueError: not JSON, or a field missing or of another type.
+    """
+    request = json.loads(_read_line(conn))
+    if not isinstance(request, dict):
+        raise ValueError("a launch request is a JSON object")
+    for name, kind in (*REQUEST_FIELDS.items(), ("launcher", int)):
+        if not isinstance(request.get(name), kind):
+            raise ValueError(f"field {name!r} must be a {kind.__name__}")
+    return request
+
+
+def _fork_one(request: dict[str, Any], conn: socket.socket, close: list[Any]) -> int:
+    """Fork the server of `request`; returns its pid once it leads its own session (`close`: what the child must
+    not keep). A child whose pid cannot be told to its launcher is killed (the launcher then starts its own)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            for c in close:
+                c.close()
+        finally:
+            _child(request, ready_w)
+    os.close(ready_w)
+    try:
+        with os.fdopen(ready_r, "rb") as ready:
+            ready.read(1)  # the child's setsid (or its end)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        raise
+    return pid
+
+
+def _serve(listener: socket.socket, parent: tuple[int, str | None] | None) -> None:
     statuses: dict[int, str] = {}  # pid -> where its exit status goes
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
-    owner = start_time(parent) if parent is not None else None
-    while parent is None or start_time(parent) == owner:
+    while parent is None or (parent[1] is not None and start_time(parent[0]) == parent[1]):
         for _ in sel.select(timeout=0.2):
             conn, _ = listener.accept()
             with conn:
                 try:
-                    conn.settimeout(30)
-                    request = json.loads(_read_line(conn))
-                    pid = os.fork()
-                    if pid == 0:
-                        sel.close()
-                        listener.close()
-                        conn.close()
-                        _child(request)
+                    conn.settimeout(ANSWER_TIMEOUT_S)
+                    request = _request(conn)
+                    pid = _fork_one(request, conn, [sel, listener, conn])
                     statuses[pid] = request["status_path"]
-                    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-                except (OSError, ValueError, KeyError, TypeError) as e:
+                except (OSError, ValueError) as e:
                     with contextlib.suppress(OSError):
                         conn.sendall(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
-        while statuses:
+        while True:  # every child ended by now, also one killed because its launcher never heard of it
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            _write_status(statuses.pop(pid, ""), os.waitstatus_to_exitcode(status))
+            if pid in statuses:
+                _write_status(statuses.pop(pid), os.waitstatus_to_exitcode(status))
 
 
 def start_time(pid: int) -> str | None:
@@ -371,13 +442,17 @@ def start_time(pid: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m reference_impl.engine.embedded.fork_server --socket PATH [--exit-with-parent PID]`."""
+    """`python -m reference_impl.engine.embedded.fork_server --socket PATH [--exit-with-parent PID:START_TIME]`."""
     ap = argparse.ArgumentParser(description="fork server for embedded engine servers")
     ap.add_argument("--socket", type=Path, required=True, help="the Unix socket to listen on")
-    ap.add_argument("--exit-with-parent", type=int, default=None, help="end once this pid has ended")
+    ap.add_argument("--exit-with-parent", default=None, help="PID:START_TIME: end once that process has ended")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `serve` removes its folder on the way out
-    serve(args.socket, args.exit_with_parent)
+    parent = None
+    if args.exit_with_parent is not None:
+        pid, _, started = args.exit_with_parent.partition(":")
+        parent = (int(pid), started or None)
+    serve(args.socket, parent)
 
 
 if __name__ == "__main__":
