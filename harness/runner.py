@@ -428,12 +428,9 @@ class Runner:
             sc.engine_seed,
             str(log),
             sc.dtype,
-            None,
-            False,
-            1,
-            key.reachable,
-            self.token,
-            True,
+            reachable=key.reachable,
+            token=self.token,
+            low_priority=True,
             fork_server=fork_server,
         )
         self.spare_engines[key] = (actor, start)
