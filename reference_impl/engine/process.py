@@ -113,6 +113,23 @@ def wait_for_health(
     raise EngineStartError(f"{what} did not answer /health within {timeout_s:.0f} s: {log_tail()}")
 
 
+def popen_in_session(
+    argv: list[str], log_path: Path | str, env: dict[str, str], cwd: str | None = None
+) -> subprocess.Popen[bytes]:
+    """`argv` started in a session (process group) of its own with environment `env` in `cwd`, its standard input
+    /dev/null and its output (stdout and stderr) appended to `log_path`."""
+    with open(log_path, "ab") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+
 STOP_GRACE_S = 10.0  # seconds a server has between SIGTERM and SIGKILL by default (`ServerProcess.stop`)
 
 
@@ -211,16 +228,7 @@ class ServerProcess(ABC):
         """Start the server process of `argv` in a session (process group) of its own, its output appended to
         `log_path`, its standard input /dev/null. This one runs `subprocess.Popen`; a kind may start it another
         way that keeps those facts (`embedded.launcher.EngineProcess` with a fork server)."""
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-            )
+        return popen_in_session(argv, self.log_path, env, cwd)
 
     def restart(
         self,

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reference_impl.engine.process import popen_in_session
+
 SERVER_MODULE = "reference_impl.engine.embedded"  # what `python -m` runs for a spawned server (`launcher`)
 PRELOAD = (
     "reference_impl.engine.embedded.cli",
@@ -219,15 +221,7 @@ class ForkServer:
         try:
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path or os.devnull, "ab") as out:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=child_env,
-                    start_new_session=True,
-                )
+            proc = popen_in_session(argv, log_path or os.devnull, child_env)
         except BaseException:
             _remove_folder(folder)
             raise
