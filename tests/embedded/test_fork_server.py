@@ -161,6 +161,13 @@ def test_a_forked_server_that_fails_or_is_killed_has_the_exit_status_of_a_new_in
         assert proc.proc is not None and proc.proc.poll() is None
         os.kill(proc.proc.pid, signal.SIGKILL)
         assert proc.proc.wait(10) == -signal.SIGKILL
+    # a status the fork server writes late (busy with a client that has not sent its request yet) is still read
+    with _server(checkpoint, tmp_path / "late.log", fork_server) as proc, socket.socket(socket.AF_UNIX) as idle:
+        assert proc.proc is not None
+        idle.connect(fork_server.socket)
+        os.kill(proc.proc.pid, signal.SIGINT)
+        threading.Timer(3.0, idle.close).start()
+        assert proc.proc.wait(30) == -signal.SIGINT
 
 
 LAUNCHER = """

@@ -67,7 +67,10 @@ forked_for: int | None = None  # in a forked server: its launcher's pid (set by 
 # a forked server's first log line (its parent is not its launcher: it says who is)
 FORKED_LINE = "wsh engine: server {pid} forked by fork server {fork_server} for launcher {launcher}"
 REQUEST_LIMIT = 1 << 20  # bytes of one launch request (argv and environment as JSON)
-STATUS_WAIT_S = 1.0  # seconds an ended server's exit status may take to be written (its fork server polls at 0.2 s)
+STATUS_WAIT_S = 2.0  # seconds `poll` waits for an ended server's status (its fork server reaps every 0.2 s)
+# seconds after which an ended server's status counts as lost: its fork server reaps between requests, and one
+# request may hold it for up to ANSWER_TIMEOUT_S
+STATUS_LOST_S = 15.0
 ANSWER_TIMEOUT_S = 10.0  # seconds a launch request and its answer may take on the socket (a fork takes milliseconds)
 REQUEST_FIELDS = {"args": list, "env": dict, "cwd": str, "log_path": str, "status_path": str, "nice": int, "idle": bool}
 START_TIMEOUT_S = 120.0  # seconds `ForkServer.start` waits for the socket (the imports: about 5 s of CPU)
@@ -101,14 +104,17 @@ class ForkServerAddress:
 
 class ForkedProcess:
     """A server forked by a fork server, seen as `subprocess.Popen` sees its child: `pid`, `returncode`, `poll`,
-    `wait`. Its exit status is what the fork server wrote to `status_path` once it reaped it (within
-    `STATUS_WAIT_S` of its end); a server gone without a status by then (its fork server ended first, and reaps
-    nothing) reads as -SIGKILL."""
+    `wait`. Its exit status is what the fork server wrote to `status_path` once it reaped it; `poll` waits up to
+    `STATUS_WAIT_S` for it once the server has ended, and answers None if it is still not written (a fork server held
+    by a slow client). A server that ended without a status once its fork server has ended too (nobody reaps it
+    then), or `STATUS_LOST_S` after its end, reads as -SIGKILL."""
 
-    def __init__(self, pid: int, status_path: Path) -> None:
+    def __init__(self, pid: int, status_path: Path, fork_server_pid: int) -> None:
         self.pid, self.status_path = pid, status_path
         self.returncode: int | None = None
         self._started = start_time(pid)  # a pid reused by another process later has another start time
+        self._fork_server = (fork_server_pid, start_time(fork_server_pid))
+        self._ended_at: float | None = None  # when `poll` first saw it ended without a status
 
     def _status(self) -> int | None:
         with contextlib.suppress(OSError, ValueError):
@@ -116,16 +122,23 @@ class ForkedProcess:
         return None
 
     def poll(self) -> int | None:
-        """The exit status once the server has ended, else None."""
+        """The exit status once the server has ended and its fork server has written it, else None."""
         if self.returncode is None:
             self.returncode = self._status()
-        if self.returncode is None and (self._started is None or start_time(self.pid) != self._started):
-            deadline = time.monotonic() + STATUS_WAIT_S  # ended: its fork server reaps it and writes the status
-            while self.returncode is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                self.returncode = self._status()
-            if self.returncode is None:
-                self.returncode = -signal.SIGKILL
+        if self.returncode is not None or (self._started is not None and start_time(self.pid) == self._started):
+            return self.returncode
+        self._ended_at = self._ended_at or time.monotonic()
+        deadline = time.monotonic() + STATUS_WAIT_S
+        while self.returncode is None and time.monotonic() < deadline:
+            if start_time(self._fork_server[0]) != self._fork_server[1]:
+                break  # nobody reaps it now
+            time.sleep(0.05)
+            self.returncode = self._status()
+        if self.returncode is None and (
+            start_time(self._fork_server[0]) != self._fork_server[1]
+            or time.monotonic() - self._ended_at > STATUS_LOST_S
+        ):
+            self.returncode = -signal.SIGKILL
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -176,7 +189,7 @@ def fork(
         raise ForkServerError(f"the fork server at {address.socket} did not answer: {type(e).__name__}: {e}") from e
     if "pid" not in answer:
         raise ForkServerError(f"the fork server refused: {answer.get('error', answer)}")
-    return ForkedProcess(int(answer["pid"]), status_path)
+    return ForkedProcess(int(answer["pid"]), status_path, int(answer["fork_server"]))
 
 
 def _read_line(s: socket.socket) -> bytes:
@@ -337,15 +350,15 @@ def serve(sock_path: Path, parent: tuple[int, str | None] | None) -> None:
     """Preload, listen on `sock_path`, fork one server per request, reap them and write their exit statuses;
     return once `parent` (pid, start time) has ended (at once when it already had). Single-threaded on purpose:
     a fork copies only the calling thread."""
-    preload()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(sock_path))
-    os.chmod(sock_path, 0o600)
-    listener.listen(16)
-    (sock_path.parent / "ready").write_text(str(os.getpid()))
-    try:
+    try:  # the folder goes also when its owner ended without `stop` (SIGTERM ends it through SystemExit, `main`)
+        preload()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(sock_path))
+        os.chmod(sock_path, 0o600)
+        listener.listen(16)
+        (sock_path.parent / "ready").write_text(str(os.getpid()))
         _serve(listener, parent)
-    finally:  # also when its owner ended without `stop` (SIGTERM ends it through SystemExit, `main`)
+    finally:
         _remove_folder(sock_path.parent)
 
 
@@ -389,7 +402,7 @@ def _fork_one(request: dict[str, Any], conn: socket.socket, close: list[Any]) ->
     try:
         with os.fdopen(ready_r, "rb") as ready:
             ready.read(1)  # the child's setsid (or its end)
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        conn.sendall(json.dumps({"pid": pid, "fork_server": os.getpid()}).encode() + b"\n")
     except BaseException:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
