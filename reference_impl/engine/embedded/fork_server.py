@@ -39,6 +39,7 @@ import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,6 +117,10 @@ class ForkedProcess:
         self._fork_server = (fork_server_pid, start_time(fork_server_pid))
         self._ended_at: float | None = None  # when `poll` first saw it ended without a status
 
+    def _reaper_gone(self) -> bool:
+        """Whether the fork server that forked it has ended (it then reaps and reports nothing more)."""
+        return start_time(self._fork_server[0]) != self._fork_server[1]
+
     def _status(self) -> int | None:
         with contextlib.suppress(OSError, ValueError):
             return int(self.status_path.read_text())
@@ -130,14 +135,11 @@ class ForkedProcess:
         self._ended_at = self._ended_at or time.monotonic()
         deadline = time.monotonic() + STATUS_WAIT_S
         while self.returncode is None and time.monotonic() < deadline:
-            if start_time(self._fork_server[0]) != self._fork_server[1]:
+            if self._reaper_gone():
                 break  # nobody reaps it now
             time.sleep(0.05)
             self.returncode = self._status()
-        if self.returncode is None and (
-            start_time(self._fork_server[0]) != self._fork_server[1]
-            or time.monotonic() - self._ended_at > STATUS_LOST_S
-        ):
+        if self.returncode is None and (self._reaper_gone() or time.monotonic() - self._ended_at > STATUS_LOST_S):
             self.returncode = -signal.SIGKILL
         return self.returncode
 
@@ -236,7 +238,7 @@ class ForkServer:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
             proc = popen_in_session(argv, log_path or os.devnull, child_env)
         except BaseException:
-            _remove_folder(folder)
+            shutil.rmtree(folder, ignore_errors=True)
             raise
         server = cls(proc, folder, ForkServerAddress(str(sock), sys.executable, node_id))
         try:
@@ -260,7 +262,7 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        _remove_folder(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def preload() -> None:
@@ -359,14 +361,7 @@ def serve(sock_path: Path, parent: tuple[int, str | None] | None) -> None:
         (sock_path.parent / "ready").write_text(str(os.getpid()))
         _serve(listener, parent)
     finally:
-        _remove_folder(sock_path.parent)
-
-
-def _remove_folder(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        for f in folder.iterdir():
-            f.unlink()
-        folder.rmdir()
+        shutil.rmtree(sock_path.parent, ignore_errors=True)
 
 
 def _request(conn: socket.socket) -> dict[str, Any]:
