@@ -44,7 +44,8 @@ from harness.stacks import dump_stacks
 from harness.validate import validate
 from harness.watch import EngineWatch
 from reference_impl.engine import EngineKind, engine_kind
-from reference_impl.engine.embedded.fork_server import ForkServer, ForkServerAddress, ForkServerError
+from reference_impl.engine.embedded.forked import ROLE as ENGINE_ROLE
+from reference_impl.fork_server import ForkServer, ForkServerAddress, ForkServerError
 from reference_impl.forward.hf import fixed_prompts
 from reference_impl.forward.prompts import probe_prompt
 from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
@@ -96,9 +97,9 @@ class Runner:
     spare_engines: dict[EngineKey, tuple[Any, Any]] = field(default_factory=dict)  # key -> (actor, start ref)
     _spares_started: int = 0
     # Engine servers of kinds that can (`EngineKind.forks_from_fork_server`, the embedded engine) are forked from a
-    # fork server on the driver's node (`embedded.fork_server`) instead of started as new interpreters: the owner's
-    # `fork_server` when given (a test session shares its own), else one this runner starts at the first such
-    # engine and ends in `close`. Actors on other nodes start their servers as new processes. False: all do.
+    # fork server on the driver's node (`reference_impl.fork_server`) instead of started as new interpreters: the
+    # owner's `fork_server` when given (a test session shares its own), else one this runner starts at the first
+    # such engine and ends in `close`. Actors on other nodes start their servers as new processes. False: all do.
     fork_engines: bool = True
     fork_server: ForkServerAddress | None = None
     _own_fork_server: ForkServer | None = None
@@ -166,6 +167,7 @@ class Runner:
         if self.fork_server is None:
             try:
                 self._own_fork_server = ForkServer.start(
+                    ENGINE_ROLE,
                     self.out_dir / "logs" / "fork-server.log",
                     node_id=ray.get_runtime_context().get_node_id(),
                     env=ray_tag_env(),  # its servers are found as the Ray's processes are (`end_leftovers`)

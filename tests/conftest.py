@@ -8,17 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from reference_impl.engine.embedded.fork_server import ForkServerAddress
+from reference_impl.fork_server import ForkServerAddress
 
 
 @pytest.fixture(scope="session")
 def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServerAddress]:
-    """One fork server for the session's embedded engine servers (`reference_impl.engine.embedded.fork_server`):
+    """One fork server for the session's embedded engine servers (`reference_impl.fork_server`):
     the tests that start such servers themselves and the runner's engine actors fork them from it instead of
     starting new interpreters. Stopped by pid at the session's end."""
-    from reference_impl.engine.embedded.fork_server import ForkServer
+    from reference_impl.engine.embedded.forked import ROLE
+    from reference_impl.fork_server import ForkServer
 
-    server = ForkServer.start(tmp_path_factory.mktemp("fork-server") / "fork-server.log")
+    server = ForkServer.start(ROLE, tmp_path_factory.mktemp("fork-server") / "fork-server.log")
     yield server.address
     server.stop()
 

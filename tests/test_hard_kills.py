@@ -31,7 +31,7 @@ from harness import shm
 from harness.record import RunRecord
 from harness.scenario import Scenario
 from harness.soak import sample_resources
-from reference_impl.engine.embedded.fork_server import FORKED_LINE
+from reference_impl.fork_server import FORKED_LINE
 
 pytestmark = pytest.mark.e2e
 
@@ -74,7 +74,8 @@ def _wait_gone(pids: set[int], within: float = GONE_WITHIN_S) -> list[str]:
 
 def _launcher(server: psutil.Process, logs: Path) -> int:
     """The pid of an engine server's launcher (its Ray actor): its parent, or, for a server forked by a fork server
-    (`embedded.fork_server`), the launcher its log names (`FORKED_LINE`; a spare's log is its start's, in `logs`)."""
+    (`reference_impl.fork_server`), the launcher its log names (`FORKED_LINE`; a spare's log is its start's, in
+    `logs`)."""
     line = FORKED_LINE.format(pid=server.pid, fork_server=server.ppid(), launcher="")
     for log in logs.glob("*.log"):
         for text in log.read_text(errors="replace").splitlines():

@@ -21,7 +21,7 @@ from reference_impl.models.registry import ModelSpec
 from reference_impl.transport.observed import Rejection
 
 if TYPE_CHECKING:
-    from reference_impl.engine.embedded.fork_server import ForkServerAddress
+    from reference_impl.fork_server import ForkServerAddress
 
 
 class Capabilities(BaseModel):
@@ -156,7 +156,7 @@ class EngineKind(ABC):
         colocated (`colocate`) or separate sender, with `tp` TP ranks in the transfer group, bound to `host`
         (127.0.0.1 unless another node must reach it), every route asking for `token` when one is given
         (`wsh_vllm_plugin.auth`). `fork_server`: where kinds with `forks_from_fork_server` fork their server
-        (`embedded.fork_server`); the others start it as before."""
+        (`reference_impl.fork_server`); the others start it as before."""
 
     @abstractmethod
     def parse_rejections(self, route: str, status: int, body: str, sent_names: Sequence[str]) -> list[Rejection]:

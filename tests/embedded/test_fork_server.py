@@ -1,4 +1,4 @@
-"""Embedded engine servers forked from a fork server (`reference_impl.engine.embedded.fork_server`) against the
+"""Embedded engine servers forked from a fork server (`reference_impl.fork_server`) against the
 same servers started as new interpreters (`python -m reference_impl.engine.embedded`, `subprocess.Popen`), the
 reference: the same answers, the same view of their environment, priority and process group, the same exit
 statuses, and they end with their launcher as a new interpreter does. A fork server ends with its owner, and a
@@ -25,8 +25,8 @@ import httpx
 import psutil
 import pytest
 
-from reference_impl.engine.embedded.fork_server import FORKED_LINE, ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
+from reference_impl.fork_server import FORKED_LINE, ForkServerAddress
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.priority import lowest_priority
@@ -152,9 +152,8 @@ def test_a_forked_server_that_fails_or_is_killed_has_the_exit_status_of_a_new_in
         )
         with proc, pytest.raises(EngineStartError) as err:
             proc.start(timeout_s=120)
-        errors[name] = re.sub(
-            r"wsh engine: server \d+ forked by fork server \d+ for launcher \d+\n", "", str(err.value)
-        )
+        forked_line = re.escape(FORKED_LINE.format(pid="N", fork_server="N", launcher="N")).replace("N", r"\d+")
+        errors[name] = re.sub(forked_line + "\n", "", str(err.value))
     assert errors["forked"] == errors["new"]
     assert errors["new"].startswith("engine exited with 2: __main__.py: error: --fault: cannot import 'no_module'")
     with _server(checkpoint, tmp_path / "killed.log", fork_server) as proc:
@@ -172,7 +171,7 @@ def test_a_forked_server_that_fails_or_is_killed_has_the_exit_status_of_a_new_in
 
 LAUNCHER = """
 import sys, time
-from reference_impl.engine.embedded.fork_server import ForkServerAddress
+from reference_impl.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 proc = EngineProcess(sys.argv[2], 4321, sys.argv[3], fork_server=ForkServerAddress(sys.argv[1], sys.executable))
 proc.start(120)
@@ -181,8 +180,8 @@ time.sleep(600)
 """
 
 OWNER = """
-from reference_impl.engine.embedded.fork_server import ForkServer
-ForkServer.start()
+from reference_impl.fork_server import ForkServer
+ForkServer.start("reference_impl.engine.embedded.forked")
 """
 
 

@@ -41,10 +41,10 @@ from harness.checks import judge
 from harness.record import HttpCall, RunRecord
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
-from reference_impl.engine.embedded.fork_server import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import ServerProcess, free_port
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
+from reference_impl.fork_server import ForkServerAddress
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient

@@ -22,13 +22,12 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 from wsh_vllm_plugin.auth import TOKEN_ENV, BearerTokenMiddleware
 
-from reference_impl import seams
-from reference_impl.engine.embedded import fork_server
-from reference_impl.engine.embedded.fork_server import start_time
+from reference_impl import fork_server, seams
 from reference_impl.engine.embedded.hooks import apply_hook, load_hook
 from reference_impl.engine.embedded.loader import EngineLoader
 from reference_impl.engine.embedded.restart import RestartableApp, RestartRequest
 from reference_impl.engine.embedded.server import EngineState, create_app
+from reference_impl.fork_server import start_time
 
 
 def _write_port_file(path: Path, port: int) -> None:

@@ -5,8 +5,9 @@ token, the address another node reaches it at) with port 0 (the server writes th
 port file), waits until it answers GET /health, and returns
 its base URL. `stop()` ends it by its pid (`engine.process.ServerProcess`). The server also watches
 its launcher (`--exit-with-parent`): a killed launcher never leaves a server behind. Given a fork server
-(`fork_server.ForkServerAddress`) it can use, the server is forked from it instead of started as a new
-interpreter: the same server, without importing torch and transformers again (`fork_server`).
+(`fork_server.ForkServerAddress`, role `embedded.forked`) it can use, the server is forked from it instead of
+started as a new interpreter: the same server, without importing torch and transformers again
+(`reference_impl.fork_server`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from reference_impl.engine.embedded.forked import SERVER_MODULE
 from reference_impl.engine.process import EngineStartError, ProcessHandle, ServerProcess
 
-if TYPE_CHECKING:  # imported where used: `python -m ...fork_server` must not find it imported by the package
-    from reference_impl.engine.embedded.fork_server import ForkServerAddress
+if TYPE_CHECKING:
+    from reference_impl.fork_server import ForkServerAddress
 
 __all__ = ["EngineProcess", "EngineStartError"]
 
@@ -60,7 +62,7 @@ class EngineProcess(ServerProcess):
         argv = [
             sys.executable,
             "-m",
-            "reference_impl.engine.embedded",
+            SERVER_MODULE,
             "--checkpoint",
             self.checkpoint,
             "--seed",
@@ -88,18 +90,21 @@ class EngineProcess(ServerProcess):
         return argv, env, None, url
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> ProcessHandle:
-        """Fork the server from `fork_server` when this process can use it (its exit status lands in the
-        server's temp folder), else, or when the fork server refuses or is gone (a line in the server's log
-        says why), `ServerProcess.spawn`."""
-        from reference_impl.engine.embedded.fork_server import ForkServerError, fork
+        """Fork the server from `fork_server` when this process can use it (its output appended to the log, its exit
+        status in the server's temp folder), else, or when the fork server refuses or is gone (a line in the
+        server's log says why), `ServerProcess.spawn`."""
+        from reference_impl.fork_server import ForkServerError, fork
 
         self.forked = False
         if self.fork_server is not None and self.fork_server.usable():
+            assert argv[:3] == [sys.executable, "-m", SERVER_MODULE], argv[:3]
             try:
-                proc = fork(self.fork_server, argv, env, cwd, self.log_path, self.server_temp_dir() / "exit-status")
+                with open(os.devnull, "rb") as null, open(self.log_path, "ab") as log:
+                    fds = (null.fileno(), log.fileno(), log.fileno())
+                    proc = fork(self.fork_server, argv[3:], env, cwd, fds, self.server_temp_dir() / "exit-status")
             except ForkServerError as e:
-                with open(self.log_path, "a") as log:
-                    log.write(f"{e}; started as a new process\n")
+                with open(self.log_path, "a") as log_text:
+                    log_text.write(f"{e}; started as a new process\n")
             else:
                 self.forked = True
                 return proc

@@ -1,22 +1,24 @@
-"""A fork server for embedded engine servers: one process that has imported what a server imports forks each
-new server, instead of a new interpreter importing it all again.
+"""A fork server: one process that has imported what its children import forks each new process, instead of a new
+interpreter importing it all again. Two roles use it (`--role`, a module with `preload()` and `run(args)`):
+embedded engine servers (`reference_impl.engine.embedded.forked`) and trainer ranks, the Ray workers of
+`reference_impl.worker.TrainerWorker` (`reference_impl.trainer.forked_rank`).
 
-A new embedded engine server spends almost all of its start importing torch, transformers (whose masking
-utilities import `torch._dynamo`), the model classes, FastAPI and uvicorn: about 6 s of CPU and 8 s of wall on a
-2-core host, for a few tenths of a second of building the model and binding its port. The fork server
-(`python -m reference_impl.engine.embedded.fork_server`) imports those once (`PRELOAD`, the model class of every
-registered model), then waits on a Unix socket; each launch request is answered by `os.fork()`: the child
-becomes the server (`cli.main` with the launcher's arguments), with the launcher's environment, working
-folder, log file and CPU priority, in a session (process group) of its own, as `subprocess.Popen` with
-`start_new_session=True` would start it. It is the pattern of Python's `multiprocessing` fork server
-(`set_forkserver_preload`): the fork server itself never runs a torch operation or starts a thread, so each
-child starts from a process with one thread and no intra-op thread pool.
+A new embedded engine server spends almost all of its start importing torch, transformers, the model classes,
+FastAPI and uvicorn (about 6 s of CPU on a 2-core host); a new trainer rank imports torch, megatron-core and
+Megatron-Bridge (about 7-9 s of CPU). The fork server (`python -m reference_impl.fork_server --role MODULE`) imports
+those once (`MODULE.preload()`), then waits on a Unix socket; each launch request is answered by `os.fork()`: the
+child becomes the process asked for (`MODULE.run(args)`), with the launcher's environment, working folder,
+standard input, output and error (passed as descriptors over the socket, `SCM_RIGHTS`) and CPU priority, in a
+session (process group) of its own, as `subprocess.Popen` with `start_new_session=True` would start it. It is the
+pattern of Python's `multiprocessing` fork server (`set_forkserver_preload`): the fork server itself never runs a
+torch operation or starts a thread, so each child starts from a process with one thread and no intra-op thread
+pool.
 
-What differs from a server started with `subprocess.Popen`, and how each is kept equal:
-- its parent is the fork server, not the launcher: the server's `--exit-with-parent PID` watches the launcher by
-  pid and start time (`cli`), so it still ends with the launcher; the fork server reaps it and writes its exit
-  status (`Popen.returncode`'s convention: -N for signal N) to the file the launcher named, which
-  `ForkedProcess.poll` reads;
+What differs from a process started with `subprocess.Popen`, and how each is kept equal:
+- its parent is the fork server, not the launcher: an engine server's `--exit-with-parent PID` watches the launcher
+  by pid and start time (`forked_for`, `engine.embedded.cli`), so it still ends with the launcher; the fork server
+  reaps it and writes its exit status (`Popen.returncode`'s convention: -N for signal N) to the file the launcher
+  named, which `ForkedProcess.poll` reads;
 - its environment is the launcher's from `os.environ` on (what `/proc/<pid>/environ` shows is the fork
   server's, which the kernel keeps from the exec), Python's cached temp folder is cleared so `TMPDIR` counts,
   and `sys.path` starts with its working folder and the `PYTHONPATH` entries the fork server lacks (a fault
@@ -25,9 +27,11 @@ What differs from a server started with `subprocess.Popen`, and how each is kept
   that thread would have.
 
 `ForkServer` starts and stops one (its owner: the harness run, `harness.runner.Runner`, or a test session);
-`ForkServerAddress` is what a launcher in another process needs (`EngineProcess(fork_server=...)`), and a
-launcher that cannot use it (another node, another Python) starts its server with `subprocess.Popen` as
-before.
+`ForkServerAddress` is what a launcher in another process needs, and a launcher that cannot use it (another
+node, another Python) starts its process as a new interpreter as before. `python reference_impl/fork_server.py
+--exec SOCKET SCRIPT ARGS...` is such a launcher for a program that starts a Python script by its interpreter's
+path (Ray's `py_executable`, `forked_rank`): it stays as the launched process's stand-in (its exit status is the
+child's, a SIGTERM or SIGINT it gets goes to the child) and imports nothing beyond the standard library.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import faulthandler
 import importlib
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -47,38 +52,27 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reference_impl.engine.process import popen_in_session
-
-SERVER_MODULE = "reference_impl.engine.embedded"  # what `python -m` runs for a spawned server (`launcher`)
-PRELOAD = (
-    "reference_impl.engine.embedded.cli",
-    "reference_impl.forward.prompts",
-    "transformers.models.auto.tokenization_auto",
-    "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
-    "uvicorn.protocols.http.h11_impl",
-    "uvicorn.lifespan.on",
-    "uvicorn.loops.asyncio",
-    "anyio._core._sockets",
-)
-forked_for: int | None = None  # in a forked server: its launcher's pid (set by `_child`); None in any other process
-# a forked server's first log line (its parent is not its launcher: it says who is)
-FORKED_LINE = "wsh engine: server {pid} forked by fork server {fork_server} for launcher {launcher}"
+forked_for: int | None = None  # in a forked process: its launcher's pid (set by `_child`); None in any other process
+# a forked process's first line on its standard error (its parent is not its launcher: it says who is)
+FORKED_LINE = "wsh: process {pid} forked by fork server {fork_server} for launcher {launcher}"
+STD_FDS = (0, 1, 2)  # the launcher's descriptors a child gets as its standard input, output and error
 REQUEST_LIMIT = 1 << 20  # bytes of one launch request (argv and environment as JSON)
-STATUS_WAIT_S = 2.0  # seconds `poll` waits for an ended server's status (its fork server reaps every 0.2 s)
-# seconds after which an ended server's status counts as lost: its fork server reaps between requests, and one
+STATUS_WAIT_S = 2.0  # seconds `poll` waits for an ended child's status (its fork server reaps every 0.2 s)
+# seconds after which an ended child's status counts as lost: its fork server reaps between requests, and one
 # request may hold it for up to ANSWER_TIMEOUT_S
 STATUS_LOST_S = 15.0
 ANSWER_TIMEOUT_S = 10.0  # seconds a launch request and its answer may take on the socket (a fork takes milliseconds)
-REQUEST_FIELDS = {"args": list, "env": dict, "cwd": str, "log_path": str, "status_path": str, "nice": int, "idle": bool}
-START_TIMEOUT_S = 120.0  # seconds `ForkServer.start` waits for the socket (the imports: about 5 s of CPU)
+REQUEST_FIELDS = {"args": list, "env": dict, "cwd": str, "status_path": str, "nice": int, "idle": bool, "launcher": int}
+START_TIMEOUT_S = 120.0  # seconds `ForkServer.start` waits for the socket (the imports: 5-9 s of CPU)
 
 
 class ForkServerError(RuntimeError):
-    """The fork server did not start, or refused or failed a launch (the message says why)."""
+    """The fork server did not start, or refused or failed a launch, or cannot be used (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +86,7 @@ class ForkServerAddress:
     node_id: str | None = None
 
     def usable(self) -> bool:
-        """Whether a launcher in this process can fork its server here: same interpreter, same Ray node (when
+        """Whether a launcher in this process can fork its process here: same interpreter, same Ray node (when
         the address names one) and the socket still there."""
         if self.python != sys.executable or not os.path.exists(self.socket):
             return False
@@ -104,11 +98,11 @@ class ForkServerAddress:
 
 
 class ForkedProcess:
-    """A server forked by a fork server, seen as `subprocess.Popen` sees its child: `pid`, `returncode`, `poll`,
+    """A process forked by a fork server, seen as `subprocess.Popen` sees its child: `pid`, `returncode`, `poll`,
     `wait`. Its exit status is what the fork server wrote to `status_path` once it reaped it; `poll` waits up to
-    `STATUS_WAIT_S` for it once the server has ended, and answers None if it is still not written (a fork server held
-    by a slow client). A server that ended without a status once its fork server has ended too (nobody reaps it
-    then), or `STATUS_LOST_S` after its end, reads as -SIGKILL."""
+    `STATUS_WAIT_S` for it once the process has ended, and answers None if it is still not written (a fork server
+    held by a slow client). A process that ended without a status once its fork server has ended too (nobody reaps
+    it then), or `STATUS_LOST_S` after its end, reads as -SIGKILL."""
 
     def __init__(self, pid: int, status_path: Path, fork_server_pid: int) -> None:
         self.pid, self.status_path = pid, status_path
@@ -127,7 +121,7 @@ class ForkedProcess:
         return None
 
     def poll(self) -> int | None:
-        """The exit status once the server has ended and its fork server has written it, else None."""
+        """The exit status once the process has ended and its fork server has written it, else None."""
         if self.returncode is None:
             self.returncode = self._status()
         if self.returncode is not None or (self._started is not None and start_time(self.pid) == self._started):
@@ -144,48 +138,61 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the server to end; returns its exit status.
+        """Wait for the process to end; returns its exit status. Without `timeout` it sleeps until the process has
+        ended (`os.pidfd_open`), with one it looks every 0.05 s.
 
         Raises:
             subprocess.TimeoutExpired: still running after `timeout` seconds.
         """
+        if timeout is None and self.poll() is None:
+            with contextlib.suppress(OSError):  # already ended: poll below
+                fd = os.pidfd_open(self.pid)
+                try:
+                    if start_time(self.pid) == self._started:  # the same process, not one that reused its pid
+                        select.select([fd], [], [])
+                finally:
+                    os.close(fd)
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"server {self.pid}", timeout or 0.0)
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0)
             time.sleep(0.05)
         assert self.returncode is not None
         return self.returncode
 
 
 def fork(
-    address: ForkServerAddress, argv: list[str], env: dict[str, str], cwd: str | None, log_path: Path, status_path: Path
+    address: ForkServerAddress,
+    args: list[str],
+    env: dict[str, str],
+    cwd: str | None,
+    fds: tuple[int, int, int],
+    status_path: Path,
 ) -> ForkedProcess:
-    """Ask the fork server at `address` for a server of `argv` (`[python, "-m", SERVER_MODULE, *args]`, as
-    `launcher.EngineProcess.launch` gives it) with environment `env`, working folder `cwd`, its output appended to
-    `log_path`, and the calling thread's CPU priority; its exit status will be written to `status_path`.
+    """Ask the fork server at `address` for a process of its role with arguments `args` (`run(args)` of its role
+    module), environment `env`, working folder `cwd`, the descriptors `fds` as its standard input, output and
+    error (this process may close its own afterwards), and the calling thread's CPU priority; its exit status will
+    be written to `status_path`.
 
     Raises:
-        ForkServerError: `argv` is not an embedded engine server's, or the fork server refused or cannot be
-            reached.
+        ForkServerError: the fork server refused or cannot be reached.
     """
-    if argv[:3] != [address.python, "-m", SERVER_MODULE]:
-        raise ForkServerError(f"a fork server starts `{address.python} -m {SERVER_MODULE}` only, not {argv[:3]}")
     try:
         request = {
-            "args": argv[3:],
+            "args": list(args),
             "env": env,
             "cwd": os.path.abspath(cwd or os.getcwd()),  # a child of this process would start here
-            "log_path": os.path.abspath(log_path),
             "status_path": os.path.abspath(status_path),
             "nice": os.getpriority(os.PRIO_PROCESS, 0),  # this thread's (Linux keeps nice per thread)
             "idle": os.sched_getscheduler(0) == os.SCHED_IDLE,
             "launcher": os.getpid(),
         }
+        payload = json.dumps(request).encode() + b"\n"
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(ANSWER_TIMEOUT_S)
             s.connect(address.socket)
-            s.sendall(json.dumps(request).encode() + b"\n")
+            socket.send_fds(s, [payload[:1]], list(fds))  # the descriptors travel with the first byte
+            s.sendall(payload[1:])
             answer = json.loads(_read_line(s))
     except (OSError, ValueError) as e:
         raise ForkServerError(f"the fork server at {address.socket} did not answer: {type(e).__name__}: {e}") from e
@@ -194,8 +201,7 @@ def fork(
     return ForkedProcess(int(answer["pid"]), status_path, int(answer["fork_server"]))
 
 
-def _read_line(s: socket.socket) -> bytes:
-    buf = b""
+def _read_line(s: socket.socket, buf: bytes = b"") -> bytes:
     while not buf.endswith(b"\n"):
         part = s.recv(65536)
         if not part:
@@ -208,30 +214,33 @@ def _read_line(s: socket.socket) -> bytes:
 
 class ForkServer:
     """One fork server process, owned by the process that starts it (`start`) and ended by it (`stop`); it also
-    ends by itself once its owner is gone. Servers it forked are their launchers' to stop."""
+    ends by itself once its owner is gone. Processes it forked are their launchers' to stop."""
 
     def __init__(self, proc: subprocess.Popen[bytes], folder: Path, address: ForkServerAddress) -> None:
         self.proc, self.folder, self.address = proc, folder, address
 
     @classmethod
     def start(
-        cls, log_path: Path | None = None, node_id: str | None = None, env: dict[str, str] | None = None
+        cls, role: str, log_path: Path | None = None, node_id: str | None = None, env: dict[str, str] | None = None
     ) -> ForkServer:
-        """Start a fork server with this interpreter and wait until it has imported `PRELOAD` and listens; its
-        output goes to `log_path` (else nowhere). `node_id`: the Ray node it runs on, for `ForkServerAddress`.
+        """Start a fork server for `role` (a module with `preload()` and `run(args)`, e.g.
+        `reference_impl.engine.embedded.forked`) with this interpreter and wait until it has preloaded and listens;
+        its output goes to `log_path` (else nowhere). `node_id`: the Ray node it runs on, for `ForkServerAddress`.
         `env`: added to this process's environment for it (what its children's `/proc/<pid>/environ` then shows,
-        e.g. a tag that finds them; OMP_NUM_THREADS is 1 unless given, as the servers' default `--threads`). It
-        runs in a session of its own (an interrupt to its owner's process group leaves it, and the servers it
-        forked, to their owners) and ends once its owner has.
+        e.g. a tag that finds them; OMP_NUM_THREADS is 1 unless given). It runs in a session of its own (an
+        interrupt to its owner's process group leaves it, and the processes it forked, to their owners) and ends
+        once its owner has.
 
         Raises:
             ForkServerError: it exited or did not listen within `START_TIMEOUT_S` seconds (its log tail in the
                 message when it has a log); on any error or interrupt while it starts, it is stopped first.
         """
+        from reference_impl.engine.process import popen_in_session
+
         folder = Path(tempfile.mkdtemp(prefix="wsh-fork-"))
         sock = folder / "fork.sock"
         owner = f"{os.getpid()}:{start_time(os.getpid())}"
-        argv = [sys.executable, "-m", __name__, "--socket", str(sock), "--exit-with-parent", owner]
+        argv = [sys.executable, "-m", __name__, "--role", role, "--socket", str(sock), "--exit-with-parent", owner]
         child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         try:
             if log_path is not None:
@@ -265,22 +274,9 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def preload() -> None:
-    """Import what an embedded engine server imports: `PRELOAD` and the transformers model class of every
-    registered model (transformers imports them lazily, by attribute)."""
-    import transformers
-
-    from reference_impl.models.registry import available_models, load_model
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    for arch in sorted({load_model(m).hf_architecture for m in available_models()}):
-        getattr(transformers, arch)
-
-
-def _child(request: dict[str, Any], ready: int) -> None:
-    """In the forked child: become the server `request` asks for; never returns. Writes a byte to the pipe `ready`
-    once it leads a session of its own (its launcher may then signal its group)."""
+def _child(role: Any, request: dict[str, Any], fds: list[int], ready: int) -> None:
+    """In the forked child: become the process `request` asks for (`role.run(args)`); never returns. Writes a byte
+    to the pipe `ready` once it leads a session of its own (its launcher may then signal its group)."""
     code = 1
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a new interpreter's handlers, not the fork server's
@@ -288,23 +284,20 @@ def _child(request: dict[str, Any], ready: int) -> None:
         os.setsid()
         os.write(ready, b"x")
         os.close(ready)
-        # on the module the server imports (this code runs as `__main__` of `python -m`, another module object)
-        from reference_impl.engine.embedded import fork_server
+        # on the module the child's code imports (this code runs as `__main__` of `python -m`, another module object)
+        from reference_impl import fork_server
 
         fork_server.forked_for = request["launcher"]
         with contextlib.suppress(OSError):  # a launcher below this process's priority: take what may be taken
             os.setpriority(os.PRIO_PROCESS, 0, int(request["nice"]))
         if request["idle"]:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        fd = os.open(request["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+        for target, fd in zip(STD_FDS, fds, strict=True):
+            os.dup2(fd, target)
+        for fd in set(fds) - set(STD_FDS):
+            os.close(fd)
         line = FORKED_LINE.format(pid=os.getpid(), fork_server=os.getppid(), launcher=request["launcher"])
         print(line, file=sys.stderr, flush=True)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -315,13 +308,7 @@ def _child(request: dict[str, Any], ready: int) -> None:
         importlib.invalidate_caches()  # modules added since the fork server looked (a hook written for a test)
         if os.environ.get("PYTHONFAULTHANDLER"):
             faulthandler.enable()
-        import reference_impl.engine.embedded
-        from reference_impl.engine.embedded.cli import main
-
-        # as `python -m` sets it (argparse names the program after it in its messages)
-        sys.argv = [str(Path(reference_impl.engine.embedded.__file__).with_name("__main__.py")), *request["args"]]
-
-        main(list(request["args"]))
+        role.run(list(request["args"]))
         code = 0
     except SystemExit as e:
         if isinstance(e.code, str):
@@ -348,39 +335,48 @@ def _write_status(path: str, code: int) -> None:
         os.replace(tmp, path)
 
 
-def serve(sock_path: Path, parent: tuple[int, str | None] | None) -> None:
-    """Preload, listen on `sock_path`, fork one server per request, reap them and write their exit statuses;
-    return once `parent` (pid, start time) has ended (at once when it already had). Single-threaded on purpose:
-    a fork copies only the calling thread."""
+def serve(role: Any, sock_path: Path, parent: tuple[int, str | None] | None) -> None:
+    """`role.preload()`, listen on `sock_path`, fork one process per request, reap them and write their exit
+    statuses; return once `parent` (pid, start time) has ended (at once when it already had). Single-threaded on
+    purpose: a fork copies only the calling thread."""
     try:  # the folder goes also when its owner ended without `stop` (SIGTERM ends it through SystemExit, `main`)
-        preload()
+        role.preload()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(sock_path))
         os.chmod(sock_path, 0o600)
         listener.listen(16)
         (sock_path.parent / "ready").write_text(str(os.getpid()))
-        _serve(listener, parent)
+        _serve(role, listener, parent)
     finally:
         shutil.rmtree(sock_path.parent, ignore_errors=True)
 
 
-def _request(conn: socket.socket) -> dict[str, Any]:
-    """The launch request on `conn`, checked field by field (`REQUEST_FIELDS`) before anything is forked.
+def _request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """The launch request on `conn` and the three descriptors that came with it, checked field by field
+    (`REQUEST_FIELDS`) before anything is forked. The descriptors are closed when it raises.
 
     Raises:
-        ValueError: not JSON, or a field missing or of another type.
+        ValueError: not JSON, a field missing or of another type, or not three descriptors.
     """
-    request = json.loads(_read_line(conn))
-    if not isinstance(request, dict):
-        raise ValueError("a launch request is a JSON object")
-    for name, kind in (*REQUEST_FIELDS.items(), ("launcher", int)):
-        if not isinstance(request.get(name), kind):
-            raise ValueError(f"field {name!r} must be a {kind.__name__}")
-    return request
+    first, fds, _, _ = socket.recv_fds(conn, REQUEST_LIMIT, len(STD_FDS))
+    try:
+        request = json.loads(_read_line(conn, first))
+        if not isinstance(request, dict):
+            raise ValueError("a launch request is a JSON object")
+        for name, kind in REQUEST_FIELDS.items():
+            if not isinstance(request.get(name), kind):
+                raise ValueError(f"field {name!r} must be a {kind.__name__}")
+        if len(fds) != len(STD_FDS):
+            raise ValueError(f"a launch request brings {len(STD_FDS)} descriptors, not {len(fds)}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return request, fds
 
 
-def _fork_one(request: dict[str, Any], conn: socket.socket, close: list[Any]) -> int:
-    """Fork the server of `request`; returns its pid once it leads its own session (`close`: what the child must
+def _fork_one(role: Any, request: dict[str, Any], fds: list[int], conn: socket.socket, close: list[Any]) -> int:
+    """Fork the process of `request`; returns its pid once it leads its own session (`close`: what the child must
     not keep). A child whose pid cannot be told to its launcher is killed (the launcher then starts its own)."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -392,7 +388,7 @@ def _fork_one(request: dict[str, Any], conn: socket.socket, close: list[Any]) ->
             for c in close:
                 c.close()
         finally:
-            _child(request, ready_w)
+            _child(role, request, fds, ready_w)
     os.close(ready_w)
     try:
         with os.fdopen(ready_r, "rb") as ready:
@@ -405,7 +401,7 @@ def _fork_one(request: dict[str, Any], conn: socket.socket, close: list[Any]) ->
     return pid
 
 
-def _serve(listener: socket.socket, parent: tuple[int, str | None] | None) -> None:
+def _serve(role: Any, listener: socket.socket, parent: tuple[int, str | None] | None) -> None:
     statuses: dict[int, str] = {}  # pid -> where its exit status goes
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
@@ -415,8 +411,12 @@ def _serve(listener: socket.socket, parent: tuple[int, str | None] | None) -> No
             with conn:
                 try:
                     conn.settimeout(ANSWER_TIMEOUT_S)
-                    request = _request(conn)
-                    pid = _fork_one(request, conn, [sel, listener, conn])
+                    request, fds = _request(conn)
+                    try:
+                        pid = _fork_one(role, request, fds, conn, [sel, listener, conn])
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
                     statuses[pid] = request["status_path"]
                 except (OSError, ValueError) as e:
                     with contextlib.suppress(OSError):
@@ -443,9 +443,37 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] in "ZX" else fields[19]
 
 
+def exec_forked(sock: str, argv: list[str]) -> None:
+    """Launch `python argv...` (`argv[0]` a script's path) as a child of the fork server at `sock` with this
+    process's environment, working folder, standard descriptors and priority, and stand in for it until it ends:
+    a SIGTERM, SIGINT or SIGHUP to this process goes to it, and this process exits with its status (128 + N for
+    signal N, as a shell reports it). Where the fork server cannot be used (no socket on this host, another
+    interpreter, a refusal), this process becomes `python argv...` itself (`os.execv`, a line on standard error
+    says why). Never returns."""
+    status_path = Path(sock).parent / f"status-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        if not ForkServerAddress(sock, sys.executable).usable():
+            raise ForkServerError(f"no fork server at {sock} on this host")
+        proc = fork(ForkServerAddress(sock, sys.executable), argv, dict(os.environ), os.getcwd(), STD_FDS, status_path)
+    except ForkServerError as e:
+        print(f"wsh: {e}; started as a new interpreter", file=sys.stderr, flush=True)
+        os.execv(sys.executable, [sys.executable, *argv])
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: os.kill(proc.pid, signum))
+    code = proc.wait()
+    with contextlib.suppress(OSError):
+        status_path.unlink()
+    os._exit(code if code >= 0 else 128 - code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m reference_impl.engine.embedded.fork_server --socket PATH [--exit-with-parent PID:START_TIME]`."""
-    ap = argparse.ArgumentParser(description="fork server for embedded engine servers")
+    """`python -m reference_impl.fork_server --role MODULE --socket PATH [--exit-with-parent PID:START_TIME]` (a
+    fork server), or `python reference_impl/fork_server.py --exec SOCKET SCRIPT ARGS...` (`exec_forked`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--exec"] and len(argv) >= 3:
+        exec_forked(argv[1], argv[2:])
+    ap = argparse.ArgumentParser(description="fork server: forks preloaded processes of one role")
+    ap.add_argument("--role", required=True, help="module with preload() and run(args): the processes it forks")
     ap.add_argument("--socket", type=Path, required=True, help="the Unix socket to listen on")
     ap.add_argument("--exit-with-parent", default=None, help="PID:START_TIME: end once that process has ended")
     args = ap.parse_args(argv)
@@ -454,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.exit_with_parent is not None:
         pid, _, started = args.exit_with_parent.partition(":")
         parent = (int(pid), started or None)
-    serve(args.socket, parent)
+    serve(importlib.import_module(args.role), args.socket, parent)
 
 
 if __name__ == "__main__":
