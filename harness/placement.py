@@ -310,10 +310,14 @@ class TrainerPool:
     _pids: list[int] | None = None
 
     @classmethod
-    def create(cls, world_size: int, warm: bool = False) -> TrainerPool:
+    def create(cls, world_size: int, warm: bool = False, fork_server: ForkServerAddress | None = None) -> TrainerPool:
         """Place `world_size` trainer ranks (on the trainer node, when the cluster names one) and start the rank
         actors; with `warm`, each rank then imports what its first setup would (`TrainerWorker.warm`, not
-        waited for: a later call to the rank runs after it)."""
+        waited for: a later call to the rank runs after it). With `fork_server` (role
+        `reference_impl.trainer.forked_rank`), each rank's Ray worker is forked from it, where it already imported
+        that, instead of starting as a new interpreter (`forked_rank.py_executable`; a rank on a host without that
+        fork server starts as a new interpreter)."""
+        from reference_impl.trainer.forked_rank import py_executable
         from reference_impl.worker import TrainerWorker
 
         # Bundle r = trainer rank r. Bundles have 2 CPUs so a colocated engine (fractional share) fits beside
@@ -328,9 +332,12 @@ class TrainerPool:
         port = free_port()
         # Half a GPU per rank leaves the other half of bundle 0's GPU to a colocated engine.
         worker_cls = ray.remote(num_cpus=1, num_gpus=0.5 if gpus else 0)(TrainerWorker)
+        # merged with the job's (`ensure_ray`): its environment variables stay
+        runtime_env = {"py_executable": py_executable(fork_server)} if fork_server is not None else None
         actors = [
             worker_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+                runtime_env=runtime_env,
             ).remote(r, world_size, "127.0.0.1", port)
             for r in range(world_size)
         ]

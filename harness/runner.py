@@ -50,6 +50,7 @@ from reference_impl.forward.hf import fixed_prompts
 from reference_impl.forward.prompts import probe_prompt
 from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
 from reference_impl.models.registry import load_model
+from reference_impl.trainer.forked_rank import ROLE as RANK_ROLE
 from reference_impl.transport.client import EngineClient
 from reference_impl.transport.observed import HttpCall, TensorLayout
 from reference_impl.worker import TrainerSetup
@@ -103,6 +104,12 @@ class Runner:
     fork_engines: bool = True
     fork_server: ForkServerAddress | None = None
     _own_fork_server: ForkServer | None = None
+    # Trainer ranks' Ray workers are forked from a fork server on the driver's node (role
+    # `reference_impl.trainer.forked_rank`, its log `logs/rank-fork-server.log`) that imported torch, megatron-core
+    # and Megatron-Bridge once, instead of each rank importing them (about 8 s of CPU apiece on 2 cores); this runner
+    # starts it, without waiting, at the first pool, and ends it in `close`. Not on a GPU host. False: never.
+    fork_ranks: bool = True
+    _rank_fork_server: ForkServer | None = None
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def pool(self, world_size: int) -> TrainerPool:
@@ -118,7 +125,7 @@ class Runner:
                 self.drop_pool(next(iter(self.pools)))
             pool = self.spares.pop(world_size, None)
             if pool is None:
-                pool = TrainerPool.create(world_size)
+                pool = TrainerPool.create(world_size, fork_server=self.rank_fork_server())
             else:
                 pool.restore_priority()  # its ranks may still be importing, at the lowest priority
             self.pools[world_size] = pool
@@ -133,7 +140,7 @@ class Runner:
             return
         for ws in self.spare_pools:
             if ws not in self.spares:
-                self.spares[ws] = TrainerPool.create(ws, warm=True)
+                self.spares[ws] = TrainerPool.create(ws, warm=True, fork_server=self.rank_fork_server())
 
     def drop_pool(self, world_size: int) -> None:
         """Kill a pool whose processes may be in a bad state, and the shelved engines in its placement group."""
@@ -157,6 +164,25 @@ class Runner:
             if self._own_fork_server is not None:
                 self._own_fork_server.stop()
                 self._own_fork_server = self.fork_server = None
+            if self._rank_fork_server is not None:
+                self._rank_fork_server.stop()
+                self._rank_fork_server = None
+
+    def rank_fork_server(self) -> ForkServerAddress | None:
+        """Where new trainer ranks fork from (`fork_ranks`), None where they start as new interpreters (a GPU host);
+        starts this runner's rank fork server the first time, without waiting for its imports (the first ranks
+        wait for them in their launcher, `fork_server.exec_forked`, while the caller goes on)."""
+        if not self.fork_ranks or use_gpus():
+            return None
+        if self._rank_fork_server is None:
+            self._rank_fork_server = ForkServer.start(
+                RANK_ROLE,
+                self.out_dir / "logs" / "rank-fork-server.log",
+                node_id=ray.get_runtime_context().get_node_id(),
+                env=ray_tag_env(),  # its ranks are found as the Ray's processes are (`end_leftovers`)
+                wait=False,
+            )
+        return self._rank_fork_server.address
 
     def engine_fork_server(self, kind: EngineKind, record: RunRecord) -> ForkServerAddress | None:
         """Where `kind`'s servers fork from (`fork_engines`), None where they start as new processes; starts this

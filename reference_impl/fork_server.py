@@ -221,11 +221,17 @@ class ForkServer:
 
     @classmethod
     def start(
-        cls, role: str, log_path: Path | None = None, node_id: str | None = None, env: dict[str, str] | None = None
+        cls,
+        role: str,
+        log_path: Path | None = None,
+        node_id: str | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> ForkServer:
         """Start a fork server for `role` (a module with `preload()` and `run(args)`, e.g.
-        `reference_impl.engine.embedded.forked`) with this interpreter and wait until it has preloaded and listens;
-        its output goes to `log_path` (else nowhere). `node_id`: the Ray node it runs on, for `ForkServerAddress`.
+        `reference_impl.engine.embedded.forked`) with this interpreter and, with `wait`, wait until it has preloaded
+        and listens (without: return at once; a launcher then waits for it, `ready`); its output goes to `log_path`
+        (else nowhere). `node_id`: the Ray node it runs on, for `ForkServerAddress`.
         `env`: added to this process's environment for it (what its children's `/proc/<pid>/environ` then shows,
         e.g. a tag that finds them; OMP_NUM_THREADS is 1 unless given). It runs in a session of its own (an
         interrupt to its owner's process group leaves it, and the processes it forked, to their owners) and ends
@@ -250,6 +256,8 @@ class ForkServer:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         server = cls(proc, folder, ForkServerAddress(str(sock), sys.executable, node_id))
+        if not wait:
+            return server
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
             while not (folder / "ready").exists():
@@ -443,18 +451,31 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] in "ZX" else fields[19]
 
 
+def ready(address: ForkServerAddress, timeout_s: float = START_TIMEOUT_S) -> bool:
+    """Wait until the fork server at `address` listens (True), has ended (its folder is gone: False) or `timeout_s`
+    passed (False): a fork server started without waiting (`ForkServer.start(wait=False)`) may still import."""
+    folder = Path(address.socket).parent
+    deadline = time.monotonic() + timeout_s
+    while not (folder / "ready").exists():
+        if not folder.exists() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def exec_forked(sock: str, argv: list[str]) -> None:
     """Launch `python argv...` (`argv[0]` a script's path) as a child of the fork server at `sock` with this
     process's environment, working folder, standard descriptors and priority, and stand in for it until it ends:
     a SIGTERM, SIGINT or SIGHUP to this process goes to it, and this process exits with its status (128 + N for
-    signal N, as a shell reports it). Where the fork server cannot be used (no socket on this host, another
-    interpreter, a refusal), this process becomes `python argv...` itself (`os.execv`, a line on standard error
-    says why). Never returns."""
+    signal N, as a shell reports it). A fork server that still imports is waited for (`ready`). Where it cannot be
+    used (none at `sock` on this host, another interpreter, a refusal), this process becomes `python argv...`
+    itself (`os.execv`, a line on standard error says why). Never returns."""
+    address = ForkServerAddress(sock, sys.executable)
     status_path = Path(sock).parent / f"status-{os.getpid()}-{uuid.uuid4().hex}"
     try:
-        if not ForkServerAddress(sock, sys.executable).usable():
-            raise ForkServerError(f"no fork server at {sock} on this host")
-        proc = fork(ForkServerAddress(sock, sys.executable), argv, dict(os.environ), os.getcwd(), STD_FDS, status_path)
+        if not (ready(address) and address.usable()):
+            raise ForkServerError(f"no fork server listens at {sock} on this host")
+        proc = fork(address, argv, dict(os.environ), os.getcwd(), STD_FDS, status_path)
     except ForkServerError as e:
         print(f"wsh: {e}; started as a new interpreter", file=sys.stderr, flush=True)
         os.execv(sys.executable, [sys.executable, *argv])

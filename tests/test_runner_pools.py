@@ -28,12 +28,13 @@ class FakePool:
 def log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     events: list[str] = []
 
-    def create(world_size: int, warm: bool = False) -> FakePool:
+    def create(world_size: int, warm: bool = False, fork_server: object = None) -> FakePool:
         events.append(f"{'warm ' if warm else ''}start {world_size}")
         return FakePool(world_size, events)
 
     monkeypatch.setattr("harness.runner.TrainerPool.create", create)
     monkeypatch.setattr("harness.runner.use_gpus", lambda: False)
+    monkeypatch.setattr("harness.runner.Runner.rank_fork_server", lambda self: None)
     return events
 
 

@@ -1,0 +1,128 @@
+"""Trainer ranks whose Ray workers fork from a fork server (`reference_impl.trainer.forked_rank`, Ray's
+`py_executable`) against ranks Ray starts as new interpreters, the reference: the same view of their environment,
+priority, threads and process group, the fork server's imports already done, and Ray kills and watches the forked
+process as it does its own worker. A rank on a host without that fork server starts as a new interpreter. Every
+scenario test runs forked ranks (the runner's default), so what a rank computes is judged there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import ray
+
+from harness.placement import TrainerPool
+from reference_impl.fork_server import ForkServer, ForkServerAddress
+from reference_impl.trainer.forked_rank import ROLE
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def rank_fork_server(runner: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """A rank fork server of this module's own (the session's runner, whose Ray the ranks run on, has another)."""
+    server = ForkServer.start(ROLE, tmp_path_factory.mktemp("rank-fork") / "rank-fork-server.log")
+    yield server
+    server.stop()
+
+
+def _view(worker: Any) -> dict[str, Any]:
+    """What a rank sees of its own process (run inside it by `__ray_call__`)."""
+    import faulthandler
+
+    import torch
+
+    from reference_impl import fork_server
+
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONFAULTHANDLER")},
+        "ray_job": os.environ.get("RAY_JOB_ID") is not None,
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "group_leader": os.getpgid(0) == os.getpid(),
+        "cwd": os.getcwd(),
+        "torch_threads": torch.get_num_threads(),
+        "faulthandler": faulthandler.is_enabled(),
+        "pythonpath_on_sys_path": all(p in sys.path for p in pythonpath),
+        "script": os.path.basename(sys.argv[0]),
+        "stdout_in_ray_logs": "/logs/" in os.path.realpath("/proc/self/fd/1"),
+        "node": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+        "stand_in": fork_server.forked_for,
+        "megatron_imported": "megatron.bridge" in sys.modules,
+    }
+
+
+def _views(pool: TrainerPool) -> list[dict[str, Any]]:
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # `_view` travels by value: ranks cannot import it
+    return ray.get([a.__ray_call__.remote(_view) for a in pool.actors], timeout=120)
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    try:
+        psutil.Process(pid).wait(seconds)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+def test_a_forked_rank_sees_what_a_new_interpreter_rank_sees(rank_fork_server: ForkServer) -> None:
+    # each pool's ranks answered only once their process group of 2 formed (`TrainerWorker.__init__`)
+    forked = TrainerPool.create(2, fork_server=rank_fork_server.address)
+    new = TrainerPool.create(2)
+    try:
+        forked_views, new_views = _views(forked), _views(new)
+        for view in forked_views:
+            rank = psutil.Process(view["pid"])
+            assert rank.ppid() == rank_fork_server.proc.pid
+            assert "TrainerWorker" in " ".join(rank.cmdline())
+            stand_in = psutil.Process(view["stand_in"])  # what the raylet started: it waits for the rank
+            assert "--exec" in stand_in.cmdline() and "raylet" in " ".join(psutil.Process(stand_in.ppid()).cmdline())
+            assert view["megatron_imported"]  # the fork server's imports, not the rank's
+        for view in new_views:
+            assert view["stand_in"] is None and not view["megatron_imported"]
+            assert "raylet" in " ".join(psutil.Process(psutil.Process(view["pid"]).ppid()).cmdline())
+        differ = {"pid", "stand_in", "megatron_imported"}
+        assert [{k: v for k, v in f.items() if k not in differ} for f in forked_views] == [
+            {k: v for k, v in n.items() if k not in differ} for n in new_views
+        ]
+        assert forked_views[0]["env"]["OMP_NUM_THREADS"] == "1" and forked_views[0]["nice"] > 0  # Ray's and the job's
+    finally:
+        forked.kill()
+        new.kill()
+
+
+def test_ray_kills_and_watches_a_forked_rank_as_its_own_worker(rank_fork_server: ForkServer) -> None:
+    pool = TrainerPool.create(2, fork_server=rank_fork_server.address)
+    try:
+        (killed, ended) = _views(pool)
+        # SIGKILL to the rank: Ray sees its actor die; its stand-in ends with it
+        os.kill(killed["pid"], signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(pool.actors[0].pid.remote(), timeout=60)
+        assert _gone_within(killed["stand_in"], 10)
+        # ray.kill: Ray ends the process it knows, the forked one, and the stand-in follows
+        ray.kill(pool.actors[1], no_restart=True)
+        assert _gone_within(ended["pid"], 30) and _gone_within(ended["stand_in"], 10)
+        assert rank_fork_server.proc.poll() is None  # Ray ended the rank, not its fork server
+    finally:
+        pool.kill()
+
+
+def test_a_rank_on_a_host_without_its_fork_server_starts_as_a_new_interpreter(tmp_path: Path, runner: Any) -> None:
+    elsewhere = ForkServerAddress(str(tmp_path / "no-such-folder" / "fork.sock"), sys.executable)
+    pool = TrainerPool.create(1, fork_server=elsewhere)
+    try:
+        (view,) = _views(pool)
+        assert view["stand_in"] is None and not view["megatron_imported"]
+        assert "raylet" in " ".join(psutil.Process(psutil.Process(view["pid"]).ppid()).cmdline())
+    finally:
+        pool.kill()
