@@ -100,7 +100,7 @@ def ensure_ray(address: str | None = None) -> None:
 def ray_tag_env() -> dict[str, str]:
     """The environment entry that makes a process this driver starts itself count as one of its Ray's
     (`ray_processes`): {RAY_TAG_VAR: tag} once this driver started a Ray of its own, else {}. The runner's fork
-    server gets it, so the engine servers it forks are found wherever they were re-parented."""
+    servers get it, so the engine servers and trainer ranks they fork are found wherever they were re-parented."""
     return {RAY_TAG_VAR: _ray_tag} if _ray_tag is not None else {}
 
 
@@ -332,12 +332,19 @@ class TrainerPool:
         port = free_port()
         # Half a GPU per rank leaves the other half of bundle 0's GPU to a colocated engine.
         worker_cls = ray.remote(num_cpus=1, num_gpus=0.5 if gpus else 0)(TrainerWorker)
-        # merged with the job's (`ensure_ray`): its environment variables stay
-        runtime_env = {"py_executable": py_executable(fork_server)} if fork_server is not None else None
+        # Forked only where the fork server runs (a rank elsewhere may not even have its paths), never with GPUs.
+        # Merged with the job's runtime environment (`ensure_ray`): its environment variables stay.
+        runtime_envs: list[dict[str, str] | None] = [None] * world_size
+        if fork_server is not None and not gpus:
+            from ray.util import placement_group_table
+
+            nodes = placement_group_table(pg)["bundles_to_node_id"] if fork_server.node_id is not None else {}
+            forked = {"py_executable": py_executable(fork_server)}
+            runtime_envs = [forked if fork_server.node_id in (None, nodes.get(r)) else None for r in range(world_size)]
         actors = [
             worker_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-                runtime_env=runtime_env,
+                runtime_env=runtime_envs[r],
             ).remote(r, world_size, "127.0.0.1", port)
             for r in range(world_size)
         ]

@@ -161,18 +161,23 @@ class Runner:
             while self.spares:
                 self.spares.popitem()[1].kill()
         finally:
-            if self._own_fork_server is not None:
-                self._own_fork_server.stop()
-                self._own_fork_server = self.fork_server = None
-            if self._rank_fork_server is not None:
-                self._rank_fork_server.stop()
-                self._rank_fork_server = None
+            try:
+                if self._own_fork_server is not None:
+                    self._own_fork_server.stop()
+                    self._own_fork_server = self.fork_server = None
+            finally:
+                if self._rank_fork_server is not None:  # the ranks Ray was told to kill end first
+                    self._rank_fork_server.stop(children_grace_s=10.0)
+                    self._rank_fork_server = None
 
     def rank_fork_server(self) -> ForkServerAddress | None:
         """Where new trainer ranks fork from (`fork_ranks`), None where they start as new interpreters (a GPU host);
         starts this runner's rank fork server the first time, without waiting for its imports (the first ranks
         wait for them in their launcher, `fork_server.exec_forked`, while the caller goes on)."""
         if not self.fork_ranks or use_gpus():
+            return None
+        if self._rank_fork_server is not None and self._rank_fork_server.proc.poll() is not None:
+            self.fork_ranks = False  # it ended (its log says why): ranks start as new interpreters from now on
             return None
         if self._rank_fork_server is None:
             self._rank_fork_server = ForkServer.start(

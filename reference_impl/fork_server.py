@@ -21,22 +21,28 @@ What differs from a process started with `subprocess.Popen`, and how each is kep
   named, which `ForkedProcess.poll` reads;
 - its environment is the launcher's from `os.environ` on (what `/proc/<pid>/environ` shows is the fork
   server's, which the kernel keeps from the exec), Python's cached temp folder is cleared so `TMPDIR` counts,
-  and `sys.path` starts with its working folder and the `PYTHONPATH` entries the fork server lacks (a fault
-  hook's module, say); modules the fork server imported stay as they were imported;
+  and `sys.path` starts with the entry the interpreter would put first (the role's `run`: the working folder for
+  `python -m`, the script's folder for a script) and the `PYTHONPATH` entries the fork server lacks (a fault
+  hook's module, say); modules the fork server imported stay as they were imported, and the fork server's own
+  first `sys.path` entry (its working folder) stays after them;
 - its CPU priority is the launcher's calling thread's (nice and SCHED_IDLE or not, `priority`), as a child of
-  that thread would have.
+  that thread would have, and its `oom_score_adj` the launcher's;
+- it runs its `atexit` handlers as an interpreter does, but the fork server's start-up options
+  (`PYTHONHASHSEED`, `-X` options) are what it keeps.
 
 `ForkServer` starts and stops one (its owner: the harness run, `harness.runner.Runner`, or a test session);
 `ForkServerAddress` is what a launcher in another process needs, and a launcher that cannot use it (another
 node, another Python) starts its process as a new interpreter as before. `python reference_impl/fork_server.py
 --exec SOCKET SCRIPT ARGS...` is such a launcher for a program that starts a Python script by its interpreter's
 path (Ray's `py_executable`, `forked_rank`): it stays as the launched process's stand-in (its exit status is the
-child's, a SIGTERM or SIGINT it gets goes to the child) and imports nothing beyond the standard library.
+child's, a SIGTERM, SIGINT or SIGHUP it gets goes to the child; the child does not end with it) and imports
+nothing beyond the standard library.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import faulthandler
 import importlib
@@ -67,8 +73,20 @@ STATUS_WAIT_S = 2.0  # seconds `poll` waits for an ended child's status (its for
 # request may hold it for up to ANSWER_TIMEOUT_S
 STATUS_LOST_S = 15.0
 ANSWER_TIMEOUT_S = 10.0  # seconds a launch request and its answer may take on the socket (a fork takes milliseconds)
-REQUEST_FIELDS = {"args": list, "env": dict, "cwd": str, "status_path": str, "nice": int, "idle": bool, "launcher": int}
+REQUEST_FIELDS = {
+    "args": list,
+    "env": dict,
+    "cwd": str,
+    "status_path": str,
+    "nice": int,
+    "idle": bool,
+    "oom_score_adj": int,
+    "launcher": int,
+}
 START_TIMEOUT_S = 120.0  # seconds `ForkServer.start` waits for the socket (the imports: 5-9 s of CPU)
+# seconds `exec_forked` waits for a fork server that still imports before it starts a new interpreter: well below
+# Ray's `worker_register_timeout_seconds` (60 s), after which the raylet kills a worker that has not registered
+EXEC_WAIT_S = 30.0
 
 
 class ForkServerError(RuntimeError):
@@ -149,7 +167,9 @@ class ForkedProcess:
                 fd = os.pidfd_open(self.pid)
                 try:
                     if start_time(self.pid) == self._started:  # the same process, not one that reused its pid
-                        select.select([fd], [], [])
+                        waiter = select.poll()
+                        waiter.register(fd, select.POLLIN)
+                        waiter.poll()
                 finally:
                     os.close(fd)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -171,8 +191,9 @@ def fork(
 ) -> ForkedProcess:
     """Ask the fork server at `address` for a process of its role with arguments `args` (`run(args)` of its role
     module), environment `env`, working folder `cwd`, the descriptors `fds` as its standard input, output and
-    error (this process may close its own afterwards), and the calling thread's CPU priority; its exit status will
-    be written to `status_path`.
+    error (this process may close its own afterwards), the calling thread's CPU priority and this process's
+    `oom_score_adj` (Ray's workers have 1000: the kernel ends them first when memory runs out); its exit status
+    will be written to `status_path`.
 
     Raises:
         ForkServerError: the fork server refused or cannot be reached.
@@ -185,6 +206,7 @@ def fork(
             "status_path": os.path.abspath(status_path),
             "nice": os.getpriority(os.PRIO_PROCESS, 0),  # this thread's (Linux keeps nice per thread)
             "idle": os.sched_getscheduler(0) == os.SCHED_IDLE,
+            "oom_score_adj": _oom_score_adj(),
             "launcher": os.getpid(),
         }
         payload = json.dumps(request).encode() + b"\n"
@@ -199,6 +221,14 @@ def fork(
     if "pid" not in answer:
         raise ForkServerError(f"the fork server refused: {answer.get('error', answer)}")
     return ForkedProcess(int(answer["pid"]), status_path, int(answer["fork_server"]))
+
+
+def _oom_score_adj() -> int:
+    """This process's /proc/self/oom_score_adj (0 where it cannot be read)."""
+    try:
+        return int(Path("/proc/self/oom_score_adj").read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def _read_line(s: socket.socket, buf: bytes = b"") -> bytes:
@@ -270,8 +300,15 @@ class ForkServer:
             raise
         return server
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """End the fork server by its pid (SIGTERM, SIGKILL after `grace_s` seconds) and remove its socket's folder."""
+    def stop(self, grace_s: float = 10.0, children_grace_s: float = 0.0) -> None:
+        """End the fork server by its pid (SIGTERM, SIGKILL after `grace_s` seconds) and remove its socket's folder.
+        `children_grace_s`: first wait up to that long for the processes it forked to end (their launchers end
+        them; meanwhile it reaps them and writes their exit statuses)."""
+        if children_grace_s > 0:
+            import psutil
+
+            with contextlib.suppress(psutil.Error):
+                psutil.wait_procs(psutil.Process(self.proc.pid).children(), timeout=children_grace_s)
         with contextlib.suppress(ProcessLookupError):
             self.proc.terminate()
         try:
@@ -300,6 +337,8 @@ def _child(role: Any, request: dict[str, Any], fds: list[int], ready: int) -> No
             os.setpriority(os.PRIO_PROCESS, 0, int(request["nice"]))
         if request["idle"]:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        with contextlib.suppress(OSError):  # raising it needs no privilege, lowering it does
+            Path("/proc/self/oom_score_adj").write_text(str(request["oom_score_adj"]))
         for target, fd in zip(STD_FDS, fds, strict=True):
             os.dup2(fd, target)
         for fd in set(fds) - set(STD_FDS):
@@ -310,9 +349,9 @@ def _child(role: Any, request: dict[str, Any], fds: list[int], ready: int) -> No
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-        # sys.path as `python -m` builds it: the working folder first, then PYTHONPATH's entries
+        # PYTHONPATH's entries first, as the interpreter puts them (the role puts its own first entry before them)
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-        sys.path[:0] = [os.getcwd(), *extra]
+        sys.path[:0] = extra
         importlib.invalidate_caches()  # modules added since the fork server looked (a hook written for a test)
         if os.environ.get("PYTHONFAULTHANDLER"):
             faulthandler.enable()
@@ -327,6 +366,8 @@ def _child(role: Any, request: dict[str, Any], fds: list[int], ready: int) -> No
     except BaseException:
         traceback.print_exc()
     finally:
+        with contextlib.suppress(BaseException):  # as an interpreter ends: its atexit handlers (Ray's shutdown)
+            atexit._run_exitfuncs()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
@@ -348,7 +389,11 @@ def serve(role: Any, sock_path: Path, parent: tuple[int, str | None] | None) -> 
     statuses; return once `parent` (pid, start time) has ended (at once when it already had). Single-threaded on
     purpose: a fork copies only the calling thread."""
     try:  # the folder goes also when its owner ended without `stop` (SIGTERM ends it through SystemExit, `main`)
+        (sock_path.parent / "pid").write_text(str(os.getpid()))  # `ready` tells a fork server that was killed
         role.preload()
+        threads = len(os.listdir("/proc/self/task"))
+        if threads != 1:  # a fork copies only the calling thread: locks the others held would stay held
+            raise ForkServerError(f"{role.__name__}.preload() left {threads} threads; forking needs one")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(sock_path))
         os.chmod(sock_path, 0o600)
@@ -452,35 +497,64 @@ def start_time(pid: int) -> str | None:
 
 
 def ready(address: ForkServerAddress, timeout_s: float = START_TIMEOUT_S) -> bool:
-    """Wait until the fork server at `address` listens (True), has ended (its folder is gone: False) or `timeout_s`
-    passed (False): a fork server started without waiting (`ForkServer.start(wait=False)`) may still import."""
+    """Wait until the fork server at `address` listens (True), has ended (its folder or its process is gone: False)
+    or `timeout_s` passed (False): a fork server started without waiting (`ForkServer.start(wait=False)`) may
+    still import."""
     folder = Path(address.socket).parent
     deadline = time.monotonic() + timeout_s
     while not (folder / "ready").exists():
-        if not folder.exists() or time.monotonic() > deadline:
+        if not folder.exists() or time.monotonic() > deadline or not _alive(folder / "pid"):
             return False
         time.sleep(0.05)
     return True
 
 
+def _alive(pid_file: Path) -> bool:
+    """Whether the process whose pid `pid_file` holds still runs (True while the file is not written yet)."""
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return True
+    return start_time(pid) is not None
+
+
+FALLBACK_VAR = "WSH_FORK_FALLBACK"  # in a process `exec_forked` started as a new interpreter: why it did
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a stand-in passes on to its child
+
+
 def exec_forked(sock: str, argv: list[str]) -> None:
     """Launch `python argv...` (`argv[0]` a script's path) as a child of the fork server at `sock` with this
-    process's environment, working folder, standard descriptors and priority, and stand in for it until it ends:
-    a SIGTERM, SIGINT or SIGHUP to this process goes to it, and this process exits with its status (128 + N for
-    signal N, as a shell reports it). A fork server that still imports is waited for (`ready`). Where it cannot be
-    used (none at `sock` on this host, another interpreter, a refusal), this process becomes `python argv...`
-    itself (`os.execv`, a line on standard error says why). Never returns."""
+    process's environment, working folder, standard descriptors, priority and `oom_score_adj`, and stand in for it
+    until it ends: a SIGTERM, SIGINT or SIGHUP to this process goes to it, and this process exits with its status
+    (128 + N for signal N, as a shell reports it). A fork server that still imports is waited for up to
+    `EXEC_WAIT_S` (`ready`). Where it cannot be used (none at `sock` on this host, interpreter options before the
+    script, a refusal), this process becomes `python argv...` itself (`os.execv`; `FALLBACK_VAR` in its
+    environment and a line on standard error say why). Never returns."""
     address = ForkServerAddress(sock, sys.executable)
     status_path = Path(sock).parent / f"status-{os.getpid()}-{uuid.uuid4().hex}"
+    pidfd = -1
+
+    def forward(signum: int, _: Any) -> None:
+        with contextlib.suppress(OSError):  # it has ended: nothing to pass on
+            signal.pidfd_send_signal(pidfd, signum)
+
     try:
-        if not (ready(address) and address.usable()):
+        if not os.path.isfile(argv[0]):
+            raise ForkServerError(f"{argv[0]!r} is not a script (interpreter options are a new interpreter's)")
+        if not ready(address, EXEC_WAIT_S):
             raise ForkServerError(f"no fork server listens at {sock} on this host")
+        # a signal that comes while the child is forked waits until it can be passed on
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
         proc = fork(address, argv, dict(os.environ), os.getcwd(), STD_FDS, status_path)
     except ForkServerError as e:
         print(f"wsh: {e}; started as a new interpreter", file=sys.stderr, flush=True)
-        os.execv(sys.executable, [sys.executable, *argv])
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _: os.kill(proc.pid, signum))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
+        os.execve(sys.executable, [sys.executable, *argv], {**os.environ, FALLBACK_VAR: str(e)})
+    with contextlib.suppress(OSError):  # it may have ended already: `wait` reads its status
+        pidfd = os.pidfd_open(proc.pid)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
     code = proc.wait()
     with contextlib.suppress(OSError):
         status_path.unlink()

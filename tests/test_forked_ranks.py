@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,14 @@ import pytest
 import ray
 
 from harness.placement import TrainerPool
-from reference_impl.fork_server import ForkServer, ForkServerAddress
+from reference_impl.cuda import cuda_available
+from reference_impl.fork_server import ForkServer, ForkServerAddress, ready
 from reference_impl.trainer.forked_rank import ROLE
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(cuda_available(), reason="ranks are not forked on a host with CUDA devices (see forked_rank)"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,21 +45,26 @@ def _view(worker: Any) -> dict[str, Any]:
 
     from reference_impl import fork_server
 
+    with open("/proc/self/oom_score_adj") as f:
+        oom_score_adj = int(f.read())
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {
         "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONFAULTHANDLER")},
         "ray_job": os.environ.get("RAY_JOB_ID") is not None,
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "oom_score_adj": oom_score_adj,  # Ray's workers: 1000, the first the kernel ends when memory runs out
         "group_leader": os.getpgid(0) == os.getpid(),
         "cwd": os.getcwd(),
         "torch_threads": torch.get_num_threads(),
         "faulthandler": faulthandler.is_enabled(),
         "pythonpath_on_sys_path": all(p in sys.path for p in pythonpath),
+        "sys_path_head": sys.path[: 1 + len(pythonpath)],
         "script": os.path.basename(sys.argv[0]),
         "stdout_in_ray_logs": "/logs/" in os.path.realpath("/proc/self/fd/1"),
         "node": ray.get_runtime_context().get_node_id(),
         "pid": os.getpid(),
         "stand_in": fork_server.forked_for,
+        "fallback": os.environ.get(fork_server.FALLBACK_VAR),
         "megatron_imported": "megatron.bridge" in sys.modules,
     }
 
@@ -94,16 +104,16 @@ def test_a_forked_rank_sees_what_a_new_interpreter_rank_sees(rank_fork_server: F
         assert [{k: v for k, v in f.items() if k not in differ} for f in forked_views] == [
             {k: v for k, v in n.items() if k not in differ} for n in new_views
         ]
-        assert forked_views[0]["env"]["OMP_NUM_THREADS"] == "1" and forked_views[0]["nice"] > 0  # Ray's and the job's
+        assert forked_views[0]["nice"] > 0 and forked_views[0]["oom_score_adj"] > 0  # Ray's, not the driver's
     finally:
         forked.kill()
         new.kill()
 
 
 def test_ray_kills_and_watches_a_forked_rank_as_its_own_worker(rank_fork_server: ForkServer) -> None:
-    pool = TrainerPool.create(2, fork_server=rank_fork_server.address)
+    pool = TrainerPool.create(3, fork_server=rank_fork_server.address)
     try:
-        (killed, ended) = _views(pool)
+        (killed, ended, terminated) = _views(pool)
         # SIGKILL to the rank: Ray sees its actor die; its stand-in ends with it
         os.kill(killed["pid"], signal.SIGKILL)
         with pytest.raises(ray.exceptions.RayActorError):
@@ -112,6 +122,9 @@ def test_ray_kills_and_watches_a_forked_rank_as_its_own_worker(rank_fork_server:
         # ray.kill: Ray ends the process it knows, the forked one, and the stand-in follows
         ray.kill(pool.actors[1], no_restart=True)
         assert _gone_within(ended["pid"], 30) and _gone_within(ended["stand_in"], 10)
+        # SIGTERM to the stand-in (what the raylet started) reaches the rank, which ends as Ray's worker does on it
+        os.kill(terminated["stand_in"], signal.SIGTERM)
+        assert _gone_within(terminated["pid"], 30) and _gone_within(terminated["stand_in"], 10)
         assert rank_fork_server.proc.poll() is None  # Ray ended the rank, not its fork server
     finally:
         pool.kill()
@@ -123,6 +136,22 @@ def test_a_rank_on_a_host_without_its_fork_server_starts_as_a_new_interpreter(tm
     try:
         (view,) = _views(pool)
         assert view["stand_in"] is None and not view["megatron_imported"]
+        assert view["fallback"] is not None and "no fork server listens" in view["fallback"]
         assert "raylet" in " ".join(psutil.Process(psutil.Process(view["pid"]).ppid()).cmdline())
     finally:
         pool.kill()
+
+
+def test_a_launcher_does_not_wait_for_a_fork_server_that_was_killed_while_it_imported(tmp_path: Path) -> None:
+    server = ForkServer.start(ROLE, tmp_path / "rank-fork-server.log", wait=False)
+    try:
+        while not (server.folder / "pid").exists():
+            assert server.proc.poll() is None
+            time.sleep(0.05)
+        server.proc.kill()  # SIGKILL: no cleanup, its folder stays without a "ready"
+        server.proc.wait()
+        started = time.monotonic()
+        assert not ready(server.address, timeout_s=60)
+        assert time.monotonic() - started < 5
+    finally:
+        server.stop()

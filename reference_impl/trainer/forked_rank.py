@@ -7,10 +7,11 @@ its first setup (`trainer.model.import_megatron`): about 7-9 s of CPU on a 2-cor
 Ray starts a worker as `PYTHON default_worker.py ARGS` (through `bash -c "exec PYTHON ..."` when the actor has a
 runtime environment, `ray/_private/runtime_env/context.py` `exec_worker`), and its runtime environment may name
 that PYTHON (`py_executable`). Ours is `python reference_impl/fork_server.py --exec SOCKET`: it asks the fork server
-for a child that runs `default_worker.py ARGS` with the worker's environment, working folder, descriptors and
-priority (`fork_server.exec_forked`), and stands in for it toward the raylet until it ends. The child registers
-with the raylet itself, by the pid it reports; Ray then kills and watches that process, as it does a worker a
-container runtime starts.
+for a child that runs `default_worker.py ARGS` with the worker's environment, working folder, descriptors,
+priority and `oom_score_adj` (`fork_server.exec_forked`), and waits for it as the process the raylet started. The
+child registers with the raylet itself, by the pid it reports; Ray then kills and watches that process, as it does
+a worker a container runtime starts (the raylet uses the stand-in's pid only before the registration and for its
+own shutdown).
 
 The fork server does not import Ray: Ray reads its configuration and authentication token once per process, from
 the environment the raylet gives each worker, and a forked child must read the child's. Not on a GPU host
@@ -34,11 +35,22 @@ ROLE = __name__  # this module, as `fork_server.ForkServer.start` names a role
 
 def preload() -> None:
     """Import what a rank imports before its first setup: `reference_impl.worker` and Megatron
-    (`trainer.model.import_megatron`)."""
+    (`trainer.model.import_megatron`).
+
+    Raises:
+        RuntimeError: on a host with a CUDA device (a forked child cannot use CUDA its parent initialised), or
+            when something imported Ray (it reads its configuration once per process; see the module doc). The
+            fork server then ends, and ranks start as new interpreters.
+    """
     import reference_impl.worker  # noqa: F401
+    from reference_impl.cuda import cuda_available
     from reference_impl.trainer.model import import_megatron
 
+    if cuda_available():
+        raise RuntimeError("trainer ranks are not forked on a host with CUDA devices")
     import_megatron()
+    if "ray" in sys.modules:
+        raise RuntimeError("the rank fork server imported Ray: a forked worker would keep its configuration")
 
 
 def run(args: list[str]) -> None:

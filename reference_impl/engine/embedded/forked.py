@@ -42,10 +42,14 @@ def preload() -> None:
 
 
 def run(args: list[str]) -> None:
-    """Be the server of `python -m reference_impl.engine.embedded ARGS` (`cli.main(args)`)."""
+    """Be the server of `python -m reference_impl.engine.embedded ARGS` (`cli.main(args)`): the working folder
+    first on `sys.path`, as `python -m` puts it."""
+    import os
+
     import reference_impl.engine.embedded
     from reference_impl.engine.embedded.cli import main
 
+    sys.path.insert(0, os.getcwd())
     # as `python -m` sets it (argparse names the program after it in its messages)
     sys.argv = [str(Path(reference_impl.engine.embedded.__file__).with_name("__main__.py")), *args]
     main(list(args))

@@ -97,8 +97,9 @@ class EngineProcess(ServerProcess):
 
         self.forked = False
         if self.fork_server is not None and self.fork_server.usable():
-            assert argv[:3] == [sys.executable, "-m", SERVER_MODULE], argv[:3]
             try:
+                if argv[:3] != [sys.executable, "-m", SERVER_MODULE]:
+                    raise ForkServerError(f"a fork server starts `{sys.executable} -m {SERVER_MODULE}` only")
                 with open(os.devnull, "rb") as null, open(self.log_path, "ab") as log:
                     fds = (null.fileno(), log.fileno(), log.fileno())
                     proc = fork(self.fork_server, argv[3:], env, cwd, fds, self.server_temp_dir() / "exit-status")
