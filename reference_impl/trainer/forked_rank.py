@@ -11,7 +11,9 @@ for a child that runs `default_worker.py ARGS` with the worker's environment, wo
 priority and `oom_score_adj` (`fork_server.exec_forked`), and waits for it as the process the raylet started. The
 child registers with the raylet itself, by the pid it reports; Ray then kills and watches that process, as it does
 a worker a container runtime starts (the raylet uses the stand-in's pid only before the registration and for its
-own shutdown).
+own shutdown). A forked rank's first line (`fork_server.FORKED_LINE`) goes to the standard error Ray gave the
+stand-in, the raylet's (`raylet.err` in the Ray session's logs), before the worker sends its output to its own
+log files.
 
 The fork server does not import Ray: Ray reads its configuration and authentication token once per process, from
 the environment the raylet gives each worker, and a forked child must read the child's. Not on a GPU host
