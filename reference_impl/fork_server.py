@@ -61,6 +61,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 forked_for: int | None = None  # in a forked process: its launcher's pid (set by `_child`); None in any other process
@@ -319,7 +320,7 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _child(role: Any, request: dict[str, Any], fds: list[int], ready: int) -> None:
+def _child(role: ModuleType, request: dict[str, Any], fds: list[int], ready: int) -> None:
     """In the forked child: become the process `request` asks for (`role.run(args)`); never returns. Writes a byte
     to the pipe `ready` once it leads a session of its own (its launcher may then signal its group)."""
     code = 1
@@ -384,7 +385,7 @@ def _write_status(path: str, code: int) -> None:
         os.replace(tmp, path)
 
 
-def serve(role: Any, sock_path: Path, parent: tuple[int, str | None] | None) -> None:
+def serve(role: ModuleType, sock_path: Path, parent: tuple[int, str | None] | None) -> None:
     """`role.preload()`, listen on `sock_path`, fork one process per request, reap them and write their exit
     statuses; return once `parent` (pid, start time) has ended (at once when it already had). Single-threaded on
     purpose: a fork copies only the calling thread."""
@@ -428,7 +429,7 @@ def _request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return request, fds
 
 
-def _fork_one(role: Any, request: dict[str, Any], fds: list[int], conn: socket.socket, close: list[Any]) -> int:
+def _fork_one(role: ModuleType, request: dict[str, Any], fds: list[int], conn: socket.socket, close: list[Any]) -> int:
     """Fork the process of `request`; returns its pid once it leads its own session (`close`: what the child must
     not keep). A child whose pid cannot be told to its launcher is killed (the launcher then starts its own)."""
     sys.stdout.flush()
@@ -454,7 +455,7 @@ def _fork_one(role: Any, request: dict[str, Any], fds: list[int], conn: socket.s
     return pid
 
 
-def _serve(role: Any, listener: socket.socket, parent: tuple[int, str | None] | None) -> None:
+def _serve(role: ModuleType, listener: socket.socket, parent: tuple[int, str | None] | None) -> None:
     statuses: dict[int, str] = {}  # pid -> where its exit status goes
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
