@@ -393,7 +393,9 @@ class TrainerPool:
     def kill(self) -> None:
         """End every rank process and free the placement group, then unlink the shared-memory segments the
         ranks held that are still there: a killed sender never unlinks its own (`harness.shm`)."""
-        ranks = self.local_processes()
+        # A rank that has not told its pid within a second has not started (a forked one may wait for its fork
+        # server's imports): it holds no segment, and ray.kill alone ends it.
+        ranks = self.local_processes(wait_s=1.0)
         held = set().union(*(shm.held_by(p.pid) for p in ranks))
         for a in self.actors:
             ray.kill(a, no_restart=True)
@@ -412,13 +414,18 @@ class TrainerPool:
             with contextlib.suppress(psutil.Error):
                 raise_threads_to(proc.pid, proc.nice())
 
-    def local_processes(self) -> list[psutil.Process]:
-        """The rank processes that run on this host (a Ray worker of `TrainerWorker` with that pid)."""
+    def local_processes(self, wait_s: float = 10.0) -> list[psutil.Process]:
+        """The rank processes that run on this host (a Ray worker of `TrainerWorker` with that pid), of the ranks
+        that told their pid within `wait_s` seconds."""
         out: list[psutil.Process] = []
-        try:
-            pids = self._pids if self._pids is not None else ray.get(self.pid_refs, timeout=10)
-        except Exception:  # ranks that have not started (or never will) are ended by ray.kill alone
-            return out
+        if self._pids is not None:
+            pids = self._pids
+        else:
+            told, _ = ray.wait(list(self.pid_refs), num_returns=len(self.pid_refs), timeout=wait_s)
+            pids = []
+            for ref in told:
+                with contextlib.suppress(Exception):  # a rank that died before it told: ray.kill alone ends it
+                    pids.append(ray.get(ref))
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(pid)
