@@ -77,7 +77,10 @@ def tests(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     env = _vllm_env(session) | {"WSH_REQUIRE_VLLM": "1"}
-    session.run("pytest", *(session.posargs or ["-q", "--durations=40", "tests"]), env=env)
+    # two xdist workers; tests grouped by file and by the expensive session fixture they use, the longest groups
+    # first (tests/conftest.py)
+    default = ["-q", "--durations=40", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "tests"]
+    session.run("pytest", *(session.posargs or default), env=env)
 
 
 @nox.session(python=PYTHON)

@@ -1,14 +1,91 @@
 """Shared fixtures: one Ray session and one scenario runner for all end-to-end tests, one fork server for the
-embedded engine servers of the session, and the vLLM servers test modules share."""
+embedded engine servers of the session, and the vLLM servers test modules share.
+
+The suite runs in two pytest-xdist workers (`nox -s tests`: `-n 2 --dist loadgroup`), each a session of its own
+with these fixtures. Every test gets an `xdist_group`: its file, so a module's fixtures are made once, or, for
+the tests that start vLLM servers (`VLLM_GROUP`: one worker at a time runs vLLM) and those that use the embedded
+engines started per model (`EMBEDDED_GROUP`, so one worker alone starts them), one group each; the longest
+groups go first (`SLOWEST_FIRST`, with `--no-loadscope-reorder`). Each worker has a temp folder of its own
+(`TMPDIR`). Without xdist the groups do nothing.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from reference_impl.fork_server import ForkServerAddress
+
+if TYPE_CHECKING:
+    from shared_vllm import SharedVllm
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _worker_temp_folder() -> None:
+    """In an xdist worker: a temp folder of its own (`TMPDIR`, `<temp>/wsh-tests-<worker>`) for it and every
+    process it starts, Ray's session folder included, so that tests which compare the temp folder before and after
+    (the servers' own temp folders) see only their worker's. Nothing without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or os.environ.get("TMPDIR", "").endswith(f"wsh-tests-{worker}"):
+        return
+    folder = Path(tempfile.gettempdir()) / f"wsh-tests-{worker}"
+    folder.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # read TMPDIR again
+
+
+_worker_temp_folder()
+# Tests that start vLLM servers (or take the session's shared ones) form one xdist group: one worker at a time
+# runs vLLM, as a run without xdist does (an idle vLLM server holds about 1.6 GB; several at once in two workers
+# filled the 24 GB host), and one worker's shared servers serve every such module.
+VLLM_GROUP = "vllm"
+VLLM_PATHS = ("vllm_engine/", "hostile/test_vllm.py")
+# session fixtures whose processes one worker alone should start: the tests using one form one xdist group
+EMBEDDED_GROUP = "embedded-engines"
+EMBEDDED_FIXTURES = ("engines", "shm_engines")  # tests/embedded/conftest.py: servers per model, started once
+
+# The longest groups, longest first (seconds in one worker on a 2-core host, the whole suite in two): an xdist
+# worker takes the next group when it is almost done, so these go first and the short ones fill in at the end. A
+# group left out only costs time: it runs in collection order after these.
+SLOWEST_FIRST = (
+    VLLM_GROUP,  # 280
+    "test_faults.py",  # 180
+    "test_hard_kills.py",  # 105
+    "test_two_nodes.py",  # 55
+    "test_megatron_forward.py",  # 55
+    "test_e2e.py",  # 50
+    "test_soak.py",  # 40
+    "hostile/test_embedded.py",  # 40
+    "embedded/test_fork_server.py",  # 35
+    EMBEDDED_GROUP,  # 35
+)
+
+
+def _group(item: pytest.Item) -> str:
+    path = str(item.path.relative_to(TESTS))
+    if "shared_vllm" in item.fixturenames or path.startswith(VLLM_PATHS):
+        return VLLM_GROUP
+    if any(f in item.fixturenames for f in EMBEDDED_FIXTURES):
+        return EMBEDDED_GROUP
+    return path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give every test under tests/ its xdist group; in an xdist worker, put the `SLOWEST_FIRST` groups first
+    (see the module doc; a run without xdist keeps pytest's order)."""
+    groups = {item.nodeid: _group(item) for item in items if TESTS in item.path.parents}
+    for item in items:
+        if item.nodeid in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {group: i for i, group in enumerate(SLOWEST_FIRST)}
+        items.sort(key=lambda item: rank.get(groups.get(item.nodeid, ""), len(rank)))
 
 
 @pytest.fixture(scope="session")
@@ -63,5 +140,22 @@ def shared_vllm() -> Iterator[object]:
     from shared_vllm import SharedVllm
 
     shared = SharedVllm()
+    _SHARED_VLLM.append(shared)
     yield shared
+    _SHARED_VLLM.clear()
     shared.close()
+
+
+_SHARED_VLLM: list[SharedVllm] = []  # the session's `shared_vllm`, once a test asked for it
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown, in which a module gives its server back
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """In an xdist worker, once the `VLLM_GROUP` ends (its tests run one after another there), stop the idle
+    shared vLLM servers: about 2.2 GB each, which the rest of the worker's tests do not use. A run without xdist
+    keeps them to the session's end (its vLLM tests are not contiguous)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not _SHARED_VLLM or TESTS not in item.path.parents:
+        return
+    next_group = _group(nextitem) if nextitem is not None and TESTS in nextitem.path.parents else None
+    if _group(item) == VLLM_GROUP and next_group != VLLM_GROUP:
+        _SHARED_VLLM[0].close()
