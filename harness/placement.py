@@ -33,7 +33,7 @@ from harness import shm
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import STOP_GRACE_S, EngineStartError, ServerProcess, free_port
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.priority import lowest_priority, raise_threads_to
 
 SETUP_TIMEOUT_S = 900.0

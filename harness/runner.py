@@ -45,7 +45,8 @@ from harness.validate import validate
 from harness.watch import EngineWatch
 from reference_impl.engine import EngineKind, engine_kind
 from reference_impl.engine.embedded.forked import ROLE as ENGINE_ROLE
-from reference_impl.fork_server import ForkServer, ForkServerAddress, ForkServerError
+from reference_impl.fork_client import ForkServerAddress, ForkServerError
+from reference_impl.fork_server import ForkServer
 from reference_impl.forward.hf import fixed_prompts
 from reference_impl.forward.prompts import probe_prompt
 from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
@@ -173,7 +174,7 @@ class Runner:
     def rank_fork_server(self) -> ForkServerAddress | None:
         """Where new trainer ranks fork from (`fork_ranks`), None where they start as new interpreters (a GPU host);
         starts this runner's rank fork server the first time, without waiting for its imports (the first ranks
-        wait for them in their launcher, `fork_server.exec_forked`, while the caller goes on)."""
+        wait for them in their launcher, `fork_client.exec_forked`, while the caller goes on)."""
         if not self.fork_ranks or use_gpus():
             return None
         if self._rank_fork_server is not None and self._rank_fork_server.proc.poll() is not None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 
 if TYPE_CHECKING:
     from shared_vllm import SharedVllm

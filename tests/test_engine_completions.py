@@ -24,7 +24,7 @@ import torch
 from wsh_vllm_plugin import protocol
 
 from reference_impl.engine.embedded.launcher import EngineProcess
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.forward import prompts
 from reference_impl.models.checkpoint import build_hf_model, make_checkpoint
 from reference_impl.models.registry import ModelSpec, load_model

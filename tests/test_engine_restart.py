@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 

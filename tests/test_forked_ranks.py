@@ -20,7 +20,8 @@ import ray
 
 from harness.placement import TrainerPool
 from reference_impl.cuda import cuda_available
-from reference_impl.fork_server import ForkServer, ForkServerAddress, ready
+from reference_impl.fork_client import ForkServerAddress, ready
+from reference_impl.fork_server import ForkServer
 from reference_impl.trainer.forked_rank import ROLE
 
 pytestmark = [
@@ -43,7 +44,7 @@ def _view(worker: Any) -> dict[str, Any]:
 
     import torch
 
-    from reference_impl import fork_server
+    from reference_impl import fork_client, fork_server
 
     with open("/proc/self/oom_score_adj") as f:
         oom_score_adj = int(f.read())
@@ -64,7 +65,7 @@ def _view(worker: Any) -> dict[str, Any]:
         "node": ray.get_runtime_context().get_node_id(),
         "pid": os.getpid(),
         "stand_in": fork_server.forked_for,
-        "fallback": os.environ.get(fork_server.FALLBACK_VAR),
+        "fallback": os.environ.get(fork_client.FALLBACK_VAR),
         "megatron_imported": "megatron.bridge" in sys.modules,
     }
 
@@ -95,7 +96,8 @@ def test_a_forked_rank_sees_what_a_new_interpreter_rank_sees(rank_fork_server: F
             assert rank.ppid() == rank_fork_server.proc.pid
             assert "TrainerWorker" in " ".join(rank.cmdline())
             stand_in = psutil.Process(view["stand_in"])  # what the raylet started: it waits for the rank
-            assert "--exec" in stand_in.cmdline() and "raylet" in " ".join(psutil.Process(stand_in.ppid()).cmdline())
+            assert any(Path(a).name == "fork_client.py" for a in stand_in.cmdline())  # its `py_executable`
+            assert "raylet" in " ".join(psutil.Process(stand_in.ppid()).cmdline())
             assert view["megatron_imported"]  # the fork server's imports, not the rank's
         for view in new_views:
             assert view["stand_in"] is None and not view["megatron_imported"]

@@ -21,7 +21,7 @@ from reference_impl.models.registry import ModelSpec
 from reference_impl.transport.observed import Rejection
 
 if TYPE_CHECKING:
-    from reference_impl.fork_server import ForkServerAddress
+    from reference_impl.fork_client import ForkServerAddress
 
 
 class Capabilities(BaseModel):

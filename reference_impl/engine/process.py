@@ -36,7 +36,7 @@ LOOPBACK = "127.0.0.1"
 
 class ProcessHandle(Protocol):
     """What a launcher keeps of its server process: `subprocess.Popen`'s `pid`, `returncode`, `poll` and `wait`
-    (a server forked by a fork server has the same, `reference_impl.fork_server.ForkedProcess`)."""
+    (a server forked by a fork server has the same, `reference_impl.fork_client.ForkedProcess`)."""
 
     pid: int
     returncode: int | None

@@ -6,9 +6,9 @@ A new trainer rank is a Ray worker, a new interpreter that imports torch, megatr
 its first setup (`trainer.model.import_megatron`): about 7-9 s of CPU on a 2-core host, most of a rank's start.
 Ray starts a worker as `PYTHON default_worker.py ARGS` (through `bash -c "exec PYTHON ..."` when the actor has a
 runtime environment, `ray/_private/runtime_env/context.py` `exec_worker`), and its runtime environment may name
-that PYTHON (`py_executable`). Ours is `python reference_impl/fork_server.py --exec SOCKET`: it asks the fork server
+that PYTHON (`py_executable`). Ours is `python reference_impl/fork_client.py SOCKET`: it asks the fork server
 for a child that runs `default_worker.py ARGS` with the worker's environment, working folder, descriptors,
-priority and `oom_score_adj` (`fork_server.exec_forked`), and waits for it as the process the raylet started. The
+priority and `oom_score_adj` (`fork_client.exec_forked`), and waits for it as the process the raylet started. The
 child registers with the raylet itself, by the pid it reports; Ray then kills and watches that process, as it does
 a worker a container runtime starts (the raylet uses the stand-in's pid only before the registration and for its
 own shutdown). A forked rank's first line (`fork_server.FORKED_LINE`) goes to the standard error Ray gave the
@@ -30,7 +30,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from reference_impl.fork_server import ForkServerAddress
+    from reference_impl.fork_client import ForkServerAddress
 
 ROLE = __name__  # this module, as `fork_server.ForkServer.start` names a role
 
@@ -66,8 +66,8 @@ def run(args: list[str]) -> None:
 
 def py_executable(address: ForkServerAddress) -> str:
     """The `py_executable` of a rank actor's runtime environment (a shell command line) that forks its worker from
-    the fork server at `address` (`fork_server.exec_forked`; a worker on a host without that socket starts as a
+    the fork server at `address` (`fork_client.exec_forked`; a worker on a host without that socket starts as a
     new interpreter)."""
-    from reference_impl import fork_server
+    from reference_impl import fork_client
 
-    return " ".join(shlex.quote(a) for a in (address.python, fork_server.__file__, "--exec", address.socket))
+    return " ".join(shlex.quote(a) for a in (address.python, fork_client.__file__, address.socket))

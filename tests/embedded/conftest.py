@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from reference_impl.engine.embedded.launcher import EngineProcess
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.handles import SharedMemoryBuffer

@@ -26,7 +26,8 @@ import psutil
 import pytest
 
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
-from reference_impl.fork_server import FORKED_LINE, ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
+from reference_impl.fork_server import FORKED_LINE
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.priority import lowest_priority
@@ -171,7 +172,7 @@ def test_a_forked_server_that_fails_or_is_killed_has_the_exit_status_of_a_new_in
 
 LAUNCHER = """
 import sys, time
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 proc = EngineProcess(sys.argv[2], 4321, sys.argv[3], fork_server=ForkServerAddress(sys.argv[1], sys.executable))
 proc.start(120)

@@ -43,7 +43,7 @@ from reference_impl.checksum import tensor_checksum
 from reference_impl.engine.embedded.answers import parse_rejections
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import free_port
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient

@@ -44,7 +44,7 @@ from reference_impl.engine import engine_kind
 from reference_impl.engine.embedded.launcher import EngineProcess
 from reference_impl.engine.process import ServerProcess, free_port
 from reference_impl.engine.vllm.launcher import VllmEngineProcess
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.models.checkpoint import make_checkpoint, read_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from shared_vllm import SharedVllm
 
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 
 from .engines import Connected, both_engines
 

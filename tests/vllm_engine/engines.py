@@ -36,7 +36,7 @@ from harness.scenario import Scenario
 from reference_impl.checksum import tensor_checksum
 from reference_impl.engine import engine_kind
 from reference_impl.engine.embedded.launcher import EngineProcess
-from reference_impl.fork_server import ForkServerAddress
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.forward.hf import HfForward, fixed_prompts
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model

@@ -16,7 +16,7 @@ from reference_impl.models.vllm_tp import TP_RULES, has_tp_rules
 from reference_impl.transport.observed import Rejection
 
 if TYPE_CHECKING:
-    from reference_impl.fork_server import ForkServerAddress
+    from reference_impl.fork_client import ForkServerAddress
 
 
 class EmbeddedEngine(EngineKind):

@@ -27,7 +27,7 @@ from reference_impl.engine.embedded.hooks import apply_hook, load_hook
 from reference_impl.engine.embedded.loader import EngineLoader
 from reference_impl.engine.embedded.restart import RestartableApp, RestartRequest
 from reference_impl.engine.embedded.server import EngineState, create_app
-from reference_impl.fork_server import start_time
+from reference_impl.fork_client import start_time
 
 
 def _write_port_file(path: Path, port: int) -> None:

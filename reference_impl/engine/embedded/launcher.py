@@ -5,7 +5,7 @@ token, the address another node reaches it at) with port 0 (the server writes th
 port file), waits until it answers GET /health, and returns
 its base URL. `stop()` ends it by its pid (`engine.process.ServerProcess`). The server also watches
 its launcher (`--exit-with-parent`): a killed launcher never leaves a server behind. Given a fork server
-(`fork_server.ForkServerAddress`, role `embedded.forked`) it can use, the server is forked from it instead of
+(`fork_client.ForkServerAddress`, role `embedded.forked`) it can use, the server is forked from it instead of
 started as a new interpreter: the same server, without importing torch and transformers again
 (`reference_impl.fork_server`).
 """
@@ -21,7 +21,7 @@ from reference_impl.engine.embedded.forked import SERVER_MODULE
 from reference_impl.engine.process import EngineStartError, ProcessHandle, ServerProcess
 
 if TYPE_CHECKING:
-    from reference_impl.fork_server import ForkServerAddress
+    from reference_impl.fork_client import ForkServerAddress
 
 __all__ = ["EngineProcess", "EngineStartError"]
 
@@ -93,7 +93,7 @@ class EngineProcess(ServerProcess):
         """Fork the server from `fork_server` when this process can use it (its output appended to the log, its exit
         status in the server's temp folder), else, or when the fork server refuses or is gone (a line in the
         server's log says why), `ServerProcess.spawn`."""
-        from reference_impl.fork_server import ForkServerError, fork
+        from reference_impl.fork_client import ForkServerError, fork
 
         self.forked = False
         if self.fork_server is not None and self.fork_server.usable():

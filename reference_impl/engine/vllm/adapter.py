@@ -30,7 +30,7 @@ from reference_impl.engine.vllm.launcher import VllmEngineProcess
 from reference_impl.transport.observed import Rejection
 
 if TYPE_CHECKING:
-    from reference_impl.fork_server import ForkServerAddress
+    from reference_impl.fork_client import ForkServerAddress
 
 # Name prefixes of the /dev/shm segments a vLLM server makes itself: Python's default `SharedMemory` names (its
 # `shm_broadcast.MessageQueue`s) and its CPU TP communicator's `vllm_dist_<id>-...-cpushm_<n>`.
