@@ -148,8 +148,9 @@ def fork(
 ) -> ForkedProcess:
     """Ask the fork server at `address` for a process of its role with arguments `args` (`run(args)` of its role
     module), environment `env`, working folder `cwd`, the descriptors `fds` as its standard input, output and
-    error (this process may close its own afterwards), the calling thread's CPU priority and this process's
-    `oom_score_adj` (Ray's workers have 1000: the kernel ends them first when memory runs out); its exit status
+    error (this process may close its own afterwards), the calling thread's CPU priority, this process's
+    `oom_score_adj` (Ray's workers have 1000: the kernel ends them first when memory runs out) and whether it
+    ignores SIGINT; its exit status
     will be written to `status_path`.
 
     Raises:
@@ -164,6 +165,9 @@ def fork(
             "nice": os.getpriority(os.PRIO_PROCESS, 0),  # this thread's (Linux keeps nice per thread)
             "idle": os.sched_getscheduler(0) == os.SCHED_IDLE,
             "oom_score_adj": _oom_score_adj(),
+            # an ignored SIGINT survives exec: a new interpreter then keeps it ignored instead of raising
+            # KeyboardInterrupt (a shell starts its background jobs so)
+            "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
             "launcher": os.getpid(),
         }
         payload = json.dumps(request).encode() + b"\n"

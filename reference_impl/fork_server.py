@@ -27,6 +27,8 @@ What differs from a process started with `subprocess.Popen`, and how each is kep
   first `sys.path` entry (its working folder) stays after them;
 - its CPU priority is the launcher's calling thread's (nice and SCHED_IDLE or not, `priority`), as a child of
   that thread would have, and its `oom_score_adj` the launcher's;
+- its SIGINT is ignored where the launcher ignores it (an ignored signal survives exec: a shell starts its
+  background jobs so), else Python's `KeyboardInterrupt`, as a new interpreter's;
 - it runs its `atexit` handlers as an interpreter does, but the fork server's start-up options
   (`PYTHONHASHSEED`, `-X` options) are what it keeps.
 
@@ -80,6 +82,7 @@ REQUEST_FIELDS = {
     "nice": int,
     "idle": bool,
     "oom_score_adj": int,
+    "sigint_ignored": bool,
     "launcher": int,
 }
 
@@ -167,7 +170,9 @@ def _child(role: ModuleType, request: dict[str, Any], fds: list[int], ready: int
     code = 1
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a new interpreter's handlers, not the fork server's
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # a new interpreter's SIGINT: ignored where its launcher ignores it (inherited across exec), else
+        # KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
         os.setsid()
         os.write(ready, b"x")
         os.close(ready)

@@ -37,7 +37,7 @@ from .engines import CKPT_SEED, ENGINE_SEED
 PROMPT = [3, 17, 42, 5, 99, 7]
 # A fault hook that changes nothing: it writes what the server sees of its process to the log, as JSON.
 PROBE_HOOK = '''
-import json, os, sys, tempfile
+import json, os, signal, sys, tempfile
 
 def report():
     """probe: reports the process's view of itself"""
@@ -52,6 +52,7 @@ def report():
         "session_leader": os.getsid(0) == os.getpid(),
         "stdin": os.path.realpath("/proc/self/fd/0"),
         "hook_dir_on_path": os.path.dirname(__file__) in sys.path,
+        "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
     }
     print("PROBE " + json.dumps(view, sort_keys=True), file=sys.stderr, flush=True)
 '''
@@ -113,7 +114,8 @@ def test_a_forked_server_sees_its_launchers_environment_priority_and_group(
     checkpoint: str, fork_server: ForkServerAddress, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Started the way the runner starts a spare (in a thread at the lowest priority) with a variable only the
-    launcher has and the probe's folder on PYTHONPATH: a forked server sees what a new interpreter sees."""
+    launcher has, the probe's folder on PYTHONPATH and SIGINT ignored (as a shell starts a background job): a
+    forked server sees what a new interpreter sees."""
     (tmp_path / "probe_hook.py").write_text(PROBE_HOOK)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("WSH_PROBE", "from the launcher")
@@ -124,10 +126,14 @@ def test_a_forked_server_sees_its_launchers_environment_priority_and_group(
             assert lowered
             views[name] = _probe(tmp_path / f"{name}.log")
 
-    for name, fs in (("new", None), ("forked", fork_server)):
-        t = threading.Thread(target=start, args=(name, fs))
-        t.start()
-        t.join()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for name, fs in (("new", None), ("forked", fork_server)):
+            t = threading.Thread(target=start, args=(name, fs))
+            t.start()
+            t.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert views["forked"] == views["new"]
     assert views["new"] == {
         "probe": "from the launcher",
@@ -140,6 +146,7 @@ def test_a_forked_server_sees_its_launchers_environment_priority_and_group(
         "session_leader": True,
         "stdin": "/dev/null",
         "hook_dir_on_path": True,
+        "sigint_ignored": True,
     }
 
 
