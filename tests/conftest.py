@@ -41,14 +41,15 @@ def _worker_temp_folder() -> None:
 
 
 _worker_temp_folder()
+
 # Tests that start vLLM servers (or take the session's shared ones) form one xdist group: one worker at a time
-# runs vLLM, as a run without xdist does (an idle vLLM server holds about 1.6 GB; several at once in two workers
-# filled the 24 GB host), and one worker's shared servers serve every such module.
+# runs vLLM, as a run without xdist does (an idle vLLM server holds about 2.2 GB, its engine core and API server;
+# several at once in two workers filled the 24 GB host), and one worker's shared servers serve every such module.
 VLLM_GROUP = "vllm"
 VLLM_PATHS = ("vllm_engine/", "hostile/test_vllm.py")
-# session fixtures whose processes one worker alone should start: the tests using one form one xdist group
+# the tests that use tests/embedded's servers started once per model: one group, so one worker alone starts them
 EMBEDDED_GROUP = "embedded-engines"
-EMBEDDED_FIXTURES = ("engines", "shm_engines")  # tests/embedded/conftest.py: servers per model, started once
+EMBEDDED_FIXTURES = ("engines", "shm_engines")  # tests/embedded/conftest.py
 
 # The longest groups, longest first (seconds in one worker on a 2-core host, the whole suite in two): an xdist
 # worker takes the next group when it is almost done, so these go first and the short ones fill in at the end. A
