@@ -2,9 +2,10 @@
 embedded engine servers of the session, and the vLLM servers test modules share.
 
 The suite runs in two pytest-xdist workers (`nox -s tests`: `-n 2 --dist loadgroup`), each a session of its own
-with these fixtures. Every test gets an `xdist_group`: its file, so a module's fixtures are made once, or, for
-the tests that start vLLM servers (`VLLM_GROUP`: one worker at a time runs vLLM) and those that use the embedded
-engines started per model (`EMBEDDED_GROUP`, so one worker alone starts them), one group each; the longest
+with these fixtures. Every test belongs to a group that one worker runs from start to end (`group_of`, the
+scheduler `pytest_xdist_make_scheduler` makes for `--dist loadgroup`): its file, so a module's fixtures are made
+once, or, for the tests that start vLLM servers (`VLLM_GROUP`: one worker at a time runs vLLM) and those of
+tests/embedded (`EMBEDDED_GROUP`, so one worker alone starts its servers per model), one group each; the longest
 groups go first (`SLOWEST_FIRST`, with `--no-loadscope-reorder`). Each worker has a temp folder of its own
 (`TMPDIR`). Without xdist the groups do nothing.
 """
@@ -47,9 +48,9 @@ _worker_temp_folder()
 # several at once in two workers filled the 24 GB host), and one worker's shared servers serve every such module.
 VLLM_GROUP = "vllm"
 VLLM_PATHS = ("vllm_engine/", "hostile/test_vllm.py")
-# the tests that use tests/embedded's servers started once per model: one group, so one worker alone starts them
-EMBEDDED_GROUP = "embedded-engines"
-EMBEDDED_FIXTURES = ("engines", "shm_engines")  # tests/embedded/conftest.py
+# tests/embedded: one group, so one worker alone starts its conftest's servers (`engines`: one per model)
+EMBEDDED_GROUP = "embedded"
+EMBEDDED_PATHS = ("embedded/",)
 
 # The longest groups, longest first (seconds in one worker on a 2-core host, the whole suite in two): an xdist
 # worker takes the next group when it is almost done, so these go first and the short ones fill in at the end. A
@@ -58,35 +59,53 @@ SLOWEST_FIRST = (
     VLLM_GROUP,  # 280
     "test_faults.py",  # 180
     "test_hard_kills.py",  # 105
+    EMBEDDED_GROUP,  # 80
     "test_two_nodes.py",  # 55
     "test_megatron_forward.py",  # 55
     "test_e2e.py",  # 50
     "test_soak.py",  # 40
     "hostile/test_embedded.py",  # 40
-    "embedded/test_fork_server.py",  # 35
-    EMBEDDED_GROUP,  # 35
 )
 
 
-def _group(item: pytest.Item) -> str:
-    path = str(item.path.relative_to(TESTS))
-    if "shared_vllm" in item.fixturenames or path.startswith(VLLM_PATHS):
+def group_of(path: str) -> str:
+    """The xdist group of a test by its file's path relative to tests/: `VLLM_GROUP`, `EMBEDDED_GROUP` or the
+    path itself."""
+    if path.startswith(VLLM_PATHS):
         return VLLM_GROUP
-    if any(f in item.fixturenames for f in EMBEDDED_FIXTURES):
+    if path.startswith(EMBEDDED_PATHS):
         return EMBEDDED_GROUP
     return path
 
 
+def _group(item: pytest.Item) -> str | None:
+    return group_of(str(item.path.relative_to(TESTS))) if TESTS in item.path.parents else None
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """With `--dist loadgroup`: xdist's scope scheduling with `group_of` as the scope (a group runs in one worker
+    from start to end). xdist's own loadgroup reads `xdist_group` marks into node ids, which pytest 9 no longer
+    lets a plugin change, so it would send every test alone."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    prefix = f"{TESTS.relative_to(config.rootpath)}/"
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of(path.removeprefix(prefix)) if path.startswith(prefix) else path
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give every test under tests/ its xdist group; in an xdist worker, put the `SLOWEST_FIRST` groups first
-    (see the module doc; a run without xdist keeps pytest's order)."""
-    groups = {item.nodeid: _group(item) for item in items if TESTS in item.path.parents}
-    for item in items:
-        if item.nodeid in groups:
-            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    """In an xdist worker, put the `SLOWEST_FIRST` groups first (the scheduler takes the groups in the order of
+    the workers' collection, `--no-loadscope-reorder`); a run without xdist keeps pytest's order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {group: i for i, group in enumerate(SLOWEST_FIRST)}
-        items.sort(key=lambda item: rank.get(groups.get(item.nodeid, ""), len(rank)))
+        items.sort(key=lambda item: rank.get(_group(item) or "", len(rank)))
 
 
 @pytest.fixture(scope="session")
@@ -155,8 +174,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """In an xdist worker, once the `VLLM_GROUP` ends (its tests run one after another there), stop the idle
     shared vLLM servers: about 2.2 GB each, which the rest of the worker's tests do not use. A run without xdist
     keeps them to the session's end (its vLLM tests are not contiguous)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") or not _SHARED_VLLM or TESTS not in item.path.parents:
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not _SHARED_VLLM:
         return
-    next_group = _group(nextitem) if nextitem is not None and TESTS in nextitem.path.parents else None
-    if _group(item) == VLLM_GROUP and next_group != VLLM_GROUP:
+    if _group(item) == VLLM_GROUP and (nextitem is None or _group(nextitem) != VLLM_GROUP):
         _SHARED_VLLM[0].close()
