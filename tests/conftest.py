@@ -82,6 +82,7 @@ def _group(item: pytest.Item) -> str | None:
     return group_of(str(item.path.relative_to(TESTS))) if TESTS in item.path.parents else None
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: nothing without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """With `--dist loadgroup`: xdist's scope scheduling with `group_of` as the scope (a group runs in one worker
     from start to end). xdist's own loadgroup reads `xdist_group` marks into node ids, which pytest 9 no longer
