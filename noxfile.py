@@ -77,7 +77,7 @@ def tests(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     env = _vllm_env(session) | {"WSH_REQUIRE_VLLM": "1"}
-    # two xdist workers; tests grouped by file and by the expensive session fixture they use, the longest groups
+    # two xdist workers; a group (a file, the vLLM tests, tests/embedded) runs in one worker, the longest groups
     # first (tests/conftest.py)
     default = ["-q", "--durations=40", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "tests"]
     session.run("pytest", *(session.posargs or default), env=env)

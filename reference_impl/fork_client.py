@@ -14,7 +14,7 @@ without waiting for its imports.
 `python reference_impl/fork_client.py SOCKET SCRIPT ARGS...` (`exec_forked`) is such a launcher for a program
 that starts a Python script by its interpreter's path (Ray's `py_executable`, `forked_rank`): it stays as the
 launched process's stand-in (its exit status is the child's, a SIGTERM, SIGINT or SIGHUP it gets goes to the
-child; the child does not end with it) and imports nothing beyond the standard library.
+child; the child does not end with it).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ STATUS_WAIT_S = 2.0  # seconds `poll` waits for an ended child's status (its for
 # request may hold it for up to ANSWER_TIMEOUT_S
 STATUS_LOST_S = 15.0
 ANSWER_TIMEOUT_S = 10.0  # seconds a launch request and its answer may take on the socket (a fork takes milliseconds)
-START_TIMEOUT_S = 120.0  # seconds `ForkServer.start` waits for the socket (the imports: 5-9 s of CPU)
+START_TIMEOUT_S = 120.0  # seconds `ForkServer.start` and `ready` wait for the socket (the imports: 5-9 s of CPU)
 # seconds `exec_forked` waits for a fork server that still imports before it starts a new interpreter: well below
 # Ray's `worker_register_timeout_seconds` (60 s), after which the raylet kills a worker that has not registered
 EXEC_WAIT_S = 30.0
@@ -150,8 +150,7 @@ def fork(
     module), environment `env`, working folder `cwd`, the descriptors `fds` as its standard input, output and
     error (this process may close its own afterwards), the calling thread's CPU priority, this process's
     `oom_score_adj` (Ray's workers have 1000: the kernel ends them first when memory runs out) and whether it
-    ignores SIGINT; its exit status
-    will be written to `status_path`.
+    ignores SIGINT; its exit status will be written to `status_path`.
 
     Raises:
         ForkServerError: the fork server refused or cannot be reached.
