@@ -16,7 +16,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from harness import shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
+from harness.fork_servers import ForkServers
 from harness.outcome import (
     OUT_OF_STEP_GRACE_S,
     ended_clean,
@@ -35,7 +36,7 @@ from harness.outcome import (
     stop_grace_s,
     sync_failed,
 )
-from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node, ray_tag_env, use_gpus
+from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node, use_gpus
 from harness.record import OracleFailure, RunRecord
 from harness.recovery import RESTORE_SEAMS
 from harness.scenario import Scenario
@@ -43,15 +44,12 @@ from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_fro
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from harness.watch import EngineWatch
-from reference_impl.engine import EngineKind, engine_kind
-from reference_impl.engine.embedded.forked import ROLE as ENGINE_ROLE
-from reference_impl.fork_client import ForkServerAddress, ForkServerError
-from reference_impl.fork_server import ForkServer
+from reference_impl.engine import engine_kind
+from reference_impl.fork_client import ForkServerAddress
 from reference_impl.forward.hf import fixed_prompts
 from reference_impl.forward.prompts import probe_prompt
 from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
 from reference_impl.models.registry import load_model
-from reference_impl.trainer.forked_rank import ROLE as RANK_ROLE
 from reference_impl.transport.client import EngineClient
 from reference_impl.transport.observed import HttpCall, TensorLayout
 from reference_impl.worker import TrainerSetup
@@ -98,20 +96,17 @@ class Runner:
     spares: dict[int, TrainerPool] = field(default_factory=dict)
     spare_engines: dict[EngineKey, tuple[Any, Any]] = field(default_factory=dict)  # key -> (actor, start ref)
     _spares_started: int = 0
-    # Engine servers of kinds that can (`EngineKind.forks_from_fork_server`, the embedded engine) are forked from a
-    # fork server on the driver's node (`reference_impl.fork_server`) instead of started as new interpreters: the
-    # owner's `fork_server` when given (a test session shares its own), else one this runner starts at the first
-    # such engine and ends in `close`. Actors on other nodes start their servers as new processes. False: all do.
-    fork_engines: bool = True
-    fork_server: ForkServerAddress | None = None
-    _own_fork_server: ForkServer | None = None
-    # Trainer ranks' Ray workers are forked from a fork server on the driver's node (role
-    # `reference_impl.trainer.forked_rank`, its log `logs/rank-fork-server.log`) that imported torch, megatron-core
-    # and Megatron-Bridge once, instead of each rank importing them (about 8 s of CPU apiece on 2 cores); this runner
-    # starts it, without waiting, at the first pool, and ends it in `close`. Not on a GPU host. False: never.
-    fork_ranks: bool = True
-    _rank_fork_server: ForkServer | None = None
+    # Where new ranks and engine servers fork from (`harness.fork_servers`): `fork_server`, an owner's fork server
+    # for the embedded engine's servers (a test session shares its own), else one started at the first such
+    # engine; `fork_engines` / `fork_ranks` False: those start as new interpreters. Stopped in `close`.
+    fork_server: InitVar[ForkServerAddress | None] = None
+    fork_engines: InitVar[bool] = True
+    fork_ranks: InitVar[bool] = True
+    forks: ForkServers = field(init=False)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+
+    def __post_init__(self, fork_server: ForkServerAddress | None, fork_engines: bool, fork_ranks: bool) -> None:
+        self.forks = ForkServers(self.out_dir / "logs", fork_engines, fork_server, fork_ranks)
 
     def pool(self, world_size: int) -> TrainerPool:
         """The reusable pool for `world_size`. Besides it, at most `idle_pools` pools of other world sizes
@@ -126,7 +121,7 @@ class Runner:
                 self.drop_pool(next(iter(self.pools)))
             pool = self.spares.pop(world_size, None)
             if pool is None:
-                pool = TrainerPool.create(world_size, fork_server=self.rank_fork_server())
+                pool = TrainerPool.create(world_size, fork_server=self.forks.for_ranks())
             else:
                 pool.restore_priority()  # its ranks may still be importing, at the lowest priority
             self.pools[world_size] = pool
@@ -141,7 +136,7 @@ class Runner:
             return
         for ws in self.spare_pools:
             if ws not in self.spares:
-                self.spares[ws] = TrainerPool.create(ws, warm=True, fork_server=self.rank_fork_server())
+                self.spares[ws] = TrainerPool.create(ws, warm=True, fork_server=self.forks.for_ranks())
 
     def drop_pool(self, world_size: int) -> None:
         """Kill a pool whose processes may be in a bad state, and the shelved engines in its placement group."""
@@ -151,7 +146,7 @@ class Runner:
             pool.kill()
 
     def close(self) -> None:
-        """End every shelved and spare engine and kill every pool, spares too; then this runner's fork server."""
+        """End every shelved and spare engine and kill every pool, spares too; then this runner's fork servers."""
         try:
             self.shelf.close()
             for ws in list(self.pools):
@@ -162,54 +157,7 @@ class Runner:
             while self.spares:
                 self.spares.popitem()[1].kill()
         finally:
-            try:
-                if self._own_fork_server is not None:
-                    self._own_fork_server.stop()
-                    self._own_fork_server = self.fork_server = None
-            finally:
-                if self._rank_fork_server is not None:  # the ranks Ray was told to kill end first
-                    self._rank_fork_server.stop(children_grace_s=10.0)
-                    self._rank_fork_server = None
-
-    def rank_fork_server(self) -> ForkServerAddress | None:
-        """Where new trainer ranks fork from (`fork_ranks`), None where they start as new interpreters (a GPU host);
-        starts this runner's rank fork server the first time, without waiting for its imports (the first ranks
-        wait for them in their launcher, `fork_client.exec_forked`, while the caller goes on)."""
-        if not self.fork_ranks or use_gpus():
-            return None
-        if self._rank_fork_server is not None and self._rank_fork_server.proc.poll() is not None:
-            self.fork_ranks = False  # it ended (its log says why): ranks start as new interpreters from now on
-            return None
-        if self._rank_fork_server is None:
-            self._rank_fork_server = ForkServer.start(
-                RANK_ROLE,
-                self.out_dir / "logs" / "rank-fork-server.log",
-                node_id=ray.get_runtime_context().get_node_id(),
-                env=ray_tag_env(),  # its ranks are found as the Ray's processes are (`end_leftovers`)
-                wait=False,
-            )
-        return self._rank_fork_server.address
-
-    def engine_fork_server(self, kind: EngineKind, record: RunRecord) -> ForkServerAddress | None:
-        """Where `kind`'s servers fork from (`fork_engines`), None where they start as new processes; starts this
-        runner's own fork server the first time one is needed. A fork server that does not start is a note in
-        `record`, and every server then starts as a new process."""
-        if not (self.fork_engines and kind.forks_from_fork_server):
-            return None
-        if self.fork_server is None:
-            try:
-                self._own_fork_server = ForkServer.start(
-                    ENGINE_ROLE,
-                    self.out_dir / "logs" / "fork-server.log",
-                    node_id=ray.get_runtime_context().get_node_id(),
-                    env=ray_tag_env(),  # its servers are found as the Ray's processes are (`end_leftovers`)
-                )
-            except ForkServerError as e:
-                record.notes.append(f"engine servers start as new processes: {e}"[:2000])
-                self.fork_engines = False
-                return None
-            self.fork_server = self._own_fork_server.address
-        return self.fork_server
+            self.forks.stop()
 
     def run_scenario(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
         """Run and judge one scenario; the record is written before returning. Unless `validated` (the
@@ -259,7 +207,7 @@ class Runner:
             engines, urls = self._restarted(key, sc, ckpt, record, hook) if reusable else ([], [])
             if not engines:
                 options = pool.engine_options(sc.colocate, sc.engine_tp)
-                fork_server = self.engine_fork_server(kind, record)
+                fork_server = self.forks.for_engines(kind, record)
                 engines = [EngineActor.options(**options).remote() for _ in range(sc.engines)]
                 starts = [  # every replica from dummy weights of its own seed
                     e.start.remote(
@@ -454,7 +402,7 @@ class Runner:
             return
         self._spares_started += 1
         log = self.out_dir / "logs" / f"spare-{self._spares_started}.engine.log"
-        fork_server = self.engine_fork_server(engine_kind(key.engine), record)
+        fork_server = self.forks.for_engines(engine_kind(key.engine), record)
         actor = EngineActor.options(**pool.engine_options(False, 1)).remote()
         start = actor.start.remote(
             sc.engine,

@@ -34,7 +34,7 @@ def log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr("harness.runner.TrainerPool.create", create)
     monkeypatch.setattr("harness.runner.use_gpus", lambda: False)
-    monkeypatch.setattr("harness.runner.Runner.rank_fork_server", lambda self: None)
+    monkeypatch.setattr("harness.fork_servers.ForkServers.for_ranks", lambda self: None)
     return events
 
 
