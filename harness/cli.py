@@ -3,14 +3,15 @@
     python -m harness run --matrix cpu [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
                           [--baseline DIR]
     python -m harness list --matrix cpu [--filter EXPR]
-    python -m harness faults [--filter EXPR] [--results-dir DIR] [--run-id ID]
+    python -m harness faults [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
     python -m harness report --run results/<run-id> --baseline results/baselines/cpu [--threshold 1.25]
-    python -m harness soak [--scenario ID]... [--syncs N] [--results-dir DIR] [--run-id ID]
+    python -m harness soak [--scenario ID]... [--syncs N] [--matrix cpu] [--results-dir DIR] [--run-id ID]
+                           [--ray-address ADDR]
 
 `run` exits 0 when every scenario's verdict is the one it expects (PASS unless it says `expect:`),
 1 otherwise, 2 on bad arguments; with `--baseline DIR` it also writes the regression report at the end
 and exits 1 when that finds a regression. `report` (`harness.report`) exits 1 on a regression.
-`faults` runs every registered fault injection (`harness/faults.py`)
+`faults` runs every registered fault injection (`harness/faults/`)
 and writes `faults.md` / `faults.csv` (fault, scenario, expected, got, caught); it exits 0 when every
 fault was caught with its expected verdict. `soak` runs scenarios for many syncs and judges the growth of
 their processes' resources (`harness.soak`). Every command samples resources after each sync
