@@ -8,7 +8,9 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import psutil
@@ -66,12 +68,13 @@ def _shm_names() -> set[str]:
     return {e.name for e in os.scandir(shm.SHM_DIR)}
 
 
-def _held_by_other_workers() -> set[str]:
-    """Names in /dev/shm that processes of another pytest-xdist worker map or hold open (read with psutil: a
-    process's environment names its worker, as the processes a worker starts inherit it); empty without xdist."""
+def _held_by_other_workers(among: set[str] | None = None) -> set[str]:
+    """Names in /dev/shm (of `among`, when given) that processes of another pytest-xdist worker map or hold open
+    (read with psutil: a process's environment names its worker, as the processes a worker starts inherit it);
+    empty without xdist."""
     ours = os.environ.get("PYTEST_XDIST_WORKER")
     names: set[str] = set()
-    if ours is None:
+    if ours is None or among == set():
         return names
     for proc in psutil.process_iter():
         try:
@@ -81,23 +84,65 @@ def _held_by_other_workers() -> set[str]:
         except psutil.Error:
             continue
         names |= {Path(p).name for p in paths if p.startswith(f"{shm.SHM_DIR}/")}
-    return names
+    return names if among is None else names & among
 
 
-def _new_shm_names(before: set[str], settle_s: float = 15.0) -> set[str]:
-    """Names in /dev/shm that were not there `before`, less those another xdist worker's processes hold, looked at
-    every second until none is left or `settle_s` passed: the other worker's scenarios make and remove their own
-    segments meanwhile (one made and not mapped yet, unmapped and not unlinked yet, or left by a process it killed
-    until its scenario's end removes it, which takes seconds), while a segment this test's scenario left stays."""
+class _OtherWorkersSegments:
+    """While a scenario runs: every segment that appears in /dev/shm and is seen held by another xdist worker's
+    processes, looked at every 0.5 s (processes are read only when a new name appears). Such a segment is that
+    worker's (names are random), also once its holders are gone and before its owner unlinks it: a server
+    killed by a signal leaves its segments unheld until its launcher's stop removes them."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        seen = _shm_names()
+        while not self._stop.wait(0.5):
+            now = _shm_names()
+            self.names |= _held_by_other_workers(now - seen)
+            seen = now
+
+    def __enter__(self) -> _OtherWorkersSegments:
+        if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+
+def _new_shm_names(before: set[str], theirs: AbstractSet[str] = frozenset(), settle_s: float = 15.0) -> set[str]:
+    """Names in /dev/shm that were not there `before`, less `theirs` and those another xdist worker's processes
+    hold, looked at every second until none is left or `settle_s` passed: the other worker's scenarios make and
+    remove their own segments meanwhile (one made and not mapped yet, unmapped and not unlinked yet, or left by a
+    process it killed until its scenario's end removes it, which takes seconds), while a segment this test's
+    scenario left stays."""
     deadline = time.monotonic() + settle_s
-    new = _shm_names() - before
+    new = _shm_names() - before - theirs
     while new:
         new &= _shm_names()
-        new -= _held_by_other_workers()
+        new -= _held_by_other_workers(new)
         if not new or time.monotonic() > deadline:
             break
         time.sleep(1.0)
     return new
+
+
+def _described(names: set[str]) -> list[str]:
+    """Each segment's name, size and age, for a failure message."""
+    out = []
+    for name in sorted(names):
+        try:
+            st = os.stat(f"{shm.SHM_DIR}/{name}")
+            out.append(f"{name} ({st.st_size} bytes, changed {time.time() - st.st_ctime:.0f} s ago)")
+        except OSError:
+            out.append(f"{name} (gone)")
+    return out
 
 
 @pytest.mark.parametrize("name", ORDER)
@@ -105,7 +150,8 @@ def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
     sc = SCENARIOS[name]
     before = _shm_names()
     t0 = time.monotonic()
-    rec = run_once(runner, sc)
+    with _OtherWorkersSegments() as theirs:
+        rec = run_once(runner, sc)
     elapsed = time.monotonic() - t0
     assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
     assert expectation_met(rec, rec.verdict), (sc.expect_note, rec.checks)  # and the note it expects, if any
@@ -123,8 +169,8 @@ def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
         assert results["parity_expected"]["ok"] or f"sync {sc.fault_sync}:" in results["parity_expected"]["message"]
     assert shm.present(shm.held_in(rec.resources)) == {}  # nothing of it left in /dev/shm
     # nor anything it made that no resource sample saw (a segment replaced before sync 0's sample)
-    new = _new_shm_names(before)
-    assert not new, sorted(new)
+    new = _new_shm_names(before, theirs.names)
+    assert not new, _described(new)
     if FAULTS[name].expect == "DEADLOCK":
         # Ended within its deadline (+ setup) + 30 s, with one stack file per rank and the engine.
         assert elapsed < sc.deadline_s + 30 + 60

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from harness_cli import sigint_not_ignored
 
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
 from reference_impl.fork_client import ForkServerAddress
@@ -168,8 +169,13 @@ def test_a_forked_server_that_fails_or_is_killed_has_the_exit_status_of_a_new_in
         assert proc.proc is not None and proc.proc.poll() is None
         os.kill(proc.proc.pid, signal.SIGKILL)
         assert proc.proc.wait(10) == -signal.SIGKILL
-    # a status the fork server writes late (busy with a client that has not sent its request yet) is still read
-    with _server(checkpoint, tmp_path / "late.log", fork_server) as proc, socket.socket(socket.AF_UNIX) as idle:
+    # a status the fork server writes late (busy with a client that has not sent its request yet) is still read;
+    # launched handling SIGINT, as from a terminal (from a pytest that ignores it, the server would ignore it too)
+    with (
+        sigint_not_ignored(),
+        _server(checkpoint, tmp_path / "late.log", fork_server) as proc,
+        socket.socket(socket.AF_UNIX) as idle,
+    ):
         assert proc.proc is not None
         idle.connect(fork_server.socket)
         os.kill(proc.proc.pid, signal.SIGINT)
