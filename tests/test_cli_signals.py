@@ -1,0 +1,67 @@
+"""A SIGTERM or SIGINT whose KeyboardInterrupt Python ignores still ends a run (`harness.cli.raise_if_signalled`).
+
+A handler's exception that lands in code whose exceptions Python only prints ("Exception ignored in ...") is
+lost: a harness signalled while an at-fork hook ran (logging's `_releaseLock`, after a fork such as Ray's
+`Popen(preexec_fn=...)` of its own processes) went on to its end and exited 0. `tests/test_hard_kills.py`
+signals whole runs at random moments; these tests put the signal into such a hook on purpose."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+from harness.scenario import Scenario
+
+LOST_IN_AN_AT_FORK_HOOK = textwrap.dedent(
+    """
+    import os, signal, subprocess
+    from harness import cli
+
+    signal.signal(signal.SIGTERM, cli._interrupt)
+    fired = []
+
+    def hook():  # runs in the parent after a fork, its exceptions printed and dropped
+        if not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))  # the handler runs between two bytecodes here, inside the hook
+
+    os.register_at_fork(after_in_parent=hook)
+    subprocess.run(["true"], check=True, preexec_fn=lambda: None)  # forks with the hooks, as Ray starts its processes
+    print("went on", flush=True)
+    {check}
+    print("ran to its end", flush=True)
+    """
+)
+
+
+def _run(check: str) -> subprocess.CompletedProcess[str]:
+    code = LOST_IN_AN_AT_FORK_HOOK.format(check=check)
+    root = str(Path(__file__).resolve().parents[1])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+
+
+def test_a_keyboard_interrupt_lost_in_an_at_fork_hook_is_raised_again() -> None:
+    lost = _run("pass")  # without the check: the signal is printed and forgotten
+    assert "Exception ignored" in lost.stderr and "KeyboardInterrupt: signal 15" in lost.stderr, lost.stderr
+    assert lost.stdout.splitlines() == ["went on", "ran to its end"] and lost.returncode == 0
+
+    checked = _run("cli.raise_if_signalled()")
+    assert checked.stdout.splitlines() == ["went on"], checked.stdout
+    assert "its first KeyboardInterrupt was lost" in checked.stderr, checked.stderr
+    assert checked.returncode == -signal.SIGINT  # Python's exit on an uncaught KeyboardInterrupt
+
+
+def test_a_run_signalled_before_a_scenario_does_not_start_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ran: list[str] = []
+    monkeypatch.setattr(cli, "_signalled", signal.SIGTERM)
+    monkeypatch.setattr("harness.matrix_run.MatrixRun.run", lambda self, sc, *a, **k: ran.append(sc.id))
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        cli.run_scenarios([Scenario(model="qwen3")], tmp_path, "signalled", None, after_sync=None)
+    assert ran == []
