@@ -4,6 +4,7 @@ interrupted one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -68,17 +69,37 @@ def _shm_names() -> set[str]:
     return {e.name for e in os.scandir(shm.SHM_DIR)}
 
 
+def _worker_of(proc: psutil.Process, known: dict[int, str | None]) -> str | None:
+    """The pytest-xdist worker whose test started `proc`: the first `PYTEST_XDIST_WORKER` in the environment of it
+    or of its nearest ancestor that has one (a process that renames itself, as vLLM's `VLLM::EngineCore` and Ray's
+    workers do with setproctitle, overwrites the memory `/proc/<pid>/environ` reads); None for none. `known`:
+    answers so far, by pid."""
+    chain = []
+    for p in [proc, *proc.parents()]:
+        if p.pid in known:
+            worker = known[p.pid]
+            break
+        chain.append(p.pid)
+        with contextlib.suppress(psutil.Error):
+            if worker := p.environ().get("PYTEST_XDIST_WORKER"):
+                break
+    else:
+        worker = None
+    known.update(dict.fromkeys(chain, worker))
+    return worker
+
+
 def _held_by_other_workers(among: set[str] | None = None) -> set[str]:
     """Names in /dev/shm (of `among`, when given) that processes of another pytest-xdist worker map or hold open
-    (read with psutil: a process's environment names its worker, as the processes a worker starts inherit it);
-    empty without xdist."""
+    (read with psutil, each process's worker by `_worker_of`); empty without xdist."""
     ours = os.environ.get("PYTEST_XDIST_WORKER")
     names: set[str] = set()
     if ours is None or among == set():
         return names
+    known: dict[int, str | None] = {}
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("PYTEST_XDIST_WORKER", ours) == ours:
+            if _worker_of(proc, known) in (None, ours):
                 continue
             paths = [m.path for m in proc.memory_maps()] + [f.path for f in proc.open_files()]
         except psutil.Error:
