@@ -58,10 +58,31 @@ def test_a_keyboard_interrupt_lost_in_an_at_fork_hook_is_raised_again() -> None:
     assert checked.returncode == -signal.SIGINT  # Python's exit on an uncaught KeyboardInterrupt
 
 
+class _Run:
+    """Stands in for `harness.matrix_run.MatrixRun` in `run_scenarios`: the real one's `close` shuts this
+    process's Ray down, which the test session's other tests share."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.ran: list[str] = []
+        self.closed = False
+        self.records: list[object] = []
+        self.out = Path(".")
+        RUNS.append(self)
+
+    def run(self, sc: Scenario, *args: object, **kwargs: object) -> None:
+        self.ran.append(sc.id)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+RUNS: list[_Run] = []
+
+
 def test_a_run_signalled_before_a_scenario_does_not_start_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    ran: list[str] = []
     monkeypatch.setattr(cli, "_signalled", signal.SIGTERM)
-    monkeypatch.setattr("harness.matrix_run.MatrixRun.run", lambda self, sc, *a, **k: ran.append(sc.id))
+    monkeypatch.setattr("harness.matrix_run.MatrixRun", _Run)
+    RUNS.clear()
     with pytest.raises(KeyboardInterrupt, match="signal 15"):
         cli.run_scenarios([Scenario(model="qwen3")], tmp_path, "signalled", None, after_sync=None)
-    assert ran == []
+    assert [(r.ran, r.closed) for r in RUNS] == [([], True)]  # nothing started, and the run closed
