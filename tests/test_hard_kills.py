@@ -258,9 +258,10 @@ def test_rank_killed_mid_gather_ends_as_crash_or_deadlock(runner, seed: int) -> 
 
     rec, killer = _run_with_kill(runner, sc, lambda trace, pids: Killer(trace, reached, pids, "rank1", victim))
     # The stop lands in the chosen sync, or, on a loaded host where stage 1's hand-off (a few milliseconds) ended
-    # before the killer thread ran, in a later one: in the middle of a sync either way, never after the last.
-    landed = re.match(r"sync (\d+): (?!finished|checksums of what was sent)", killer.in_flight)  # not at its end
-    assert landed and sync <= int(landed.group(1)) <= sc.syncs, killer.in_flight  # syncs 0..sc.syncs
+    # before the stop did, later: in a later sync, or in the trainer step before one (the sender waits there
+    # for the stopped stage's step to return); never after the last sync.
+    landed = re.match(r"(sync|step) (\d+): (?!finished|checksums of what was sent)", killer.in_flight)
+    assert landed and sync <= int(landed.group(2)) <= sc.syncs, killer.in_flight  # syncs 0..sc.syncs, steps 1..
     assert rec.verdict in ("CRASH", "DEADLOCK"), [c for c in rec.checks if not c["ok"]]
     deciding = next(c for c in rec.checks if not c["ok"] and not c["skipped"] and c["verdict_on_fail"] == rec.verdict)
     if rec.verdict == "CRASH":
