@@ -3,7 +3,7 @@
 A fork server (`reference_impl.fork_server`) imports a role's modules once and forks each new process from
 there, instead of each process importing them (7-9 s of CPU apiece on a 2-core host). Both run on the
 driver's node and carry the driver's Ray tag (`placement.ray_tag_env`), so what they fork is found as the
-Ray's processes are (`end_leftovers`). Neither is used on a GPU host for ranks (CUDA does not survive a fork).
+Ray's processes are (`end_leftovers`). On a GPU host ranks never fork (CUDA does not survive a fork).
 """
 
 from __future__ import annotations
