@@ -21,13 +21,13 @@ their processes' resources (`harness.soak`). Every command samples resources aft
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness import interrupts
 from harness.checks import expectation_met
 from harness.record import RunRecord
 from harness.scenario import Scenario, expand, load_matrix, select
@@ -110,13 +110,13 @@ def run_scenarios(
             task = progress.add_task("starting", total=len(scenarios))
             problems = {sc.id: validate(sc) for sc in scenarios}  # once per scenario, before anything starts
             for sc in order_for_reuse(scenarios):
-                raise_if_signalled()
+                interrupts.raise_if_signalled()
                 progress.update(task, description=sc.id)
                 rec = run.run(sc, problems[sc.id], validated=True)
                 style = "green" if expectation_met(rec, rec.verdict) else "red"
                 progress.console.print(f"[{style}]{rec.verdict:14s}[/] {rec.scenario_id}")
                 progress.advance(task)
-            raise_if_signalled()
+            interrupts.raise_if_signalled()
     finally:
         run.close()
     wall = time.perf_counter() - t0
@@ -175,34 +175,11 @@ def cmd_faults(args: argparse.Namespace) -> int:
     return 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
 
 
-_signalled: int | None = None  # the SIGTERM or SIGINT this process got, once it got one
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM's and SIGINT's handler: a KeyboardInterrupt, as Ctrl-C raises, and the signal kept for
-    `raise_if_signalled`."""
-    global _signalled
-    _signalled = signum
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def raise_if_signalled() -> None:
-    """Raise KeyboardInterrupt again where this process got SIGTERM or SIGINT and goes on: the handler's
-    KeyboardInterrupt is lost where it lands in code whose exceptions Python ignores and only prints
-    ("Exception ignored in ..."): an at-fork hook such as logging's `_releaseLock`, which runs in the parent
-    after a fork such as Ray's `Popen(preexec_fn=...)` of its own processes, a finalizer, a `__del__`. The run
-    would then go on to its end and exit 0."""
-    if _signalled is not None:
-        raise KeyboardInterrupt(f"signal {_signalled} (its first KeyboardInterrupt was lost)")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m harness`. SIGTERM ends a run like Ctrl-C: every process it started is
-    stopped on the way out. SIGINT stays ignored where this process started with it ignored (a shell's
-    background job), as Python leaves it."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupt)
+    stopped on the way out, also where Python drops the KeyboardInterrupt (`harness.interrupts`). SIGINT
+    stays ignored where this process started with it ignored (a shell's background job), as Python leaves it."""
+    interrupts.install()
     args = _parser().parse_args(argv)
     try:
         commands = {"run": cmd_run, "list": cmd_list, "faults": cmd_faults, "report": cmd_report, "soak": cmd_soak}

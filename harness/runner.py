@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from harness import shm
+from harness import interrupts, shm
 from harness.checks import group_differences, judged
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
@@ -269,6 +269,9 @@ class Runner:
                 record.stacks = dump_stacks(pids, self.out_dir / "stacks" / sc.id.replace("/", "__"))
         except Exception as e:
             record.errors.append(error_from(e, None, "runner"))
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or one Python had dropped, raised again by a wait
+            interrupts.delivered()  # the cleanup below ends the scenario's processes; its waits must not raise it
+            raise
         finally:
             marks["teardown"] = time.perf_counter()
             for checker in checkers:  # the harness's own calls (checksums, log-probs), also on failure

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from harness.interrupts import raise_if_signalled
 from harness.record import ErrorRecord
 from reference_impl.transport.progress import read_progress
 from reference_impl.transport.sync import SENDER
@@ -95,9 +96,11 @@ class EngineWatch:
 def wait_watched(
     refs: list[Any], timeout: float, what: str, watch: Callable[[str], ErrorRecord | None] | None = None
 ) -> list[Any]:
-    """`ray.get(refs)` within `timeout` seconds, in slices of `SLICE_S`.
+    """`ray.get(refs)` within `timeout` seconds, in slices of `SLICE_S`; before each slice, a SIGTERM or SIGINT
+    whose KeyboardInterrupt Python dropped is raised again (`harness.interrupts.raise_if_signalled`).
 
     Raises:
+        KeyboardInterrupt: this process got SIGTERM or SIGINT and its KeyboardInterrupt was lost.
         ray.exceptions.RayError: a ref's task failed (as soon as it did, not after the others).
         EngineExited: `watch(what)` found the engine's server gone while refs were pending.
         ray.exceptions.GetTimeoutError: refs still pending after `timeout` seconds.
@@ -106,6 +109,7 @@ def wait_watched(
     results: dict[Any, Any] = {}
     pending = list(refs)
     while pending:
+        raise_if_signalled()
         left = deadline - time.monotonic()
         if left <= 0:
             raise ray.exceptions.GetTimeoutError(f"{what}: {len(pending)} of {len(refs)} results pending")

@@ -1,9 +1,10 @@
-"""A SIGTERM or SIGINT whose KeyboardInterrupt Python ignores still ends a run (`harness.cli.raise_if_signalled`).
+"""A SIGTERM or SIGINT whose KeyboardInterrupt Python ignores still ends a run (`harness.interrupts`).
 
 A handler's exception that lands in code whose exceptions Python only prints ("Exception ignored in ...") is
 lost: a harness signalled while an at-fork hook ran (logging's `_releaseLock`, after a fork such as Ray's
 `Popen(preexec_fn=...)` of its own processes) went on to its end and exited 0. `tests/test_hard_kills.py`
-signals whole runs at random moments; these tests put the signal into such a hook on purpose."""
+signals whole runs at random moments; these tests put the signal into such a hook on purpose, or drop its
+KeyboardInterrupt in the middle of a scenario."""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli
+from harness import cli, interrupts
 from harness.scenario import Scenario
 
 LOST_IN_AN_AT_FORK_HOOK = textwrap.dedent(
     """
     import os, signal, subprocess
-    from harness import cli
+    from harness import interrupts
 
-    signal.signal(signal.SIGTERM, cli._interrupt)
+    signal.signal(signal.SIGTERM, interrupts.on_signal)
     fired = []
 
     def hook():  # runs in the parent after a fork, its exceptions printed and dropped
@@ -52,7 +53,7 @@ def test_a_keyboard_interrupt_lost_in_an_at_fork_hook_is_raised_again() -> None:
     assert "Exception ignored" in lost.stderr and "KeyboardInterrupt: signal 15" in lost.stderr, lost.stderr
     assert lost.stdout.splitlines() == ["went on", "ran to its end"] and lost.returncode == 0
 
-    checked = _run("cli.raise_if_signalled()")
+    checked = _run("interrupts.raise_if_signalled()")
     assert checked.stdout.splitlines() == ["went on"], checked.stdout
     assert "its first KeyboardInterrupt was lost" in checked.stderr, checked.stderr
     assert checked.returncode == -signal.SIGINT  # Python's exit on an uncaught KeyboardInterrupt
@@ -80,9 +81,46 @@ RUNS: list[_Run] = []
 
 
 def test_a_run_signalled_before_a_scenario_does_not_start_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(cli, "_signalled", signal.SIGTERM)
+    monkeypatch.setattr(interrupts, "_signalled", signal.SIGTERM)
     monkeypatch.setattr("harness.matrix_run.MatrixRun", _Run)
     RUNS.clear()
     with pytest.raises(KeyboardInterrupt, match="signal 15"):
         cli.run_scenarios([Scenario(model="qwen3")], tmp_path, "signalled", None, after_sync=None)
     assert [(r.ran, r.closed) for r in RUNS] == [([], True)]  # nothing started, and the run closed
+
+
+class _SignalAfterSync:
+    """The runner's `after_sync` hook: after sync `at` it runs the SIGTERM handler (`interrupts.on_signal`), and
+    where `lost`, drops its KeyboardInterrupt as Python drops one raised in an at-fork hook."""
+
+    def __init__(self, at: int, lost: bool) -> None:
+        self.at, self.lost = at, lost
+        self.calls: list[int] = []
+
+    def __call__(self, record: object, index: int, pids: object) -> None:
+        self.calls.append(index)
+        if index != self.at:
+            return
+        try:
+            interrupts.on_signal(signal.SIGTERM, None)
+        except KeyboardInterrupt:
+            if not self.lost:
+                raise
+
+
+@pytest.mark.parametrize("lost", [True, False], ids=["lost", "delivered"])
+def test_a_signal_in_a_scenario_ends_it_at_once_and_only_once(
+    runner, monkeypatch: pytest.MonkeyPatch, lost: bool
+) -> None:
+    monkeypatch.setattr(interrupts, "_signalled", None)  # and back to None after the test, whatever happens
+    hook = _SignalAfterSync(at=0, lost=lost)
+    monkeypatch.setattr(runner, "after_sync", hook)
+    with pytest.raises(KeyboardInterrupt, match="was lost" if lost else r"signal 15$"):
+        runner.run_scenario(Scenario(model="qwen3", syncs=4, logprobs=False))
+    # A lost one is raised again by the wait on sync 1's ranks, not after the scenario ran to its end.
+    assert hook.calls == [0]
+    # The runner saw it delivered: a wait of its cleanup, or of a later scenario, does not raise it again.
+    assert interrupts._signalled is None
+    monkeypatch.setattr(runner, "after_sync", None)
+    rec = runner.run_scenario(Scenario(model="qwen3", syncs=2, logprobs=False))
+    assert rec.verdict == "PASS", (rec.verdict, rec.errors)

@@ -1,0 +1,56 @@
+"""SIGTERM and SIGINT end a run as Ctrl-C does, also where Python drops the KeyboardInterrupt they raise.
+
+`install` makes `on_signal` the handler: it raises KeyboardInterrupt and keeps the signal. A handler's
+exception that lands in code whose exceptions Python only prints ("Exception ignored in ...") is lost: an
+at-fork hook such as logging's `_releaseLock`, which runs in the parent after a fork such as Ray's
+`Popen(preexec_fn=...)` of its own processes, a finalizer, a `__del__`. `raise_if_signalled` raises it
+again; the run loop calls it before each scenario (`harness.cli.run_scenarios`) and a scenario's waits on its
+ranks and engines call it every slice (`harness.watch.wait_watched`), so a lost signal ends the scenario
+within about a second instead of at its end.
+
+A KeyboardInterrupt that was delivered is not raised a second time: whoever catches it and cleans up (the
+runner, around one scenario) calls `delivered`, so the waits of that cleanup, and of a process that goes on
+after handling it (a test session, a caller of `harness.runner.Runner`), do not raise it again.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+_signalled: int | None = None  # the SIGTERM or SIGINT not yet seen delivered, once this process got one
+
+
+def on_signal(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM's and SIGINT's handler: raises KeyboardInterrupt("signal N"), as Ctrl-C does, and keeps the
+    signal for `raise_if_signalled`."""
+    global _signalled
+    _signalled = signum
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def raise_if_signalled() -> None:
+    """Raise KeyboardInterrupt again where this process got SIGTERM or SIGINT whose KeyboardInterrupt has not
+    been seen delivered (`delivered`): it was lost where Python ignores exceptions, and the run would otherwise
+    go on to its end and exit 0.
+
+    Raises:
+        KeyboardInterrupt: "signal N (its first KeyboardInterrupt was lost)".
+    """
+    if _signalled is not None:
+        raise KeyboardInterrupt(f"signal {_signalled} (its first KeyboardInterrupt was lost)")
+
+
+def delivered() -> None:
+    """Say that the KeyboardInterrupt of the signal kept (if any) reached code that handles it: later calls of
+    `raise_if_signalled` do not raise it again. A later signal is kept anew."""
+    global _signalled
+    _signalled = None
+
+
+def install() -> None:
+    """Make `on_signal` SIGTERM's handler, and SIGINT's unless this process started with SIGINT ignored (a
+    shell's background job): there it stays ignored, as Python leaves it."""
+    signal.signal(signal.SIGTERM, on_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_signal)
