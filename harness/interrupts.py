@@ -10,13 +10,18 @@ within about a second instead of at its end.
 
 A KeyboardInterrupt that was delivered is not raised a second time: whoever catches it and cleans up (the
 runner, around one scenario) calls `delivered`, so the waits of that cleanup, and of a process that goes on
-after handling it (a test session, a caller of `harness.runner.Runner`), do not raise it again.
+after handling it (a test session, a caller of `harness.runner.Runner`), do not raise it again. The scenario
+it interrupted keeps its record, judged, with `interrupted_error` among its errors and every process's last
+phase in `RunRecord.progress`: a hang that someone stopped by hand says where it hung.
 """
 
 from __future__ import annotations
 
 import signal
+import traceback
 from types import FrameType
+
+from harness.record import ErrorRecord, RunRecord
 
 _signalled: int | None = None  # the SIGTERM or SIGINT not yet seen delivered, once this process got one
 
@@ -54,3 +59,15 @@ def install() -> None:
     signal.signal(signal.SIGTERM, on_signal)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, on_signal)
+
+
+def interrupted_error(e: KeyboardInterrupt, record: RunRecord) -> ErrorRecord:
+    """The runner's error for a scenario interrupted by Ctrl-C or a signal (judged a CRASH of the runner, never a
+    PASS): how far its syncs got, and that every process's last phase is in `RunRecord.progress`."""
+    syncs = f"after {len(record.syncs)} of {record.scenario.syncs} syncs"
+    return ErrorRecord(
+        where="runner",
+        type="KeyboardInterrupt",
+        message=f"the run was interrupted ({e or 'Ctrl-C'}) {syncs}; each process's last phase: the record's progress",
+        traceback="".join(traceback.format_exception(e))[-8000:],
+    )

@@ -232,7 +232,7 @@ class RunRecord(BaseModel):
     config_error: str | None = None
     deadlock: bool = False
     deadlock_at: str = ""  # what was in flight when the deadline passed ("sync 0", "perturb 2", ...)
-    progress: dict[str, str] = Field(default_factory=dict)  # process label -> its last phase, at the deadline
+    progress: dict[str, str] = Field(default_factory=dict)  # process label -> last phase, at a deadline or interrupt
     stacks: list[str] = Field(default_factory=list)  # stack dump files (deadlocks)
     http: list[HttpCall] = Field(default_factory=list)
     errors: list[ErrorRecord] = Field(default_factory=list)

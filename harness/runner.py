@@ -52,6 +52,7 @@ from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_la
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient
 from reference_impl.transport.observed import HttpCall, TensorLayout
+from reference_impl.transport.progress import read_progress
 from reference_impl.worker import TrainerSetup
 
 
@@ -181,7 +182,7 @@ class Runner:
         engines: list[object] = []
         checkers: list[EngineClient] = []
         session: ScenarioSession | None = None
-        healthy = reusable = False
+        healthy = reusable = interrupted = False
         marks = {"start": time.perf_counter()}
         pids: dict[str, int | None] = {}
         try:
@@ -269,8 +270,11 @@ class Runner:
                 record.stacks = dump_stacks(pids, self.out_dir / "stacks" / sc.id.replace("/", "__"))
         except Exception as e:
             record.errors.append(error_from(e, None, "runner"))
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or one Python had dropped, raised again by a wait
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, or one Python had dropped, raised again by a wait
             interrupts.delivered()  # the cleanup below ends the scenario's processes; its waits must not raise it
+            interrupted = True
+            record.errors.append(interrupts.interrupted_error(e, record))
+            record.progress = read_progress(self.trace_dir(sc.id))  # where each rank was: a hang's first clue
             raise
         finally:
             marks["teardown"] = time.perf_counter()
@@ -301,6 +305,8 @@ class Runner:
                 shm.unlink(held)
             marks["end"] = time.perf_counter()
             record.wall = wall_split(marks, session.checks_s if session is not None else 0.0)
+            if interrupted:  # what the scenario had is kept, judged, before the interrupt goes on
+                self._finish(record)
         return self._finish(record)
 
     def _fault_undone(self, session: ScenarioSession, record: RunRecord) -> bool:

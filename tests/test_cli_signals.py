@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli, interrupts
+from harness.record import RunRecord
 from harness.scenario import Scenario
 
 LOST_IN_AN_AT_FORK_HOOK = textwrap.dedent(
@@ -115,12 +116,19 @@ def test_a_signal_in_a_scenario_ends_it_at_once_and_only_once(
     monkeypatch.setattr(interrupts, "_signalled", None)  # and back to None after the test, whatever happens
     hook = _SignalAfterSync(at=0, lost=lost)
     monkeypatch.setattr(runner, "after_sync", hook)
+    sc = Scenario(model="qwen3", syncs=4, logprobs=False, suffix=f"interrupted-{'lost' if lost else 'delivered'}")
     with pytest.raises(KeyboardInterrupt, match="was lost" if lost else r"signal 15$"):
-        runner.run_scenario(Scenario(model="qwen3", syncs=4, logprobs=False))
+        runner.run_scenario(sc)
     # A lost one is raised again by the wait on sync 1's ranks, not after the scenario ran to its end.
     assert hook.calls == [0]
     # The runner saw it delivered: a wait of its cleanup, or of a later scenario, does not raise it again.
     assert interrupts._signalled is None
+    # What the scenario had is on disk, judged: sync 0, the interrupt as the runner's error, every rank's phase.
+    rec = RunRecord.load(runner.record_path(sc.id))
+    assert [s.index for s in rec.syncs] == [0]
+    assert rec.verdict == "CRASH" and [(e.where, e.type) for e in rec.errors] == [("runner", "KeyboardInterrupt")]
+    assert "after 1 of 4 syncs" in rec.errors[0].message, rec.errors[0].message
+    assert sorted(rec.progress) == ["rank0"] and rec.progress["rank0"], rec.progress
     monkeypatch.setattr(runner, "after_sync", None)
     rec = runner.run_scenario(Scenario(model="qwen3", syncs=2, logprobs=False))
     assert rec.verdict == "PASS", (rec.verdict, rec.errors)
