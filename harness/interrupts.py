@@ -62,9 +62,10 @@ def install() -> None:
 
 
 def interrupted_error(e: KeyboardInterrupt, record: RunRecord) -> ErrorRecord:
-    """The runner's error for a scenario interrupted by Ctrl-C or a signal (judged a CRASH of the runner, never a
-    PASS): how far its syncs got, and that every process's last phase is in `RunRecord.progress`."""
-    syncs = f"after {len(record.syncs)} of {record.scenario.syncs} syncs"
+    """The runner's error for a scenario interrupted by Ctrl-C or a signal (judged a CRASH of the runner, never
+    a PASS): how many of the scenario's `syncs + 1` syncs ran (`ScenarioSession.run_syncs`: the last re-sends
+    unchanged weights), and that every process's last phase is in `RunRecord.progress`."""
+    syncs = f"after {len(record.syncs)} of {record.scenario.syncs + 1} syncs"
     return ErrorRecord(
         where="runner",
         type="KeyboardInterrupt",

@@ -163,7 +163,12 @@ class Runner:
     def run_scenario(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
         """Run and judge one scenario; the record is written before returning. Unless `validated` (the
         caller already ran `harness.validate.validate` and passes its answer as `config_error`), the
-        scenario is validated here first."""
+        scenario is validated here first.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C or a signal (`harness.interrupts`), once the scenario's processes are ended
+                or shelved and its record, with the interrupt among its errors, is written.
+        """
         record = RunRecord(
             scenario_id=sc.id,
             scenario=sc,
@@ -175,6 +180,18 @@ class Runner:
         if problem:
             record.config_error = problem
             return self._finish(record)
+        try:
+            self._run(sc, record)
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, or one Python had dropped, raised again by a wait
+            interrupts.delivered()  # once here, also where it came during the cleanup
+            record.errors.append(interrupts.interrupted_error(e, record))
+            record.progress = read_progress(self.trace_dir(sc.id))  # where each rank was: a hang's first clue
+            self._finish(record)  # what the scenario had is kept, judged, before the interrupt goes on
+            raise
+        return self._finish(record)
+
+    def _run(self, sc: Scenario, record: RunRecord) -> None:
+        """Set up, run and end `sc`'s processes and session into `record` (not yet judged)."""
         kind = engine_kind(sc.engine)
         record.engine_capabilities = kind.capabilities
         if kind.note:
@@ -182,7 +199,7 @@ class Runner:
         engines: list[object] = []
         checkers: list[EngineClient] = []
         session: ScenarioSession | None = None
-        healthy = reusable = interrupted = False
+        healthy = reusable = False
         marks = {"start": time.perf_counter()}
         pids: dict[str, int | None] = {}
         try:
@@ -270,11 +287,8 @@ class Runner:
                 record.stacks = dump_stacks(pids, self.out_dir / "stacks" / sc.id.replace("/", "__"))
         except Exception as e:
             record.errors.append(error_from(e, None, "runner"))
-        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, or one Python had dropped, raised again by a wait
+        except KeyboardInterrupt:
             interrupts.delivered()  # the cleanup below ends the scenario's processes; its waits must not raise it
-            interrupted = True
-            record.errors.append(interrupts.interrupted_error(e, record))
-            record.progress = read_progress(self.trace_dir(sc.id))  # where each rank was: a hang's first clue
             raise
         finally:
             marks["teardown"] = time.perf_counter()
@@ -305,9 +319,6 @@ class Runner:
                 shm.unlink(held)
             marks["end"] = time.perf_counter()
             record.wall = wall_split(marks, session.checks_s if session is not None else 0.0)
-            if interrupted:  # what the scenario had is kept, judged, before the interrupt goes on
-                self._finish(record)
-        return self._finish(record)
 
     def _fault_undone(self, session: ScenarioSession, record: RunRecord) -> bool:
         """Whether a scenario that faulted or failed a sync, and still ended in step (`outcome.in_step`: it ran

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli, interrupts
+from harness import runner as runner_module
 from harness.record import RunRecord
 from harness.scenario import Scenario
 
@@ -127,8 +128,27 @@ def test_a_signal_in_a_scenario_ends_it_at_once_and_only_once(
     rec = RunRecord.load(runner.record_path(sc.id))
     assert [s.index for s in rec.syncs] == [0]
     assert rec.verdict == "CRASH" and [(e.where, e.type) for e in rec.errors] == [("runner", "KeyboardInterrupt")]
-    assert "after 1 of 4 syncs" in rec.errors[0].message, rec.errors[0].message
+    assert "after 1 of 5 syncs" in rec.errors[0].message, rec.errors[0].message
     assert sorted(rec.progress) == ["rank0"] and rec.progress["rank0"], rec.progress
     monkeypatch.setattr(runner, "after_sync", None)
     rec = runner.run_scenario(Scenario(model="qwen3", syncs=2, logprobs=False))
     assert rec.verdict == "PASS", (rec.verdict, rec.errors)
+
+
+def test_a_signal_in_a_scenarios_cleanup_still_writes_its_record(runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(interrupts, "_signalled", None)
+    real_wall_split = runner_module.wall_split
+
+    def signalled(*args: object, **kwargs: object) -> object:  # the cleanup's last step, once every sync ran
+        monkeypatch.setattr(runner_module, "wall_split", real_wall_split)
+        interrupts.on_signal(signal.SIGINT, None)
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(runner_module, "wall_split", signalled)
+    sc = Scenario(model="qwen3", syncs=2, logprobs=False, suffix="interrupted-in-cleanup")
+    with pytest.raises(KeyboardInterrupt, match=r"signal 2$"):
+        runner.run_scenario(sc)
+    assert interrupts._signalled is None
+    rec = RunRecord.load(runner.record_path(sc.id))
+    assert [s.index for s in rec.syncs] == [0, 1, 2] and rec.verdict == "CRASH"  # the last re-sends unchanged weights
+    assert "after 3 of 3 syncs" in rec.errors[-1].message, rec.errors
