@@ -357,6 +357,10 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     assert not running or proc.returncode != 0, (how, proc.returncode, out[-2000:])
     for path in sorted((tmp_path / "signalled" / "records").glob("*.json")):
         assert RunRecord.load(path).verdict, path  # every finished scenario: a valid, judged record
+    # and every scenario that started (its ranks made its trace folder), the interrupted one too
+    traced = {p.name for p in (tmp_path / "signalled" / "trace").glob("*")}
+    recorded = {p.stem for p in (tmp_path / "signalled" / "records").glob("*.json")}
+    assert traced <= recorded, (how, sorted(traced - recorded), out[-2000:])
     watcher.done.set()
     watcher.join(timeout=5)
     ours |= _marked(marker) | watcher.pids
