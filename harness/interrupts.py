@@ -64,11 +64,12 @@ def install() -> None:
 def interrupted_error(e: KeyboardInterrupt, record: RunRecord) -> ErrorRecord:
     """The runner's error for a scenario interrupted by Ctrl-C or a signal (judged a CRASH of the runner, never
     a PASS): how many of the scenario's `syncs + 1` syncs ran (`ScenarioSession.run_syncs`: the last re-sends
-    unchanged weights), and that every process's last phase is in `RunRecord.progress`."""
+    unchanged weights) and every process's last phase, from `RunRecord.progress` (read before this call)."""
     syncs = f"after {len(record.syncs)} of {record.scenario.syncs + 1} syncs"
+    phases = "; ".join(f"{label}: {phase}" for label, phase in record.progress.items()) or "none recorded"
     return ErrorRecord(
         where="runner",
         type="KeyboardInterrupt",
-        message=f"the run was interrupted ({e or 'Ctrl-C'}) {syncs}; each process's last phase: the record's progress",
+        message=f"the run was interrupted ({e or 'Ctrl-C'}) {syncs}; last phases: {phases}",
         traceback="".join(traceback.format_exception(e))[-8000:],
     )

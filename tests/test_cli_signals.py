@@ -128,7 +128,7 @@ def test_a_signal_in_a_scenario_ends_it_at_once_and_only_once(
     rec = RunRecord.load(runner.record_path(sc.id))
     assert [s.index for s in rec.syncs] == [0]
     assert rec.verdict == "CRASH" and [(e.where, e.type) for e in rec.errors] == [("runner", "KeyboardInterrupt")]
-    assert "after 1 of 5 syncs" in rec.errors[0].message, rec.errors[0].message
+    assert f"after 1 of 5 syncs; last phases: rank0: {rec.progress['rank0']}" in rec.errors[0].message, rec.errors
     assert sorted(rec.progress) == ["rank0"] and rec.progress["rank0"], rec.progress
     monkeypatch.setattr(runner, "after_sync", None)
     rec = runner.run_scenario(Scenario(model="qwen3", syncs=2, logprobs=False))
