@@ -89,11 +89,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[i] = item
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    """SIGTERM ends the session like Ctrl-C, so the run's processes are stopped on the way out."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 @pytest.fixture(scope="session")
 def matrix_run(request: pytest.FixtureRequest) -> Iterator[Any]:
     """The session's `harness.matrix_run.MatrixRun` over the selected scenarios (in matrix order); closed
@@ -112,7 +107,11 @@ def matrix_run(request: pytest.FixtureRequest) -> Iterator[Any]:
         config.getoption("--ray-address"),
     )
     config.stash[RUN_FOLDER] = run.out
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    from harness.interrupts import on_signal
+
+    # SIGTERM ends the session like Ctrl-C, so the run's processes are stopped on the way out; one whose
+    # KeyboardInterrupt Python dropped is raised again at the scenario's next wait (`harness.interrupts`)
+    previous = signal.signal(signal.SIGTERM, on_signal)
     try:
         yield run
     finally:

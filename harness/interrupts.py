@@ -11,8 +11,8 @@ within about a second instead of at its end.
 A KeyboardInterrupt that was delivered is not raised a second time: whoever catches it and cleans up (the
 runner, around one scenario) calls `delivered`, so the waits of that cleanup, and of a process that goes on
 after handling it (a test session, a caller of `harness.runner.Runner`), do not raise it again. The scenario
-it interrupted keeps its record, judged, with `interrupted_error` among its errors and every process's last
-phase in `RunRecord.progress`: a hang that someone stopped by hand says where it hung.
+it interrupted keeps its record, judged, with `interrupted_error` among its errors and every trainer rank's
+last phase in `RunRecord.progress`: a hang that someone stopped by hand says where it hung.
 """
 
 from __future__ import annotations
@@ -62,14 +62,17 @@ def install() -> None:
 
 
 def interrupted_error(e: KeyboardInterrupt, record: RunRecord) -> ErrorRecord:
-    """The runner's error for a scenario interrupted by Ctrl-C or a signal (judged a CRASH of the runner, never
-    a PASS): how many of the scenario's `syncs + 1` syncs ran (`ScenarioSession.run_syncs`: the last re-sends
-    unchanged weights) and every process's last phase, from `RunRecord.progress` (read before this call)."""
-    syncs = f"after {len(record.syncs)} of {record.scenario.syncs + 1} syncs"
+    """The runner's error for a scenario interrupted by Ctrl-C or a signal (a CRASH of the runner, unless its
+    deadline had already passed: DEADLOCK; never a PASS, and never the verdict it expects,
+    `harness.checks.interrupted`): how many syncs it recorded, of the `syncs + 1` it plans
+    (`ScenarioSession.run_syncs`: the last re-sends unchanged weights; a recovery sync after a failed one also
+    counts), and every trainer rank's last phase, from `RunRecord.progress` (read before this call)."""
+    n = len(record.syncs)
+    syncs = f"after {n} sync{'' if n == 1 else 's'} of {record.scenario.syncs + 1} planned"
     phases = "; ".join(f"{label}: {phase}" for label, phase in record.progress.items()) or "none recorded"
     return ErrorRecord(
         where="runner",
         type="KeyboardInterrupt",
-        message=f"the run was interrupted ({e or 'Ctrl-C'}) {syncs}; last phases: {phases}",
+        message=f"the run was interrupted ({str(e) or 'Ctrl-C'}) {syncs}; last phases: {phases}",
         traceback="".join(traceback.format_exception(e))[-8000:],
     )

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.checks import interrupted
 from harness.record import RunRecord
 from harness.scenario import Scenario
 from harness.validate import validate
@@ -92,7 +93,9 @@ class MatrixRun:
     def _on_record(self, rec: RunRecord) -> None:
         self.records.append(rec)
         key = rec.scenario.group_key
-        if key and self.runner is not None:
+        # an interrupted member (`checks.interrupted`) ran fewer syncs than the others; comparing it would re-judge
+        # them; its group stays open and its members keep their own verdicts
+        if key and self.runner is not None and not interrupted(rec):
             self.pending[key] -= 1
             if self.pending[key] == 0:  # the whole group has run: compare its members
                 members = [r for r in self.records if r.scenario.group_key == key]

@@ -53,8 +53,8 @@ def _keeping_sigterm_handler() -> Iterator[None]:
     """Put this process's own SIGTERM handler back after the block. `ray.init` installs its own failure
     handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process: the run's
     `close` never runs and its Ray, workers and engine servers are left behind. The harness's handler
-    (`cli.main`: SIGTERM ends a run like Ctrl-C) must stay the one that runs. Only a Python function is
-    put back: a driver without one of its own (a test session) keeps what Ray installs."""
+    (`harness.interrupts.install`: SIGTERM ends a run like Ctrl-C) must stay the one that runs. Only a Python
+    function is put back: a driver without one of its own (a test session) keeps what Ray installs."""
     handler = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or not callable(handler):
         yield

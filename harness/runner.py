@@ -184,7 +184,8 @@ class Runner:
             self._run(sc, record)
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, or one Python had dropped, raised again by a wait
             interrupts.delivered()  # once here, also where it came during the cleanup
-            record.progress = read_progress(self.trace_dir(sc.id))  # where each rank was: a hang's first clue
+            if not record.progress:  # as read at a deadline, else now: where each rank was, a hang's first clue
+                record.progress = read_progress(self.trace_dir(sc.id))
             record.errors.append(interrupts.interrupted_error(e, record))
             self._finish(record)  # what the scenario had is kept, judged, before the interrupt goes on
             raise

@@ -128,7 +128,8 @@ def test_a_signal_in_a_scenario_ends_it_at_once_and_only_once(
     rec = RunRecord.load(runner.record_path(sc.id))
     assert [s.index for s in rec.syncs] == [0]
     assert rec.verdict == "CRASH" and [(e.where, e.type) for e in rec.errors] == [("runner", "KeyboardInterrupt")]
-    assert f"after 1 of 5 syncs; last phases: rank0: {rec.progress['rank0']}" in rec.errors[0].message, rec.errors
+    phases = f"after 1 sync of 5 planned; last phases: rank0: {rec.progress['rank0']}"
+    assert phases in rec.errors[0].message, rec.errors
     assert sorted(rec.progress) == ["rank0"] and rec.progress["rank0"], rec.progress
     monkeypatch.setattr(runner, "after_sync", None)
     rec = runner.run_scenario(Scenario(model="qwen3", syncs=2, logprobs=False))
@@ -151,4 +152,32 @@ def test_a_signal_in_a_scenarios_cleanup_still_writes_its_record(runner, monkeyp
     assert interrupts._signalled is None
     rec = RunRecord.load(runner.record_path(sc.id))
     assert [s.index for s in rec.syncs] == [0, 1, 2] and rec.verdict == "CRASH"  # the last re-sends unchanged weights
-    assert "after 3 of 3 syncs" in rec.errors[-1].message, rec.errors
+    assert "after 3 syncs of 3 planned" in rec.errors[-1].message, rec.errors
+
+
+def test_an_interrupted_scenario_meets_no_expectation_and_leaves_its_group_open(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from harness.checks import expectation_met
+    from harness.matrix_run import MatrixRun
+
+    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})  # no host calibration
+    base = {"model": "qwen3", "syncs": 3, "group": "chunks", "suffix": "chunk-{chunk_bytes}", "expect": "CRASH"}
+    first, second = Scenario(**base, chunk_bytes=65536), Scenario(**base, chunk_bytes=1 << 20)
+    done = RunRecord(scenario_id=first.id, scenario=first, run_id="t")
+    stopped = RunRecord(scenario_id=second.id, scenario=second, run_id="t")
+    assert expectation_met(stopped, "CRASH")  # as a fault that expects CRASH would be caught
+    stopped.errors.append(interrupts.interrupted_error(KeyboardInterrupt(), stopped))
+    assert "interrupted (Ctrl-C) after 0 syncs of 4 planned" in stopped.errors[0].message, stopped.errors
+    assert not expectation_met(stopped, "CRASH")  # a Ctrl-C catches no fault
+
+    class _Runner:  # a group of members that ran different numbers of syncs must not be compared
+        def finish_group(self, members: list[RunRecord]) -> list[RunRecord]:
+            raise AssertionError(f"group closed with an interrupted member: {[m.scenario_id for m in members]}")
+
+    run = MatrixRun([first, second], tmp_path, "t")
+    run.runner = _Runner()  # type: ignore[assignment]
+    monkeypatch.setattr(run, "write_outputs", lambda plots=None: None)
+    run._on_record(done)
+    run._on_record(stopped)
+    assert run.records == [done, stopped] and run.finished_groups == {}

@@ -139,9 +139,19 @@ def expected_verdict(record: RunRecord) -> str:
     return record.scenario.expect
 
 
+def interrupted(record: RunRecord) -> bool:
+    """Whether Ctrl-C or a signal stopped the scenario (the runner's `KeyboardInterrupt` among its errors,
+    `harness.interrupts.interrupted_error`): its record holds what it had, and its verdict says nothing of
+    the code under test."""
+    return any(e.where == "runner" and e.type == "KeyboardInterrupt" for e in record.errors)
+
+
 def expectation_met(record: RunRecord, verdict: str | None = None) -> bool:
     """Whether the record's verdict (`verdict`, else judged now) is the one the scenario expects and, when
-    the scenario also expects a note (`expect_note`), some check's message or reason says it."""
+    the scenario also expects a note (`expect_note`), some check's message or reason says it. Never for an
+    `interrupted` scenario: a fault that expects CRASH is not caught by a Ctrl-C."""
+    if interrupted(record):
+        return False
     results = None
     if verdict is None:
         verdict, results = judge(record)
