@@ -188,6 +188,7 @@ class Runner:
                 record.progress = read_progress(self.trace_dir(sc.id))
             record.errors.append(interrupts.interrupted_error(e, record))
             self._finish(record)  # what the scenario had is kept, judged, before the interrupt goes on
+            self.drop_pool(sc.world_size)  # a cleanup cut short may have kept ranks out of step: none serves again
             raise
         return self._finish(record)
 

@@ -150,6 +150,7 @@ def test_a_signal_in_a_scenarios_cleanup_still_writes_its_record(runner, monkeyp
     with pytest.raises(KeyboardInterrupt, match=r"signal 2$"):
         runner.run_scenario(sc)
     assert interrupts._signalled is None
+    assert sc.world_size not in runner.pools  # the cleanup was cut short: its ranks serve no later scenario
     rec = RunRecord.load(runner.record_path(sc.id))
     assert [s.index for s in rec.syncs] == [0, 1, 2] and rec.verdict == "CRASH"  # the last re-sends unchanged weights
     assert "after 3 syncs of 3 planned" in rec.errors[-1].message, rec.errors
