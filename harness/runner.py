@@ -166,8 +166,9 @@ class Runner:
         scenario is validated here first.
 
         Raises:
-            KeyboardInterrupt: Ctrl-C or a signal (`harness.interrupts`), once the scenario's processes are ended
-                or shelved and its record, with the interrupt among its errors, is written.
+            KeyboardInterrupt: Ctrl-C or a signal (`harness.interrupts`), once the scenario's record, with the
+                interrupt among its errors, is written and its trainer pool dropped (an interrupt in the middle
+                of the cleanup may leave its engines to `close`, or to `harness.matrix_run.MatrixRun.close`).
         """
         record = RunRecord(
             scenario_id=sc.id,
