@@ -37,12 +37,27 @@ __all__ = [
     "SyncRecord",
     "TensorLayout",
     "TransferGroupRecord",
+    "wall_split",
 ]
 
 PHASES: tuple[str, ...] = ("gather", "convert", "transfer", "load")
 
 # The parts of one scenario's wall time (`RunRecord.wall` keys, summary columns of the same names).
 WALL_PARTS: tuple[str, ...] = ("setup_s", "syncs_s", "checks_s", "teardown_s")
+
+
+def wall_split(marks: dict[str, float], checks_s: float) -> dict[str, float]:
+    """A scenario's wall time in parts (`harness.record.WALL_PARTS`), seconds, from `time.perf_counter`
+    marks "start", "syncs" (absent when setup failed), "teardown" and "end", and the time the session spent
+    in checks while it synced (`ScenarioSession.checks_s`), which is taken out of the syncs' part."""
+    syncs_at = marks.get("syncs", marks["teardown"])
+    return {
+        "setup_s": syncs_at - marks["start"],
+        "syncs_s": max(0.0, marks["teardown"] - syncs_at - checks_s),
+        "checks_s": checks_s,
+        "teardown_s": marks["end"] - marks["teardown"],
+    }
+
 
 VERDICTS: tuple[str, ...] = (
     "PASS",

@@ -37,7 +37,7 @@ from harness.outcome import (
     sync_failed,
 )
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node, use_gpus
-from harness.record import OracleFailure, RunRecord
+from harness.record import OracleFailure, RunRecord, wall_split
 from harness.recovery import RESTORE_SEAMS
 from harness.scenario import Scenario
 from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
@@ -54,19 +54,6 @@ from reference_impl.transport.client import EngineClient
 from reference_impl.transport.observed import HttpCall, TensorLayout
 from reference_impl.transport.progress import read_progress
 from reference_impl.worker import TrainerSetup
-
-
-def wall_split(marks: dict[str, float], checks_s: float) -> dict[str, float]:
-    """A scenario's wall time in parts (`harness.record.WALL_PARTS`), seconds, from `time.perf_counter`
-    marks "start", "syncs" (absent when setup failed), "teardown" and "end", and the time the session spent
-    in checks while it synced (`ScenarioSession.checks_s`), which is taken out of the syncs' part."""
-    syncs_at = marks.get("syncs", marks["teardown"])
-    return {
-        "setup_s": syncs_at - marks["start"],
-        "syncs_s": max(0.0, marks["teardown"] - syncs_at - checks_s),
-        "checks_s": checks_s,
-        "teardown_s": marks["end"] - marks["teardown"],
-    }
 
 
 @dataclass
@@ -104,6 +91,8 @@ class Runner:
     fork_engines: InitVar[bool] = True
     fork_ranks: InitVar[bool] = True
     forks: ForkServers = field(init=False)
+    # the running scenario's engine actors and kind, from their start until its cleanup shelved or ended them
+    live_engines: tuple[list[Any], str] | None = field(default=None, init=False)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def __post_init__(self, fork_server: ForkServerAddress | None, fork_engines: bool, fork_ranks: bool) -> None:
@@ -167,8 +156,8 @@ class Runner:
 
         Raises:
             KeyboardInterrupt: Ctrl-C or a signal (`harness.interrupts`), once the scenario's record, with the
-                interrupt among its errors, is written and its trainer pool dropped (an interrupt in the middle
-                of the cleanup may leave its engines to `close`, or to `harness.matrix_run.MatrixRun.close`).
+                interrupt among its errors, is written, its trainer pool dropped and its engines ended where the
+                cleanup did not reach them (`live_engines`).
         """
         record = RunRecord(
             scenario_id=sc.id,
@@ -190,6 +179,9 @@ class Runner:
             record.errors.append(interrupts.interrupted_error(e, record))
             self._finish(record)  # what the scenario had is kept, judged, before the interrupt goes on
             self.drop_pool(sc.world_size)  # a cleanup cut short may have kept ranks out of step: none serves again
+            engines, self.live_engines = self.live_engines, None
+            if engines is not None:  # the cleanup was cut short before it shelved or ended them
+                end_engines(engines[0], [None] * len(engines[0]), engines[1], OUT_OF_STEP_GRACE_S)
             raise
         return self._finish(record)
 
@@ -226,10 +218,12 @@ class Runner:
             # a fault hook is applied (and later undone) at a restart
             reusable = kind.restartable(sc.colocate, sc.engine_tp, use_gpus())
             engines, urls = self._restarted(key, sc, ckpt, record, hook) if reusable else ([], [])
+            self.live_engines = (engines, sc.engine)
             if not engines:
                 options = pool.engine_options(sc.colocate, sc.engine_tp)
                 fork_server = self.forks.for_engines(kind, record)
                 engines = [EngineActor.options(**options).remote() for _ in range(sc.engines)]
+                self.live_engines = (engines, sc.engine)
                 starts = [  # every replica from dummy weights of its own seed
                     e.start.remote(
                         sc.engine,
@@ -314,6 +308,7 @@ class Runner:
                 self.shelf.put(key, engines, engine_pids)
             elif engines:
                 end_engines(engines, engine_pids, sc.engine, stop_grace_s(record, healthy))
+            self.live_engines = None
             if not clean:
                 self.drop_pool(sc.world_size)
                 # what its dead ranks left in /dev/shm: held at a resource sample, or when the sender connected (a

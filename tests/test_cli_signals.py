@@ -136,17 +136,28 @@ def test_a_signal_in_a_scenario_ends_it_at_once_and_only_once(
     assert rec.verdict == "PASS", (rec.verdict, rec.errors)
 
 
-def test_a_signal_in_a_scenarios_cleanup_still_writes_its_record(runner, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(interrupts, "_signalled", None)
-    real_wall_split = runner_module.wall_split
+@pytest.mark.parametrize("step", ["engines_reusable", "wall_split"])  # before the engines are shelved or ended; last
+def test_a_signal_in_a_scenarios_cleanup_still_writes_its_record(
+    runner, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    import ray
 
-    def signalled(*args: object, **kwargs: object) -> object:  # the cleanup's last step, once every sync ran
-        monkeypatch.setattr(runner_module, "wall_split", real_wall_split)
+    monkeypatch.setattr(interrupts, "_signalled", None)
+    real_step, real_end_engines = getattr(runner_module, step), runner_module.end_engines
+    ended: list[list[object]] = []
+
+    def signalled(*args: object, **kwargs: object) -> object:  # a step of the cleanup, once every sync ran
+        monkeypatch.setattr(runner_module, step, real_step)
         interrupts.on_signal(signal.SIGINT, None)
         raise AssertionError("unreachable")
 
-    monkeypatch.setattr(runner_module, "wall_split", signalled)
-    sc = Scenario(model="qwen3", syncs=2, logprobs=False, suffix="interrupted-in-cleanup")
+    def end_engines(engines: list[object], *args: object) -> None:
+        ended.append(list(engines))
+        real_end_engines(engines, *args)
+
+    monkeypatch.setattr(runner_module, step, signalled)
+    monkeypatch.setattr(runner_module, "end_engines", end_engines)
+    sc = Scenario(model="qwen3", syncs=2, logprobs=False, suffix=f"interrupted-in-cleanup-{step}")
     with pytest.raises(KeyboardInterrupt, match=r"signal 2$"):
         runner.run_scenario(sc)
     assert interrupts._signalled is None
@@ -154,6 +165,11 @@ def test_a_signal_in_a_scenarios_cleanup_still_writes_its_record(runner, monkeyp
     rec = RunRecord.load(runner.record_path(sc.id))
     assert [s.index for s in rec.syncs] == [0, 1, 2] and rec.verdict == "CRASH"  # the last re-sends unchanged weights
     assert "after 3 syncs of 3 planned" in rec.errors[-1].message, rec.errors
+    assert runner.live_engines is None
+    if step == "engines_reusable":  # cut short before it shelved or ended its engine: the runner ended it
+        assert len(ended) == 1 and len(ended[0]) == 1, ended
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(ended[0][0].pid.remote(), timeout=30)
 
 
 def test_an_interrupted_scenario_meets_no_expectation_and_leaves_its_group_open(

@@ -276,7 +276,7 @@ def test_steady_plot_keeps_engines_apart(records: list[RunRecord]) -> None:
 
 
 def test_wall_split_takes_checks_out_of_the_syncs() -> None:
-    from harness.runner import wall_split
+    from harness.record import wall_split
 
     marks = {"start": 100.0, "syncs": 130.0, "teardown": 190.0, "end": 195.5}
     assert wall_split(marks, checks_s=20.0) == {"setup_s": 30.0, "syncs_s": 40.0, "checks_s": 20.0, "teardown_s": 5.5}
