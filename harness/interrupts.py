@@ -24,6 +24,7 @@ from types import FrameType
 from harness.record import ErrorRecord, RunRecord
 
 _signalled: int | None = None  # the SIGTERM or SIGINT not yet seen delivered, once this process got one
+_delivered: int | None = None  # the signal `delivered` last cleared, until `interrupted_error` names it
 
 
 def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -49,7 +50,9 @@ def raise_if_signalled() -> None:
 def delivered() -> None:
     """Say that the KeyboardInterrupt of the signal kept (if any) reached code that handles it: later calls of
     `raise_if_signalled` do not raise it again. A later signal is kept anew."""
-    global _signalled
+    global _signalled, _delivered
+    if _signalled is not None:
+        _delivered = _signalled
     _signalled = None
 
 
@@ -66,13 +69,18 @@ def interrupted_error(e: KeyboardInterrupt, record: RunRecord) -> ErrorRecord:
     deadline had already passed: DEADLOCK; never a PASS, and never the verdict it expects,
     `harness.checks.interrupted`): how many syncs it recorded, of the `syncs + 1` it plans
     (`ScenarioSession.run_syncs`: the last re-sends unchanged weights; a recovery sync after a failed one also
-    counts), and every trainer rank's last phase, from `RunRecord.progress` (read before this call)."""
+    counts), and every trainer rank's last phase, from `RunRecord.progress` (read before this call). Call it
+    after `delivered`: the signal is named from what it kept where `e` has no text."""
+    global _delivered
+    # Ray's waits (`ray.wait`, `ray.get`) raise a KeyboardInterrupt of their own, without the handler's text
+    signum, _delivered = _delivered, None
+    what = str(e) or (f"signal {signum}" if signum is not None else "Ctrl-C")
     n = len(record.syncs)
     syncs = f"after {n} sync{'' if n == 1 else 's'} of {record.scenario.syncs + 1} planned"
     phases = "; ".join(f"{label}: {phase}" for label, phase in record.progress.items()) or "none recorded"
     return ErrorRecord(
         where="runner",
         type="KeyboardInterrupt",
-        message=f"the run was interrupted ({str(e) or 'Ctrl-C'}) {syncs}; last phases: {phases}",
+        message=f"the run was interrupted ({what}) {syncs}; last phases: {phases}",
         traceback="".join(traceback.format_exception(e))[-8000:],
     )

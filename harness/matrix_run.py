@@ -27,6 +27,8 @@ from harness.validate import validate
 PLOTS_EVERY_S = 60.0
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from harness.runner import SyncHook
 
 
@@ -107,25 +109,37 @@ class MatrixRun:
             self.after_each(self.records, self.out)
 
     def write_outputs(self, plots: bool | None = None) -> None:
-        """summary.csv / .parquet / .md (rows in matrix order) of the records so far, and their plots when
+        """summary.csv / .parquet / .md (rows in matrix order) of the records so far, then their plots when
         `plots`; by default when none were written yet or the last were `PLOTS_EVERY_S` seconds ago."""
-        from harness.plots import write_run_plots
+        df = self.write_tables()
+        now = time.monotonic()
+        if plots is None:
+            plots = self._plotted_at is None or now - self._plotted_at >= PLOTS_EVERY_S
+        if plots:
+            self.write_plots(df)
+            self._plotted_at = now
+
+    def write_tables(self) -> pd.DataFrame:
+        """summary.csv / .parquet / .md of the records so far, rows in matrix order; returns the summary."""
         from harness.results import summarize, write_summary
 
         rank = {sid: i for i, sid in enumerate(self.order)}
         df = summarize(sorted(self.records, key=lambda r: rank.get(r.scenario_id, len(rank))))
         write_summary(df, self.out, run_id=self.run_id, env=self.env)
-        now = time.monotonic()
-        if plots is None:
-            plots = self._plotted_at is None or now - self._plotted_at >= PLOTS_EVERY_S
-        if plots:
-            write_run_plots(df, self.out / "plots")
-            self._plotted_at = now
+        return df
+
+    def write_plots(self, df: pd.DataFrame) -> None:
+        """plots/ of the summary `df`. matplotlib is imported here, after the tables are written: an interrupt
+        in the middle of its import leaves it half-imported, and no later import of it works in this process."""
+        from harness.plots import write_run_plots
+
+        write_run_plots(df, self.out / "plots")
 
     def close(self) -> None:
         """Stop every process the run started (trainer pools, Ray, then whatever an interrupt in the middle
-        of ray.init or a launch left running: `harness.placement.end_leftovers`) and write the run's end into
-        env.json (`harness.env.finish_env`). Safe to call twice."""
+        of ray.init or a launch left running: `harness.placement.end_leftovers`), write the run's end into
+        env.json (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every
+        record (an interrupt may have cut the last writes short). Safe to call twice."""
         if self.closed:
             return
         self.closed = True
@@ -140,8 +154,11 @@ class MatrixRun:
             shutdown_ray()
             end_leftovers(started)
             self.env = finish_env(self.out)
-            if self.records:  # the plots of every record (the last writes may have skipped them)
-                self.write_outputs(plots=True)
+            if self.records:  # an interrupt may have cut the last writes short: the tables first, then the plots
+                df = self.write_tables()
+                if self.after_each is not None:  # e.g. faults.md, the soak's table
+                    self.after_each(self.records, self.out)
+                self.write_plots(df)
 
     def report(self, baseline: Path) -> tuple[int, Path]:
         """Compare this run with `baseline` (`harness.report.write_report`): (exit status, report.md)."""

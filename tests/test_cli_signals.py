@@ -179,6 +179,7 @@ def test_an_interrupted_scenario_meets_no_expectation_and_leaves_its_group_open(
     from harness.matrix_run import MatrixRun
 
     monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})  # no host calibration
+    monkeypatch.setattr(interrupts, "_delivered", None)
     base = {"model": "qwen3", "syncs": 3, "group": "chunks", "suffix": "chunk-{chunk_bytes}", "expect": "CRASH"}
     first, second = Scenario(**base, chunk_bytes=65536), Scenario(**base, chunk_bytes=1 << 20)
     done = RunRecord(scenario_id=first.id, scenario=first, run_id="t")
@@ -198,3 +199,41 @@ def test_an_interrupted_scenario_meets_no_expectation_and_leaves_its_group_open(
     run._on_record(done)
     run._on_record(stopped)
     assert run.records == [done, stopped] and run.finished_groups == {}
+
+
+def test_a_keyboard_interrupt_without_text_is_named_by_the_signal_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray's waits raise a KeyboardInterrupt of their own when the handler interrupts them: its text is lost
+    monkeypatch.setattr(interrupts, "_signalled", signal.SIGTERM)
+    monkeypatch.setattr(interrupts, "_delivered", None)
+    sc = Scenario(model="qwen3", syncs=1)
+    rec = RunRecord(scenario_id=sc.id, scenario=sc, run_id="t")
+    interrupts.delivered()
+    assert (
+        "interrupted (signal 15) after 0 syncs of 2 planned"
+        in interrupts.interrupted_error(KeyboardInterrupt(), rec).message
+    )
+    assert "interrupted (Ctrl-C)" in interrupts.interrupted_error(KeyboardInterrupt(), rec).message  # named once
+
+
+def test_a_run_closed_by_an_interrupt_writes_its_tables_and_outputs_before_its_plots(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from harness.matrix_run import MatrixRun
+
+    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: None)  # this process's Ray serves other tests
+    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: None)
+    sc = Scenario(model="qwen3", syncs=1)
+    outputs: list[int] = []
+    run = MatrixRun([sc], tmp_path, "t", after_each=lambda records, out: outputs.append(len(records)))
+    run.records.append(RunRecord(scenario_id=sc.id, scenario=sc, run_id="t"))
+
+    def interrupted_import(df: object) -> None:  # an interrupt inside matplotlib's import, as a signal can land
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(run, "write_plots", interrupted_import)
+    with pytest.raises(KeyboardInterrupt):
+        run.close()
+    assert (tmp_path / "t" / "summary.md").exists() and (tmp_path / "t" / "summary.csv").exists()
+    assert outputs == [1]  # e.g. faults.md, written by the caller's after_each
