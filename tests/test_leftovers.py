@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -143,15 +144,62 @@ def test_a_server_built_and_never_started_leaves_no_log_file(
     assert list(tmp_path.iterdir()) == [log]
 
 
-def test_a_server_stopped_before_it_had_a_process_never_starts_one(tmp_path: Path) -> None:
-    # `EngineActor.stop` may run in another thread before `start` launched the server: that start must end
-    # what it launches at once, not leave a server nobody will stop.
+def test_a_server_stopped_before_it_had_a_process_never_starts_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `EngineActor.stop` may run in another thread before `start` launched the server: that start must launch
+    # nothing, not leave a server (or a temp folder) nobody will stop.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     proc = EngineProcess(str(make_checkpoint(load_model("qwen3"), 1234)), 4321, str(tmp_path / "engine.log"))
     proc.stop()
     with pytest.raises(EngineStartError, match="stopped while it started"):
         proc.start(120)
-    assert proc.proc is not None and proc.proc.poll() is not None
-    assert not _gone_within([psutil.Process(proc.proc.pid)] if psutil.pid_exists(proc.proc.pid) else [], 10)
+    assert proc.proc is None and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_stop_in_the_middle_of_a_launch_returns_with_nothing_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine actor is threaded, and `end_engines` kills it once its `stop` returned. A stop that came while
+    # `start` was between its temp folder and its spawn used to return at once, the process not yet spawned:
+    # killed then, the actor left a temp folder in /tmp (a fork server's spawn makes one for the exit status
+    # after the stop removed the first). Now `stop` waits for the spawn and ends what it started. The spawn is
+    # slowed here, as a loaded host slows it, so that the stop lands inside it.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    proc = EngineProcess(str(make_checkpoint(load_model("qwen3"), 1234)), 4321, str(tmp_path / "engine.log"))
+    spawning, stopped = threading.Event(), threading.Event()
+    spawned_after_stop: list[bool] = []
+    real_spawn = proc.spawn
+
+    def slow_spawn(*args: object) -> object:
+        spawning.set()
+        time.sleep(1.0)
+        spawned_after_stop.append(stopped.is_set())
+        return real_spawn(*args)
+
+    monkeypatch.setattr(proc, "spawn", slow_spawn)
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            proc.start(120)
+        except BaseException as e:
+            failed.append(e)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    assert spawning.wait(30)
+    proc.stop()
+    stopped.set()
+    left = sorted(p.name for p in temp.iterdir())  # what the actor, killed now, would leave behind
+    starting.join(120)
+    assert spawned_after_stop == [False]  # a kill once `stop` returned can no longer leave a process behind
+    assert left == [], left
+    assert proc.proc is not None and proc.proc.poll() is not None  # the stop ended the process the spawn started
+    assert len(failed) == 1 and isinstance(failed[0], EngineStartError), failed
+    assert sorted(p.name for p in temp.iterdir()) == []
 
 
 def test_an_engine_actor_stopped_while_its_server_starts_ends_that_start(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -165,7 +166,11 @@ class ServerProcess(ABC):
         # the /dev/shm segments its process group held when it first answered /health (unlinked by `stop`)
         self.started_segments: set[str] = set()
         self.ended = False  # `stop` ended this start's process group (set by `stop`, cleared by `start`)
-        self.stop_requested = False  # `stop` came before `start` had a process: `start` then ends it at once
+        self.stop_requested = False  # `stop` came before `start` had a process: `start` then starts none
+        # held by `start` from its launch to its spawn, and by `stop` while it looks for the process: a stop from
+        # another thread (the engine actor is threaded) finds the process, or the start then starts none and makes
+        # no temp folder; before, the actor could be killed once `stop` returned, between the folder and the spawn
+        self._launching = threading.RLock()
 
     @property
     def log_path(self) -> Path:
@@ -204,17 +209,21 @@ class ServerProcess(ABC):
 
         Raises:
             EngineStartError: the process exited, or no /health 200 within `timeout_s` seconds (the
-                process group is stopped before raising).
+                process group is stopped before raising), or `stop` came first (from another thread).
         """
-        argv, env, cwd, url = self.launch()
-        self.url, self.started_segments = "", set()  # not serving yet: a failed start's stop reads the group
-        self.ended = False
-        env = {**env, "TMPDIR": str(self.server_temp_dir())}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = self.spawn(argv, env, cwd)
-        if self.stop_requested:  # a `stop` from another thread found no process yet
-            self.stop()
-            raise EngineStartError(f"{self.what} was stopped while it started")
+        with self._launching:
+            if self.stop_requested:  # a `stop` from another thread came before there was a process
+                raise EngineStartError(f"{self.what} was stopped while it started")
+            try:
+                argv, env, cwd, url = self.launch()
+                self.url, self.started_segments = "", set()  # not serving yet: a failed start's stop reads the group
+                self.ended = False
+                env = {**env, "TMPDIR": str(self.server_temp_dir())}
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                self.proc = self.spawn(argv, env, cwd)
+            except BaseException:
+                self.stop()  # the temp folder made for it, and what a failed spawn may have started
+                raise
         try:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
             self.url = wait_for_health(self.proc, url, timeout_s, self.log_tail, self.what, self.poll_s, headers)
@@ -291,8 +300,9 @@ class ServerProcess(ABC):
         remove its temp folder and unlink the /dev/shm segments the group made while it started
         (`started_segments`; for a server that never answered /health, those its group holds now: nothing
         was handed to it yet). Segments it was handed later (a colocated sender's) are never touched."""
-        if self.proc is None:
-            self.stop_requested = True
+        with self._launching:  # a start in the middle of its launch: its process, or none ever
+            if self.proc is None:
+                self.stop_requested = True
         own = self.started_segments
         try:
             if self.proc is not None and not self.url and not self.ended:  # the leader may be gone, its group not
