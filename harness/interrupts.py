@@ -8,9 +8,9 @@ again; the run loop calls it before each scenario (`harness.cli.run_scenarios`) 
 ranks and engines call it every slice (`harness.watch.wait_watched`), so a lost signal ends the scenario
 within about a second instead of at its end.
 
-A KeyboardInterrupt that was delivered is not raised a second time: whoever catches it and cleans up (the
-runner, around one scenario) calls `delivered`, so the waits of that cleanup, and of a process that goes on
-after handling it (a test session, a caller of `harness.runner.Runner`), do not raise it again. The scenario
+A KeyboardInterrupt that was delivered is not raised a second time: whoever catches it and handles it (the
+runner, around one scenario) calls `delivered`, so the waits of a process that goes on after handling it (a
+test session, a caller of `harness.runner.Runner`) do not raise it again. The scenario
 it interrupted keeps its record, judged, with `interrupted_error` among its errors and every trainer rank's
 last phase in `RunRecord.progress`: a hang that someone stopped by hand says where it hung.
 """
@@ -24,7 +24,6 @@ from types import FrameType
 from harness.record import ErrorRecord, RunRecord
 
 _signalled: int | None = None  # the SIGTERM or SIGINT not yet seen delivered, once this process got one
-_delivered: int | None = None  # the signal `delivered` last cleared, until `interrupted_error` names it
 
 
 def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -47,13 +46,13 @@ def raise_if_signalled() -> None:
         raise KeyboardInterrupt(f"signal {_signalled} (its first KeyboardInterrupt was lost)")
 
 
-def delivered() -> None:
+def delivered() -> int | None:
     """Say that the KeyboardInterrupt of the signal kept (if any) reached code that handles it: later calls of
-    `raise_if_signalled` do not raise it again. A later signal is kept anew."""
-    global _signalled, _delivered
-    if _signalled is not None:
-        _delivered = _signalled
-    _signalled = None
+    `raise_if_signalled` do not raise it again. A later signal is kept anew. Returns the signal it cleared
+    (None for none: a Ctrl-C under Python's own handler)."""
+    global _signalled
+    signum, _signalled = _signalled, None
+    return signum
 
 
 def install() -> None:
@@ -64,16 +63,14 @@ def install() -> None:
         signal.signal(signal.SIGINT, on_signal)
 
 
-def interrupted_error(e: KeyboardInterrupt, record: RunRecord) -> ErrorRecord:
+def interrupted_error(e: KeyboardInterrupt, record: RunRecord, signum: int | None) -> ErrorRecord:
     """The runner's error for a scenario interrupted by Ctrl-C or a signal (a CRASH of the runner, unless its
     deadline had already passed: DEADLOCK; never a PASS, and never the verdict it expects,
     `harness.checks.interrupted`): how many syncs it recorded, of the `syncs + 1` it plans
     (`ScenarioSession.run_syncs`: the last re-sends unchanged weights; a recovery sync after a failed one also
-    counts), and every trainer rank's last phase, from `RunRecord.progress` (read before this call). Call it
-    after `delivered`: the signal is named from what it kept where `e` has no text."""
-    global _delivered
-    # Ray's waits (`ray.wait`, `ray.get`) raise a KeyboardInterrupt of their own, without the handler's text
-    signum, _delivered = _delivered, None
+    counts), and every trainer rank's last phase, from `RunRecord.progress` (read before this call).
+    `signum`: what `delivered` returned, which names the signal where `e` has no text (Ray's waits, `ray.wait`
+    and `ray.get`, raise a KeyboardInterrupt of their own, without the handler's text)."""
     what = str(e) or (f"signal {signum}" if signum is not None else "Ctrl-C")
     n = len(record.syncs)
     syncs = f"after {n} sync{'' if n == 1 else 's'} of {record.scenario.syncs + 1} planned"

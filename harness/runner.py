@@ -173,10 +173,10 @@ class Runner:
         try:
             self._run(sc, record)
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, or one Python had dropped, raised again by a wait
-            interrupts.delivered()  # once here, also where it came during the cleanup
+            signum = interrupts.delivered()  # from the scenario's body or its cleanup alike
             if not record.progress:  # as read at a deadline, else now: where each rank was, a hang's first clue
                 record.progress = read_progress(self.trace_dir(sc.id))
-            record.errors.append(interrupts.interrupted_error(e, record))
+            record.errors.append(interrupts.interrupted_error(e, record, signum))
             self._finish(record)  # what the scenario had is kept, judged, before the interrupt goes on
             self.drop_pool(sc.world_size)  # a cleanup cut short may have kept ranks out of step: none serves again
             engines, self.live_engines = self.live_engines, None
@@ -284,9 +284,6 @@ class Runner:
                 record.stacks = dump_stacks(pids, self.out_dir / "stacks" / sc.id.replace("/", "__"))
         except Exception as e:
             record.errors.append(error_from(e, None, "runner"))
-        except KeyboardInterrupt:
-            interrupts.delivered()  # the cleanup below ends the scenario's processes; its waits must not raise it
-            raise
         finally:
             marks["teardown"] = time.perf_counter()
             for checker in checkers:  # the harness's own calls (checksums, log-probs), also on failure

@@ -122,7 +122,7 @@ def test_a_signal_in_a_scenario_ends_it_at_once_and_only_once(
         runner.run_scenario(sc)
     # A lost one is raised again by the wait on sync 1's ranks, not after the scenario ran to its end.
     assert hook.calls == [0]
-    # The runner saw it delivered: a wait of its cleanup, or of a later scenario, does not raise it again.
+    # The runner saw it delivered: a wait of a later scenario does not raise it again.
     assert interrupts._signalled is None
     # What the scenario had is on disk, judged: sync 0, the interrupt as the runner's error, every rank's phase.
     rec = RunRecord.load(runner.record_path(sc.id))
@@ -179,13 +179,12 @@ def test_an_interrupted_scenario_meets_no_expectation_and_leaves_its_group_open(
     from harness.matrix_run import MatrixRun
 
     monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})  # no host calibration
-    monkeypatch.setattr(interrupts, "_delivered", None)
     base = {"model": "qwen3", "syncs": 3, "group": "chunks", "suffix": "chunk-{chunk_bytes}", "expect": "CRASH"}
     first, second = Scenario(**base, chunk_bytes=65536), Scenario(**base, chunk_bytes=1 << 20)
     done = RunRecord(scenario_id=first.id, scenario=first, run_id="t")
     stopped = RunRecord(scenario_id=second.id, scenario=second, run_id="t")
     assert expectation_met(stopped, "CRASH")  # as a fault that expects CRASH would be caught
-    stopped.errors.append(interrupts.interrupted_error(KeyboardInterrupt(), stopped))
+    stopped.errors.append(interrupts.interrupted_error(KeyboardInterrupt(), stopped, None))
     assert "interrupted (Ctrl-C) after 0 syncs of 4 planned" in stopped.errors[0].message, stopped.errors
     assert not expectation_met(stopped, "CRASH")  # a Ctrl-C catches no fault
 
@@ -204,15 +203,14 @@ def test_an_interrupted_scenario_meets_no_expectation_and_leaves_its_group_open(
 def test_a_keyboard_interrupt_without_text_is_named_by_the_signal_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
     # Ray's waits raise a KeyboardInterrupt of their own when the handler interrupts them: its text is lost
     monkeypatch.setattr(interrupts, "_signalled", signal.SIGTERM)
-    monkeypatch.setattr(interrupts, "_delivered", None)
     sc = Scenario(model="qwen3", syncs=1)
     rec = RunRecord(scenario_id=sc.id, scenario=sc, run_id="t")
-    interrupts.delivered()
     assert (
         "interrupted (signal 15) after 0 syncs of 2 planned"
-        in interrupts.interrupted_error(KeyboardInterrupt(), rec).message
+        in interrupts.interrupted_error(KeyboardInterrupt(), rec, interrupts.delivered()).message
     )
-    assert "interrupted (Ctrl-C)" in interrupts.interrupted_error(KeyboardInterrupt(), rec).message  # named once
+    named_again = interrupts.interrupted_error(KeyboardInterrupt(), rec, interrupts.delivered()).message
+    assert "interrupted (Ctrl-C)" in named_again  # named once
 
 
 def test_a_run_closed_by_an_interrupt_writes_its_tables_and_outputs_before_its_plots(
