@@ -21,7 +21,7 @@ import signal
 import traceback
 from types import FrameType
 
-from harness.record import ErrorRecord, RunRecord
+from harness.record import INTERRUPTED, ErrorRecord, RunRecord
 
 _signalled: int | None = None  # the SIGTERM or SIGINT not yet seen delivered, once this process got one
 
@@ -77,7 +77,7 @@ def interrupted_error(e: KeyboardInterrupt, record: RunRecord, signum: int | Non
     phases = "; ".join(f"{label}: {phase}" for label, phase in record.progress.items()) or "none recorded"
     return ErrorRecord(
         where="runner",
-        type="KeyboardInterrupt",
+        type=INTERRUPTED,
         message=f"the run was interrupted ({what}) {syncs}; last phases: {phases}",
         traceback="".join(traceback.format_exception(e))[-8000:],
     )

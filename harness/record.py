@@ -23,6 +23,7 @@ from reference_impl.engine.base import Capabilities
 from reference_impl.transport.observed import ChunkRecord, EngineAccount, HttpCall, SyncReport, TensorLayout
 
 __all__ = [
+    "INTERRUPTED",
     "PHASES",
     "VERDICTS",
     "ChunkRecord",
@@ -41,6 +42,10 @@ __all__ = [
 ]
 
 PHASES: tuple[str, ...] = ("gather", "convert", "transfer", "load")
+
+# `ErrorRecord.type` of the runner's error for a scenario stopped by Ctrl-C or a signal
+# (`harness.interrupts.interrupted_error`, `harness.checks.interrupted`)
+INTERRUPTED = "KeyboardInterrupt"
 
 # The parts of one scenario's wall time (`RunRecord.wall` keys, summary columns of the same names).
 WALL_PARTS: tuple[str, ...] = ("setup_s", "syncs_s", "checks_s", "teardown_s")

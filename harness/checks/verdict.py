@@ -44,7 +44,7 @@ from harness.checks.transfer import (
     check_syncs_ran,
     check_transfer_init,
 )
-from harness.record import RunRecord
+from harness.record import INTERRUPTED, RunRecord
 
 # Overall verdict priority, most severe first; PASS when nothing failed.
 PRIORITY: tuple[str, ...] = (
@@ -143,7 +143,7 @@ def interrupted(record: RunRecord) -> bool:
     """Whether Ctrl-C or a signal stopped the scenario (the runner's `KeyboardInterrupt` among its errors,
     `harness.interrupts.interrupted_error`): its record holds what it had, and its verdict says nothing of
     the code under test."""
-    return any(e.where == "runner" and e.type == "KeyboardInterrupt" for e in record.errors)
+    return any(e.where == "runner" and e.type == INTERRUPTED for e in record.errors)
 
 
 def expectation_met(record: RunRecord, verdict: str | None = None) -> bool:
