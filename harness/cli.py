@@ -13,9 +13,11 @@
 and exits 1 when that finds a regression. `report` (`harness.report`) exits 1 on a regression.
 `faults` runs every registered fault injection (`harness/faults/`)
 and writes `faults.md` / `faults.csv` (fault, scenario, expected, got, caught); it exits 0 when every
-fault was caught with its expected verdict. `soak` runs scenarios for many syncs and judges the growth of
-their processes' resources (`harness.soak`). Every command samples resources after each sync
-(`harness.soak.sample_resources`); runs of fewer than 10 syncs are too short for that check to judge.
+fault was caught with its expected verdict. An interrupted command exits 143 after SIGTERM and ends by
+SIGINT (130 in a shell) after Ctrl-C or SIGINT, once every process it started is stopped. `soak` runs
+scenarios for many syncs and judges the growth of their processes' resources (`harness.soak`). Every
+command samples resources after each sync (`harness.soak.sample_resources`); runs of fewer than 10 syncs
+are too short for that check to judge.
 """
 
 from __future__ import annotations
@@ -178,7 +180,9 @@ def cmd_faults(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m harness`. SIGTERM ends a run like Ctrl-C: every process it started is
     stopped on the way out, also where Python drops the KeyboardInterrupt (`harness.interrupts`). SIGINT
-    stays ignored where this process started with it ignored (a shell's background job), as Python leaves it."""
+    stays ignored where this process started with it ignored (a shell's background job), as Python leaves it.
+    Exit status after an interrupt: 143 for SIGTERM (`interrupts.exit_status`); Ctrl-C or SIGINT ends the
+    process by SIGINT (130 in a shell), Python's exit after the KeyboardInterrupt it raises again."""
     interrupts.install()
     args = _parser().parse_args(argv)
     try:
@@ -187,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        status = interrupts.exit_status()
+        if status is None:
+            raise
+        print(f"interrupted by SIGTERM: exit status {status}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ from types import FrameType
 from harness.record import INTERRUPTED, ErrorRecord, RunRecord
 
 _signalled: int | None = None  # the SIGTERM or SIGINT not yet seen delivered, once this process got one
+_last: int | None = None  # the last SIGTERM or SIGINT this process got (never cleared): what ends the run
 
 
 def on_signal(signum: int, frame: FrameType | None) -> None:
     """SIGTERM's and SIGINT's handler: raises KeyboardInterrupt("signal N"), as Ctrl-C does, and keeps the
     signal for `raise_if_signalled`."""
-    global _signalled
-    _signalled = signum
+    global _signalled, _last
+    _signalled = _last = signum
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -53,6 +54,14 @@ def delivered() -> int | None:
     global _signalled
     signum, _signalled = _signalled, None
     return signum
+
+
+def exit_status() -> int | None:
+    """The exit status of a run a KeyboardInterrupt ended: 143 (128 + 15, a shell's status for a process SIGTERM
+    ended; what a batch scheduler or a CI runner's timeout reads as "terminated") where the last signal this
+    process got was SIGTERM. None where it was SIGINT, or Ctrl-C under Python's own handler: the caller raises
+    the KeyboardInterrupt again, and Python's exit ends the process by SIGINT (130 in a shell)."""
+    return 128 + signal.SIGTERM if _last == signal.SIGTERM else None
 
 
 def install() -> None:

@@ -235,3 +235,28 @@ def test_a_run_closed_by_an_interrupt_writes_its_tables_and_outputs_before_its_p
         run.close()
     assert (tmp_path / "t" / "summary.md").exists() and (tmp_path / "t" / "summary.csv").exists()
     assert outputs == [1]  # e.g. faults.md, written by the caller's after_each
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_command_a_signal_ended_exits_as_a_shell_reports_that_signal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], signum: int
+) -> None:
+    # A batch scheduler or a CI runner's timeout sends SIGTERM and reads 143 as "terminated"; Python's own exit
+    # after an uncaught KeyboardInterrupt ends the process by SIGINT, which a shell reports as 130.
+    monkeypatch.setattr(interrupts, "install", lambda: None)  # this test process keeps its handlers
+    monkeypatch.setattr(interrupts, "_last", None)
+
+    def signalled_command(args: object) -> int:  # the signal lands while the command runs; its cleanup ran
+        try:
+            interrupts.on_signal(signum, None)
+        finally:
+            interrupts.delivered()  # as the runner marks it once its scenario's cleanup has ended
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_list", signalled_command)
+    if signum == signal.SIGTERM:
+        assert cli.main(["list", "--matrix", "cpu"]) == 143
+        assert "interrupted by SIGTERM" in capsys.readouterr().err
+    else:
+        with pytest.raises(KeyboardInterrupt, match="signal 2"):
+            cli.main(["list", "--matrix", "cpu"])
