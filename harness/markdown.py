@@ -1,10 +1,17 @@
-"""Markdown for the run's tables: numbers as cells (NaN as a dash) and GitHub pipe tables."""
+"""Markdown for the run's tables: numbers as cells (NaN as a dash) and GitHub pipe tables; bool columns as
+read back from summary.csv."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from typing import Any
+
+
+def flag(value: Any) -> bool:
+    """A bool column's value as read back: a bool from `harness.results.summarize`, "True"/"False" from
+    summary.csv, NaN or absent (a table written before the column existed) as False."""
+    return str(value).strip().lower() == "true"
 
 
 def fmt_float(value: Any, digits: int) -> str:

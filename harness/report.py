@@ -24,10 +24,11 @@ Scenarios are matched by id. Per scenario:
   a rank test: a baseline table keeps medians and the spread, not every sync, and 4-5 syncs per side
   give a rank test too little power to say more than the spread does.
 
-Also listed: new and missing scenarios, environment differences (versions, host, commit), and both
-hosts' calibration. Output: `report.md` (regressions first, then improvements, then counts),
-`report.csv` (one row per scenario, `COLUMNS`) and `plots/regression.png` in the run's folder. The
-exit status is 1 when anything regressed, else 0.
+Also listed: new and missing scenarios, scenarios of the run that Ctrl-C or a signal stopped
+(``interrupted`` in summary.csv; compared neither by verdict nor by time, and never a regression),
+environment differences (versions, host, commit), and both hosts' calibration. Output: `report.md`
+(regressions first, then improvements, then counts), `report.csv` (one row per scenario, `COLUMNS`) and
+`plots/regression.png` in the run's folder. The exit status is 1 when anything regressed, else 0.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from harness.markdown import flag
 
 THRESHOLD = 1.25  # the smallest run/baseline ratio ever flagged
 FENCE_MADS = 3.0
@@ -61,7 +64,7 @@ ENV_SKIPPED = ("started_at", "ended_at", "wall_s", "command", "python_executable
 
 COLUMNS: tuple[str, ...] = (
     "scenario",
-    "change",  # regression | improvement | changed | unchanged | new | missing
+    "change",  # regression | improvement | changed | unchanged | new | missing | interrupted
     "verdict_change",  # regressed | fixed | changed | same | ""
     "time_change",  # slower | faster | within noise | not timed | ""
     "baseline_verdict",
@@ -113,15 +116,17 @@ class Report:
 
 def normalise_table(df: pd.DataFrame) -> pd.DataFrame:
     """A summary table as the report reads it: indexed by scenario id, ``export_mode`` (older tables
-    call it ``mode``), ``expect_met`` as bool (from ``expected`` or PASS when absent)."""
+    call it ``mode``), ``expect_met`` as bool (from ``expected`` or PASS when absent), ``interrupted`` as
+    bool (False when absent)."""
     out = df.rename(columns={"mode": "export_mode"}) if "export_mode" not in df else df.copy()
     if "expect_met" in out:
-        met = out["expect_met"].map(lambda v: str(v).strip().lower() == "true")
+        met = out["expect_met"].map(flag)
     elif "expected" in out:
         met = out["verdict"] == out["expected"]
     else:
         met = out["verdict"] == "PASS"
     out["expect_met"] = met.astype(bool)
+    out["interrupted"] = out["interrupted"].map(flag).astype(bool) if "interrupted" in out else False
     for col in ("steady_s", "steady_min_s", "steady_max_s", "efficiency"):
         if col in out:
             out[col] = pd.to_numeric(out[col], errors="coerce")
@@ -274,6 +279,10 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
             continue
         b = b_tab.loc[sid].to_dict()
         row.update(baseline_verdict=b["verdict"], baseline_steady_s=b.get("steady_s"), baseline_spread=sync_spread(b))
+        if r["interrupted"]:  # stopped by hand or a signal: its verdict says nothing of the code under test
+            row.update(change="interrupted", time_change="not timed", note=str(r.get("message") or ""))
+            rows.append(row)
+            continue
         row["verdict_change"] = verdict_change(bool(b["expect_met"]), bool(r["expect_met"]), b["verdict"], r["verdict"])
         if row["verdict_change"] in ("regressed", "changed") and not r["expect_met"]:
             row["note"] = str(r.get("message") or "")
@@ -309,7 +318,7 @@ def _blank(scenario: str) -> dict[str, Any]:
 
 
 def _overall(row: Mapping[str, Any]) -> str:
-    if row["change"] in ("new", "missing"):
+    if row["change"] in ("new", "missing", "interrupted"):
         return str(row["change"])
     if row["verdict_change"] == "regressed" or row["time_change"] == "slower":
         return "regression"

@@ -120,11 +120,11 @@ def _method(report: Report) -> list[str]:
 
 def report_markdown(report: Report, plot: Path | None = None) -> str:
     """report.md: a one-line verdict, then Regressions, Improvements, Unchanged (counts), other verdict
-    changes, New, Missing, Environment differences, Host calibration, How rows are judged."""
+    changes, New, Missing, Interrupted (when any), Environment differences, Host calibration, How rows are judged."""
     rows = report.rows
     by = {
         name: rows[rows["change"] == name]
-        for name in ("regression", "improvement", "changed", "unchanged", "new", "missing")
+        for name in ("regression", "improvement", "changed", "unchanged", "new", "missing", "interrupted")
     }
     counts = {name: len(frame) for name, frame in by.items()}
     run, base = report.run, report.baseline
@@ -135,7 +135,8 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
         "",
         f"**{_count(counts['regression'], 'regression')}**, {_count(counts['improvement'], 'improvement')}, "
         f"{counts['unchanged']} unchanged, {_count(counts['changed'], 'other verdict change')}, "
-        f"{counts['new']} new, {counts['missing']} missing.",
+        f"{counts['new']} new, {counts['missing']} missing"
+        + (f", {counts['interrupted']} interrupted." if counts["interrupted"] else "."),
         "",
     ]
     if plot is not None:
@@ -166,6 +167,11 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
     lines += [*(_scenario_list(list(new["scenario"]), notes) or ["None."]), ""]
     lines += ["## Missing scenarios (in the baseline, not in the run)", ""]
     lines += [*(_scenario_list(list(by["missing"]["scenario"])) or ["None."]), ""]
+    stopped = by["interrupted"]
+    if len(stopped):  # Ctrl-C or a signal stopped them: their verdicts say nothing of the code under test
+        lines += ["## Interrupted scenarios (stopped by Ctrl-C or a signal; not compared)", ""]
+        notes = [r["note"][:160] for r in stopped.to_dict(orient="records")]
+        lines += [*_scenario_list(list(stopped["scenario"]), notes), ""]
     lines += ["## Environment differences", ""]
     if report.env_diffs:
         lines += [markdown_table(("key", "baseline", "run"), [list(d) for d in report.env_diffs]), ""]

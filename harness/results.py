@@ -16,7 +16,9 @@ verdict is re-derived from the record by `harness.checks`.
 ``summary.md`` holds the table a PR author pastes (Model | TP | EP | PP | colocate | mode | first (s)
 | steady (s) | GB/s | efficiency | 200s per route | chunks | verdict), then every row that did not PASS with the
 message of the check that decided its verdict and the names of the other failing checks, then every
-oracle that could not run (never a verdict of the system under test).
+oracle that could not run (never a verdict of the system under test). ``interrupted`` is True for a
+scenario Ctrl-C or a signal stopped (`harness.checks.interrupted`): its verdict reads "CRASH
+(interrupted)", and it is listed as interrupted, not as unexpected.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from typing import Any
 
 import pandas as pd
 
-from harness.checks import expectation_met, expected_verdict, first_failure, judge
+from harness.checks import expectation_met, expected_verdict, first_failure, interrupted, judge
 
 # env.json lives in harness.env; these names stay importable from here.
 from harness.env import collect_env as collect_env
 from harness.env import finish_env as finish_env
 from harness.env import write_env as write_env
 from harness.markdown import cell as _cell
+from harness.markdown import flag
 from harness.markdown import fmt_float as _fmt_float
 from harness.markdown import fmt_sci as _fmt_sci
 from harness.markdown import markdown_table as markdown_table
@@ -79,6 +82,7 @@ COLUMNS: tuple[str, ...] = (
     "verdict",
     "expected",
     "expect_met",
+    "interrupted",
     "message",
     "also_failing",
     "oracle_notes",
@@ -213,6 +217,7 @@ def record_row(record: RunRecord) -> dict[str, Any]:
         verdict=verdict,
         expected=expected,
         expect_met=expectation_met(record, verdict),
+        interrupted=interrupted(record),
         message=deciding.message if deciding is not None else "",
         also_failing=",".join(r.name for r in results if r.failed and r is not deciding),
         oracle_notes="; ".join(r.reason for r in results if r.skipped and r.reason.startswith("oracle could not run")),
@@ -233,6 +238,8 @@ def summarize(records: Iterable[RunRecord]) -> pd.DataFrame:
 
 def _verdict_cell(row: Mapping[str, Any]) -> str:
     verdict, expected = str(row.get("verdict", "")), str(row.get("expected", "PASS") or "PASS")
+    if flag(row.get("interrupted")):
+        return f"{verdict} (interrupted)"
     if expected == "PASS":
         return verdict
     return f"{verdict} (expected)" if verdict == expected else f"{verdict} (expected {expected})"
@@ -346,7 +353,10 @@ def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[s
     if not len(failing):
         lines.append("Every scenario passed.")
     for row in failing.to_dict(orient="records"):
-        status = "as expected" if row["expect_met"] else f"UNEXPECTED, expected {row['expected']}"
+        if flag(row.get("interrupted")):
+            status = "interrupted by Ctrl-C or a signal: not judged against its expectation"
+        else:
+            status = "as expected" if row["expect_met"] else f"UNEXPECTED, expected {row['expected']}"
         message = _cell(row["message"]) or "(no message)"
         also = f" (also failing: {', '.join(row['also_failing'].split(','))})" if row.get("also_failing") else ""
         lines.append(f"- `{row['scenario']}`: **{row['verdict']}** ({status}) — {message}{also}")
@@ -381,7 +391,8 @@ def write_summary(
 
 
 def fault_table(records: Iterable[RunRecord]) -> pd.DataFrame:
-    """One row per fault scenario: fault, scenario, expected, got, caught, and the deciding message."""
+    """One row per fault scenario: fault, scenario, expected, got, caught, interrupted (Ctrl-C or a signal stopped
+    it: never caught, `harness.checks.interrupted`), and the deciding message."""
     rows = []
     for rec in records:
         verdict, results = judge(rec)
@@ -393,10 +404,11 @@ def fault_table(records: Iterable[RunRecord]) -> pd.DataFrame:
                 "expected": expected_verdict(rec),
                 "got": verdict,
                 "caught": expectation_met(rec, verdict),
+                "interrupted": interrupted(rec),
                 "message": failure.message if failure else "",
             }
         )
-    return pd.DataFrame(rows, columns=["fault", "scenario", "expected", "got", "caught", "message"])
+    return pd.DataFrame(rows, columns=["fault", "scenario", "expected", "got", "caught", "interrupted", "message"])
 
 
 def write_fault_table(records: Sequence[RunRecord], out_dir: Path | str) -> dict[str, Path]:
@@ -411,7 +423,7 @@ def write_fault_table(records: Sequence[RunRecord], out_dir: Path | str) -> dict
             f"`{r['scenario']}`",
             r["expected"],
             r["got"],
-            "yes" if r["caught"] else "**NO**",
+            "yes" if r["caught"] else "interrupted" if r["interrupted"] else "**NO**",
             str(r["message"] or "")[:160],
         ]
         for r in df.to_dict(orient="records")

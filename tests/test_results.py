@@ -355,3 +355,57 @@ def test_bridge_against_raw_pairs_each_layout_and_counts_only_passing_pairs(
         rec.syncs, rec.scenario.syncs = rec.syncs[:1], 1
     md = write_summary(summarize(records), tmp_path)["md"].read_text()
     assert "1 pair where both passed, none with a steady time (one sync)." in md
+
+
+def test_an_interrupted_scenario_reads_as_interrupted_in_the_summary_and_the_report(
+    tmp_path: Path, records: list[RunRecord]
+) -> None:
+    """A scenario Ctrl-C or a signal stopped is a CRASH of the runner that says nothing of the code under
+    test: summary.md marks it interrupted (not UNEXPECTED), and a regression report against a baseline where
+    it passed lists it as interrupted, not as a regression, through summary.csv as written."""
+    from harness import interrupts
+    from harness.report import write_report
+
+    raw = records[0]
+    write_summary(summarize([raw]), tmp_path / "base")
+    stopped = raw.model_copy(deep=True)
+    stopped.syncs = stopped.syncs[:2]
+    stopped.progress = {"rank0": "sync 2: gather"}
+    stopped.errors.append(interrupts.interrupted_error(KeyboardInterrupt("signal 15"), stopped, None))
+    df = summarize([stopped])
+    row = df.iloc[0]
+    assert row["verdict"] == "CRASH" and bool(row["interrupted"]) and not row["expect_met"]
+    assert not summarize([raw]).iloc[0]["interrupted"]
+    md = write_summary(df, tmp_path / "run")["md"].read_text()
+    assert "| CRASH (interrupted) |" in md
+    failing = md.split("## Not passing", 1)[1]
+    assert "interrupted by Ctrl-C or a signal" in failing and "UNEXPECTED" not in failing
+    assert "after 2 syncs of 5 planned; last phases: rank0: sync 2: gather" in failing
+
+    status, report_md = write_report(tmp_path / "run", tmp_path / "base")
+    assert status == 0  # an interrupt is not a regression of the code under test
+    report = pd.read_csv(tmp_path / "run" / "report.csv").set_index("scenario")
+    assert report.loc[raw.scenario_id, "change"] == "interrupted"
+    text = report_md.read_text()
+    assert "0 regressions" in text and "1 interrupted" in text
+    assert "(signal 15) after 2 syncs" in text.split("## Interrupted scenarios", 1)[1]
+
+
+def test_the_fault_table_says_interrupted_where_a_signal_stopped_a_fault(
+    tmp_path: Path, records: list[RunRecord]
+) -> None:
+    from harness import interrupts
+    from harness.results import write_fault_table
+
+    raw, bridge = records  # PASS, PARITY_FAIL
+    caught = bridge.model_copy(deep=True, update={"scenario": bridge.scenario.model_copy(update={"fault": "stale"})})
+    caught.scenario.expect = "PARITY_FAIL"
+    missed = raw.model_copy(deep=True, update={"scenario": raw.scenario.model_copy(update={"fault": "missed"})})
+    missed.scenario.expect = "PARITY_FAIL"
+    stopped = missed.model_copy(deep=True, update={"scenario": missed.scenario.model_copy(update={"fault": "cut"})})
+    stopped.errors.append(interrupts.interrupted_error(KeyboardInterrupt("signal 2"), stopped, None))
+    md = write_fault_table([caught, missed, stopped], tmp_path)["md"].read_text()
+    cells = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in md.splitlines()[6:]}
+    assert cells == {"stale": "yes", "missed": "**NO**", "cut": "interrupted"}
+    assert "1 of 3 faults caught" in md
+    assert pd.read_csv(tmp_path / "faults.csv")["interrupted"].tolist() == [False, False, True]
