@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness import shm
 from harness.scenario import Scenario
+from harness.watch import wait_watched
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import STOP_GRACE_S, EngineStartError, ServerProcess, free_port
 from reference_impl.fork_client import ForkServerAddress
@@ -362,9 +363,10 @@ class TrainerPool:
 
         Raises:
             ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError: a rank did not start.
+            KeyboardInterrupt: a signal whose KeyboardInterrupt Python dropped (`harness.watch.wait_watched`).
         """
         if self._pids is None:
-            self._pids = list(ray.get(self.pid_refs, timeout=SETUP_TIMEOUT_S))
+            self._pids = list(wait_watched(self.pid_refs, SETUP_TIMEOUT_S, "the trainer ranks' start"))
         return self._pids
 
     def engine_options(self, colocate: bool, tp: int = 1) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from harness.scenario import Scenario
 from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
 from harness.stacks import dump_stacks
 from harness.validate import validate
-from harness.watch import EngineWatch
+from harness.watch import EngineWatch, wait_watched
 from reference_impl.engine import engine_kind
 from reference_impl.fork_client import ForkServerAddress
 from reference_impl.forward.hf import fixed_prompts
@@ -368,12 +368,13 @@ class Runner:
         if shelved is None:
             return [], []
         engines, pids = shelved
+        self.live_engines = (engines, sc.engine)  # off the shelf: an interrupt from here on ends them
         restarts = [
             e.restart.remote(str(ckpt), sc.engine_seed + i, str(self.engine_log(sc.id, i)), sc.engine_tp, hook)
             for i, e in enumerate(engines)
         ]
         try:
-            urls = ray.get(restarts, timeout=engine_kind(sc.engine).start_timeout_s)
+            urls = wait_watched(restarts, engine_kind(sc.engine).start_timeout_s, "an engine restart")
         except Exception as e:
             record.notes.append(f"a shelved engine did not restart ({type(e).__name__}: {str(e)[:300]}); started anew")
             end_engines(engines, pids, sc.engine, OUT_OF_STEP_GRACE_S)  # discarded: a restart may be stuck mid-way
@@ -390,9 +391,10 @@ class Runner:
         """The spare engine of `key` (`spare_engine`), once its start has ended, as ([actor], [server pid]); None
         when its start failed (it is ended, said in a note)."""
         actor, start = self.spare_engines.pop(key)
+        self.live_engines = ([actor], key.engine)  # taken: an interrupt from here on ends it
         try:
             ray.get(actor.restore_priority.remote(), timeout=30)  # it may still be starting, at lowest priority
-            ray.get(start, timeout=engine_kind(key.engine).start_timeout_s)
+            wait_watched([start], engine_kind(key.engine).start_timeout_s, "the spare engine's start")
             ray.get(actor.restore_priority.remote(), timeout=30)  # and the threads it started meanwhile
             pid = ray.get(actor.pid.remote(), timeout=30)
         except Exception as e:

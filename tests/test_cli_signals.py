@@ -12,12 +12,16 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import ray
 
 from harness import cli, interrupts
 from harness import runner as runner_module
+from harness.engines import EngineKey
 from harness.record import RunRecord
 from harness.scenario import Scenario
 
@@ -260,3 +264,40 @@ def test_a_command_a_signal_ended_exits_as_a_shell_reports_that_signal(
     else:
         with pytest.raises(KeyboardInterrupt, match="signal 2"):
             cli.main(["list", "--matrix", "cpu"])
+
+
+@ray.remote
+class _NeverStarts:
+    """Stands in for a spare `harness.placement.EngineActor` whose server never answers: threaded, as that actor
+    is, so `restore_priority` answers while `start` still waits."""
+
+    def start(self) -> None:
+        time.sleep(600)
+
+    def restore_priority(self) -> None:
+        return None
+
+    def stop(self, grace_s: float) -> None:
+        return None
+
+
+def test_a_lost_signal_ends_the_wait_for_a_spare_engines_start_and_the_engine(
+    runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The waits for engines and ranks to start are as long as a start may take (minutes for vLLM): a signal
+    # lost meanwhile used to wait for the start's end or its timeout, and the taken engine was nobody's to end.
+    monkeypatch.setattr(interrupts, "_signalled", signal.SIGTERM)
+    monkeypatch.setattr(runner_module, "engine_kind", lambda name: SimpleNamespace(start_timeout_s=5.0))
+    key = EngineKey.of(Scenario(model="qwen3-vl-moe", engine_seed=7), reachable=False)
+    actor = _NeverStarts.options(max_concurrency=2).remote()
+    monkeypatch.setitem(runner.spare_engines, key, (actor, actor.start.remote()))
+    sc = Scenario(model="qwen3-vl-moe")
+    rec = RunRecord(scenario_id=sc.id, scenario=sc, run_id="t")
+    try:
+        with pytest.raises(KeyboardInterrupt, match="was lost"):
+            runner._take_spare_engine(key, rec)
+        assert runner.live_engines == ([actor], key.engine)  # run_scenario's handler ends it
+        assert rec.notes == []
+    finally:
+        runner.live_engines = None
+        ray.kill(actor, no_restart=True)
