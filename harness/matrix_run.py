@@ -136,8 +136,9 @@ class MatrixRun:
         write_run_plots(df, self.out / "plots")
 
     def close(self) -> None:
-        """Stop every process the run started (trainer pools, Ray, then whatever an interrupt in the middle
-        of ray.init or a launch left running: `harness.placement.end_leftovers`), write the run's end into
+        """Stop every process the run started (engines and trainer pools, Ray, then the fork servers, whose
+        children are Ray workers that end with Ray, then whatever an interrupt in the middle of ray.init or a
+        launch left running: `harness.placement.end_leftovers`), write the run's end into
         env.json (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every
         record (an interrupt may have cut the last writes short). Safe to call twice."""
         if self.closed:
@@ -149,10 +150,14 @@ class MatrixRun:
         started = [p for p in descendants() if p.pid not in self.before]  # before their parents end
         try:
             if self.runner is not None:
-                self.runner.close()
+                self.runner.close(fork_servers=False)
         finally:
             shutdown_ray()
-            end_leftovers(started)
+            try:  # the rank fork server waits for its children, Ray workers: with Ray down, idle ones end too
+                if self.runner is not None:
+                    self.runner.forks.stop()
+            finally:
+                end_leftovers(started)
             self.env = finish_env(self.out)
             if self.records:  # an interrupt may have cut the last writes short: the tables first, then the plots
                 df = self.write_tables()

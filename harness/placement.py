@@ -55,13 +55,23 @@ def _keeping_sigterm_handler() -> Iterator[None]:
     handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process: the run's
     `close` never runs and its Ray, workers and engine servers are left behind. The harness's handler
     (`harness.interrupts.install`: SIGTERM ends a run like Ctrl-C) must stay the one that runs. Only a Python
-    function is put back: a driver without one of its own (a test session) keeps what Ray installs."""
+    function is put back: a driver without one of its own (a test session) keeps what Ray installs.
+
+    A SIGTERM while the block runs meets Ray's handlers. The first, set as `ray.init` begins, raises
+    `SystemExit(15)`: that is turned into the harness's own interrupt (the handler is called, and raises
+    KeyboardInterrupt("signal 15")), so the run ends as after any SIGTERM (exit status 143, not 15). Later in
+    `ray.init`, Ray's node handler exits 1 and its C++ failure handler aborts; neither says it was a SIGTERM."""
     handler = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or not callable(handler):
         yield
         return
     try:
         yield
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        handler(signal.SIGTERM, None)  # the harness's handler raises KeyboardInterrupt and keeps the signal
+        raise
     finally:
         signal.signal(signal.SIGTERM, handler)
 
@@ -158,20 +168,17 @@ def descendants() -> list[psutil.Process]:
         return []
 
 
-def end_leftovers(started: list[psutil.Process], grace_s: float = 10.0) -> list[int]:
-    """Give the processes in `started` (what this driver started) `grace_s` seconds to end on their own,
-    then SIGKILL those still running, with everything they started meanwhile and every process of this
-    driver's Ray (`ray_processes`); returns the pids killed.
+LEFTOVER_GRACE_S = 2.0  # seconds from the SIGTERM to the SIGKILL of a process a run left running
 
-    A parent still starting children (Ray's raylet starts its agents a while after it runs) is frozen
-    first: every candidate is SIGSTOPped, their children are collected again, until no new one appears;
-    only then is the whole set killed, so nothing started in between is left behind re-parented.
-    `psutil.Process` objects compare by pid and start time, so a pid reused by an unrelated process
-    meanwhile is never touched."""
-    _, alive = psutil.wait_procs(started, timeout=grace_s)
+
+def _freeze_trees(roots: list[psutil.Process]) -> dict[int, psutil.Process]:
+    """SIGSTOP `roots`, their children, and every process of this driver's Ray (`ray_processes`), collecting
+    children again after each stop until no new one appears: a parent still starting children (Ray's raylet
+    starts its agents a while after it runs) can start none unseen. Returns the frozen processes by pid (zombies
+    and processes gone meanwhile left out; never this process)."""
     frozen: dict[int, psutil.Process] = {}
     seen: set[int] = {os.getpid()}
-    todo = [*alive, *ray_processes()]
+    todo = [*roots, *ray_processes()]
     while todo:
         proc = todo.pop()
         if proc.pid in seen:
@@ -184,8 +191,28 @@ def end_leftovers(started: list[psutil.Process], grace_s: float = 10.0) -> list[
                 todo.extend(proc.children())
         if not todo:  # a last sweep: a tagged process re-parented before its parent was frozen
             todo = [p for p in ray_processes() if p.pid not in seen]
+    return frozen
+
+
+def end_leftovers(started: list[psutil.Process], grace_s: float = LEFTOVER_GRACE_S) -> list[int]:
+    """End what this driver started and is still running (`started`, with every process of this driver's Ray,
+    `ray_processes`, and everything they started): SIGTERM, `grace_s` seconds to end, then SIGKILL; returns
+    the pids SIGKILLed. Each step first freezes the whole set (`_freeze_trees`), so nothing started in between is
+    left behind re-parented. What is still running here has nobody else to end it: the runner and `ray.shutdown`
+    have ended what they knew of (after a run that was not interrupted, nothing is left), and a SIGTERM in the
+    middle of `ray.init` leaves the node processes it had started, and the agents the raylet started, unknown
+    to `ray.shutdown`; its GCS server ignores a SIGTERM (Ray's own shutdown gives each of its processes 1 s
+    after the SIGTERM, then SIGKILLs it: `ray._private.node.Node._kill_process_impl`). Before, they got no
+    SIGTERM and were waited for 10 s. `psutil.Process` objects compare by pid and start time, so a pid reused
+    by an unrelated process meanwhile is never touched."""
+    asked = _freeze_trees(started)
+    for proc in asked.values():
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()  # delivered once it runs again
+            proc.resume()
+    _, alive = psutil.wait_procs([*started, *asked.values()], timeout=grace_s)
     killed = []
-    for proc in frozen.values():
+    for proc in _freeze_trees(alive).values():
         with contextlib.suppress(psutil.Error):
             proc.kill()
             killed.append(proc.pid)

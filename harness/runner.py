@@ -135,8 +135,9 @@ class Runner:
         if pool is not None:
             pool.kill()
 
-    def close(self) -> None:
-        """End every shelved and spare engine and kill every pool, spares too; then this runner's fork servers."""
+    def close(self, fork_servers: bool = True) -> None:
+        """End every shelved and spare engine and kill every pool, spares too; then, with `fork_servers`, this
+        runner's fork servers (without: the caller stops them, `forks.stop`, once its Ray is down)."""
         try:
             self.shelf.close()
             for ws in list(self.pools):
@@ -147,7 +148,8 @@ class Runner:
             while self.spares:
                 self.spares.popitem()[1].kill()
         finally:
-            self.forks.stop()
+            if fork_servers:
+                self.forks.stop()
 
     def run_scenario(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
         """Run and judge one scenario; the record is written before returning. Unless `validated` (the

@@ -8,6 +8,7 @@ KeyboardInterrupt in the middle of a scenario."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -241,6 +242,27 @@ def test_a_run_closed_by_an_interrupt_writes_its_tables_and_outputs_before_its_p
     assert outputs == [1]  # e.g. faults.md, written by the caller's after_each
 
 
+def test_a_run_stops_its_fork_servers_once_its_ray_is_down(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The rank fork server waits up to 10 s for its children, which are Ray workers; an interrupt in early
+    # setup leaves an idle one that only Ray's shutdown ends, so stopping the fork servers first made such a run
+    # wait the whole 10 s before Ray went down.
+    from harness.matrix_run import MatrixRun
+
+    calls: list[str] = []
+    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: calls.append("ray down"))
+    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: calls.append("leftovers"))
+    runner = SimpleNamespace(
+        close=lambda fork_servers=True: calls.append(f"runner (fork servers: {fork_servers})"),
+        forks=SimpleNamespace(stop=lambda: calls.append("fork servers")),
+    )
+    run = MatrixRun([Scenario(model="qwen3")], tmp_path, "t")
+    run.runner = runner
+    run.close()
+    assert calls == ["runner (fork servers: False)", "ray down", "fork servers", "leftovers"]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_command_a_signal_ended_exits_as_a_shell_reports_that_signal(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], signum: int
@@ -301,3 +323,24 @@ def test_a_lost_signal_ends_the_wait_for_a_spare_engines_start_and_the_engine(
     finally:
         runner.live_engines = None
         ray.kill(actor, no_restart=True)
+
+
+def test_a_sigterm_that_meets_ray_inits_own_handler_ends_the_run_as_any_sigterm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As ray.init begins it sets a SIGTERM handler that calls sys.exit(15) (ray/_private/worker.py, `init`): a
+    # run SIGTERMed then exited 15, and its interrupt was not the harness's.
+    from harness import placement
+
+    monkeypatch.setattr(interrupts, "_signalled", None)
+    monkeypatch.setattr(interrupts, "_last", None)
+    previous = signal.signal(signal.SIGTERM, interrupts.on_signal)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="signal 15"), placement._keeping_sigterm_handler():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # ray.init's first handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode
+        assert signal.getsignal(signal.SIGTERM) is interrupts.on_signal
+        assert interrupts.exit_status() == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
