@@ -24,8 +24,8 @@ Scenarios are matched by id. Per scenario:
   a rank test: a baseline table keeps medians and the spread, not every sync, and 4-5 syncs per side
   give a rank test too little power to say more than the spread does.
 
-Also listed: new and missing scenarios, scenarios of the run that Ctrl-C or a signal stopped
-(``interrupted`` in summary.csv; compared neither by verdict nor by time, and never a regression),
+Also listed: new and missing scenarios, scenarios that Ctrl-C or a signal stopped in the run or in the
+baseline (``interrupted`` in summary.csv; compared neither by verdict nor by time, and never a regression),
 environment differences (versions, host, commit), and both hosts' calibration. Output: `report.md`
 (regressions first, then improvements, then counts), `report.csv` (one row per scenario, `COLUMNS`) and
 `plots/regression.png` in the run's folder. The exit status is 1 when anything regressed, else 0.
@@ -279,8 +279,11 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
             continue
         b = b_tab.loc[sid].to_dict()
         row.update(baseline_verdict=b["verdict"], baseline_steady_s=b.get("steady_s"), baseline_spread=sync_spread(b))
-        if r["interrupted"]:  # stopped by hand or a signal: its verdict says nothing of the code under test
-            row.update(change="interrupted", time_change="not timed", note=str(r.get("message") or ""))
+        stopped = [(side, t) for side, t in (("run", r), ("baseline", b)) if t["interrupted"]]
+        if stopped:  # stopped by hand or a signal: its verdict says nothing of the code under test
+            side, t = stopped[0]
+            note = str(t.get("message") or "") if side == "run" else f"interrupted in the baseline: {t.get('message')}"
+            row.update(change="interrupted", time_change="not timed", note=note)
             rows.append(row)
             continue
         row["verdict_change"] = verdict_change(bool(b["expect_met"]), bool(r["expect_met"]), b["verdict"], r["verdict"])

@@ -169,7 +169,7 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
     lines += [*(_scenario_list(list(by["missing"]["scenario"])) or ["None."]), ""]
     stopped = by["interrupted"]
     if len(stopped):  # Ctrl-C or a signal stopped them: their verdicts say nothing of the code under test
-        lines += ["## Interrupted scenarios (stopped by Ctrl-C or a signal; not compared)", ""]
+        lines += ["## Interrupted scenarios (Ctrl-C or a signal, in the run or the baseline; not compared)", ""]
         notes = [r["note"][:160] for r in stopped.to_dict(orient="records")]
         lines += [*_scenario_list(list(stopped["scenario"]), notes), ""]
     lines += ["## Environment differences", ""]

@@ -390,6 +390,14 @@ def test_an_interrupted_scenario_reads_as_interrupted_in_the_summary_and_the_rep
     assert "0 regressions" in text and "1 interrupted" in text
     assert "(signal 15) after 2 syncs" in text.split("## Interrupted scenarios", 1)[1]
 
+    # the other way round: a baseline that was interrupted is no verdict to improve on either
+    status, report_md = write_report(tmp_path / "base", tmp_path / "run")
+    report = pd.read_csv(tmp_path / "base" / "report.csv").set_index("scenario")
+    assert status == 0 and report.loc[raw.scenario_id, "change"] == "interrupted"
+    note = report.loc[raw.scenario_id, "note"]
+    assert note.startswith("interrupted in the baseline: runner raised KeyboardInterrupt: the run was interrupted")
+    assert "0 improvements" in report_md.read_text()
+
 
 def test_the_fault_table_says_interrupted_where_a_signal_stopped_a_fault(
     tmp_path: Path, records: list[RunRecord]
