@@ -31,7 +31,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness import shm
 from harness.scenario import Scenario
-from harness.watch import wait_watched
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import STOP_GRACE_S, EngineStartError, ServerProcess, free_port
 from reference_impl.fork_client import ForkServerAddress
@@ -393,6 +392,8 @@ class TrainerPool:
             KeyboardInterrupt: a signal whose KeyboardInterrupt Python dropped (`harness.watch.wait_watched`).
         """
         if self._pids is None:
+            from harness.watch import wait_watched  # it imports the sender (torch); an engine actor imports this module
+
             self._pids = list(wait_watched(self.pid_refs, SETUP_TIMEOUT_S, "the trainer ranks' start"))
         return self._pids
 
