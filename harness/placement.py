@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -56,23 +57,45 @@ def _keeping_sigterm_handler() -> Iterator[None]:
     (`harness.interrupts.install`: SIGTERM ends a run like Ctrl-C) must stay the one that runs. Only a Python
     function is put back: a driver without one of its own (a test session) keeps what Ray installs.
 
-    A SIGTERM while the block runs meets Ray's handlers. The first, set as `ray.init` begins, raises
-    `SystemExit(15)`: that is turned into the harness's own interrupt (the handler is called, and raises
-    KeyboardInterrupt("signal 15")), so the run ends as after any SIGTERM (exit status 143, not 15). Later in
-    `ray.init`, Ray's node handler exits 1 and its C++ failure handler aborts; neither says it was a SIGTERM."""
+    A SIGTERM while the block runs meets Ray's Python handlers instead (ray/_private/worker.py `init`:
+    `sys.exit(15)`; ray/_private/node.py, once its node processes start: `sys.exit(1)` after ending them), whose
+    SystemExit Python drops where it lands in an at-fork hook (Ray forks its processes), so the run went on and
+    exited 0. A wakeup descriptor (`signal.set_wakeup_fd`) sees every signal a Python handler took: where one
+    was SIGTERM, the harness's handler is called once the block ends, whether it raised SystemExit or returned,
+    and the run ends as after any SIGTERM (KeyboardInterrupt("signal 15"), exit status 143). Ray's C++ failure
+    handler, set late in `ray.init`, takes the signal before any Python handler: there the run closes and then
+    ends by SIGABRT."""
     handler = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or not callable(handler):
         yield
         return
+    seen, wakeup = socket.socketpair()
+    seen.setblocking(False)
+    wakeup.setblocking(False)
+    previous = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
     try:
-        yield
-    except SystemExit as e:
-        if e.code != signal.SIGTERM:
+        try:
+            yield
+        except SystemExit:
+            if _took_sigterm(seen):
+                handler(signal.SIGTERM, None)  # the harness's handler raises KeyboardInterrupt, keeps the signal
             raise
-        handler(signal.SIGTERM, None)  # the harness's handler raises KeyboardInterrupt and keeps the signal
-        raise
+        if _took_sigterm(seen):  # Ray's handler ran and its SystemExit was dropped
+            handler(signal.SIGTERM, None)
     finally:
+        signal.set_wakeup_fd(previous)
         signal.signal(signal.SIGTERM, handler)
+        seen.close()
+        wakeup.close()
+
+
+def _took_sigterm(seen: socket.socket) -> bool:
+    """Whether the wakeup descriptor's other end `seen` holds SIGTERM's number (one byte per signal taken)."""
+    taken = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := seen.recv(4096):
+            taken += chunk
+    return signal.SIGTERM in taken
 
 
 def ensure_ray(address: str | None = None) -> None:
