@@ -13,25 +13,36 @@ runner, around one scenario) calls `delivered`, so the waits of a process that g
 test session, a caller of `harness.runner.Runner`) do not raise it again. The scenario
 it interrupted keeps its record, judged, with `interrupted_error` among its errors and every trainer rank's
 last phase in `RunRecord.progress`: a hang that someone stopped by hand says where it hung.
+
+A run's `close` runs under `held`: a signal while it stops the run's processes and writes its tables is
+raised once it has ended (a second one at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import traceback
+from collections.abc import Iterator
 from types import FrameType
 
 from harness.record import INTERRUPTED, ErrorRecord, RunRecord
 
 _signalled: int | None = None  # the SIGTERM or SIGINT not yet seen delivered, once this process got one
 _last: int | None = None  # the last SIGTERM or SIGINT this process got (never cleared): what ends the run
+_holding = False  # inside `held`: the first signal is kept for the block's end instead of raised
+_held: int | None = None  # the signal `held` keeps
 
 
 def on_signal(signum: int, frame: FrameType | None) -> None:
     """SIGTERM's and SIGINT's handler: raises KeyboardInterrupt("signal N"), as Ctrl-C does, and keeps the
-    signal for `raise_if_signalled`."""
-    global _signalled, _last
-    _signalled = _last = signum
+    signal for `raise_if_signalled`; inside `held`, the first signal is kept for the block's end instead."""
+    global _signalled, _last, _held
+    _last = signum
+    if _holding and _held is None:
+        _held = signum
+        return
+    _signalled = signum
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -62,6 +73,31 @@ def exit_status() -> int | None:
     process got was SIGTERM. None where it was SIGINT, or Ctrl-C under Python's own handler: the caller raises
     the KeyboardInterrupt again, and Python's exit ends the process by SIGINT (130 in a shell)."""
     return 128 + signal.SIGTERM if _last == signal.SIGTERM else None
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Hold the first SIGTERM or SIGINT that comes while the block runs, and raise its KeyboardInterrupt once
+    the block has ended: for cleanup that must run to its end (a run's `close`: an interrupt in its middle left
+    the trainer pools unkilled, and a colocated sender's shared-memory segment in /dev/shm). A second signal
+    while one is held raises at once, as without the block: a way out of a cleanup that seems stuck. Its waits
+    are bounded by their own timeouts. Blocks nest (the outer one raises).
+
+    Raises:
+        KeyboardInterrupt: "signal N (held until the cleanup ended)", after the block, where a signal came.
+    """
+    global _holding, _held
+    if _holding:
+        yield
+        return
+    _holding = True
+    try:
+        yield
+    finally:
+        _holding = False
+        signum, _held = _held, None
+    if signum is not None:
+        raise KeyboardInterrupt(f"signal {signum} (held until the cleanup ended)")
 
 
 def install() -> None:

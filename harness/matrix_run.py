@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness import interrupts
 from harness.checks import interrupted
 from harness.record import RunRecord
 from harness.scenario import Scenario
@@ -140,10 +141,15 @@ class MatrixRun:
         children are Ray workers that end with Ray, then whatever an interrupt in the middle of ray.init or a
         launch left running: `harness.placement.end_leftovers`), write the run's end into
         env.json (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every
-        record (an interrupt may have cut the last writes short). Safe to call twice."""
+        record (an interrupt may have cut the last writes short). A signal meanwhile is held until all that has
+        ended, then raised (`harness.interrupts.held`; a second one at once). Safe to call twice."""
         if self.closed:
             return
         self.closed = True
+        with interrupts.held():
+            self._close()
+
+    def _close(self) -> None:
         from harness.env import finish_env
         from harness.placement import descendants, end_leftovers, shutdown_ray
 

@@ -175,15 +175,16 @@ class Runner:
         try:
             self._run(sc, record)
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, or one Python had dropped, raised again by a wait
-            signum = interrupts.delivered()  # from the scenario's body or its cleanup alike
-            if not record.progress:  # as read at a deadline, else now: where each rank was, a hang's first clue
-                record.progress = read_progress(self.trace_dir(sc.id))
-            record.errors.append(interrupts.interrupted_error(e, record, signum))
-            self._finish(record)  # what the scenario had is kept, judged, before the interrupt goes on
-            self.drop_pool(sc.world_size)  # a cleanup cut short may have kept ranks out of step: none serves again
-            engines, self.live_engines = self.live_engines, None
-            if engines is not None:  # the cleanup was cut short before it shelved or ended them
-                end_engines(engines[0], [None] * len(engines[0]), engines[1], OUT_OF_STEP_GRACE_S)
+            with interrupts.held():  # a second Ctrl-C waits for the record and the processes (a third: at once)
+                signum = interrupts.delivered()  # from the scenario's body or its cleanup alike
+                if not record.progress:  # as read at a deadline, else now: where each rank was, a hang's first clue
+                    record.progress = read_progress(self.trace_dir(sc.id))
+                record.errors.append(interrupts.interrupted_error(e, record, signum))
+                self._finish(record)  # what the scenario had is kept, judged, before the interrupt goes on
+                self.drop_pool(sc.world_size)  # a cleanup cut short may have kept ranks out of step
+                engines, self.live_engines = self.live_engines, None
+                if engines is not None:  # the cleanup was cut short before it shelved or ended them
+                    end_engines(engines[0], [None] * len(engines[0]), engines[1], OUT_OF_STEP_GRACE_S)
             raise
         return self._finish(record)
 

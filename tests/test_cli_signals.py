@@ -264,6 +264,50 @@ def test_a_run_stops_its_fork_servers_once_its_ray_is_down(monkeypatch: pytest.M
     assert calls == ["runner (fork servers: False)", "ray down", "fork servers", "leftovers"]
 
 
+def test_a_signal_while_a_run_closes_is_held_until_it_has_closed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Ctrl-C to the process group while the run ended its engines cut its close short: the trainer pools were
+    # never killed, and a colocated sender's shared-memory segment stayed in /dev/shm (a new user's trial, 3 of 3).
+    from harness.matrix_run import MatrixRun
+
+    monkeypatch.setattr(interrupts, "_signalled", None)
+    monkeypatch.setattr(interrupts, "_last", None)
+    calls: list[str] = []
+
+    def runner_close(fork_servers: bool = True) -> None:
+        interrupts.on_signal(signal.SIGINT, None)  # arrives while the engines end
+        calls.append("engines and pools")
+
+    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: calls.append("ray down"))
+    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: calls.append("leftovers"))
+    sc = Scenario(model="qwen3", syncs=1)
+    run = MatrixRun([sc], tmp_path, "t", after_each=lambda records, out: calls.append("after_each"))
+    run.runner = SimpleNamespace(close=runner_close, forks=SimpleNamespace(stop=lambda: calls.append("fork servers")))
+    run.records.append(RunRecord(scenario_id=sc.id, scenario=sc, run_id="t"))
+    monkeypatch.setattr(run, "write_plots", lambda df: calls.append("plots"))
+    with pytest.raises(KeyboardInterrupt, match=r"signal 2 \(held until the cleanup ended\)"):
+        run.close()
+    assert calls == ["engines and pools", "ray down", "fork servers", "leftovers", "after_each", "plots"]
+    assert (tmp_path / "t" / "summary.md").exists()
+
+
+def test_a_second_signal_while_one_is_held_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(interrupts, "_signalled", None)
+    monkeypatch.setattr(interrupts, "_last", None)
+    reached: list[str] = []
+    with pytest.raises(KeyboardInterrupt, match=r"^signal 15$"), interrupts.held():
+        interrupts.on_signal(signal.SIGINT, None)  # held
+        reached.append("after the first")
+        interrupts.on_signal(signal.SIGTERM, None)  # a way out of a cleanup that seems stuck
+        reached.append("after the second")
+    assert reached == ["after the first"] and interrupts.exit_status() == 143
+    with interrupts.held():  # nothing held from before
+        pass
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_command_a_signal_ended_exits_as_a_shell_reports_that_signal(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], signum: int
