@@ -23,6 +23,7 @@ are too short for that check to judge.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -171,8 +172,10 @@ def cmd_faults(args: argparse.Namespace) -> int:
     if not scenarios:
         print(f"no fault scenario matches filter {args.filter!r}", file=sys.stderr)
         return 2
-    records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address, write_fault_table)
-    write_fault_table(records, out)
+    planned = [sc.id for sc in scenarios]
+    write_table = functools.partial(write_fault_table, planned=planned)  # lists faults not run, if interrupted
+    records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address, write_table)
+    write_table(records, out)
     print(f"fault table: {out / 'faults.md'}")
     return 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
 

@@ -121,12 +121,15 @@ class MatrixRun:
             self._plotted_at = now
 
     def write_tables(self) -> pd.DataFrame:
-        """summary.csv / .parquet / .md of the records so far, rows in matrix order; returns the summary."""
+        """summary.csv / .parquet / .md of the records so far, rows in matrix order, and the planned scenarios
+        without a record listed as not run; returns the summary."""
         from harness.results import summarize, write_summary
 
         rank = {sid: i for i, sid in enumerate(self.order)}
         df = summarize(sorted(self.records, key=lambda r: rank.get(r.scenario_id, len(rank))))
-        write_summary(df, self.out, run_id=self.run_id, env=self.env)
+        recorded = {r.scenario_id for r in self.records}
+        not_run = [sid for sid in self.order if sid not in recorded]
+        write_summary(df, self.out, run_id=self.run_id, env=self.env, not_run=not_run)
         return df
 
     def write_plots(self, df: pd.DataFrame) -> None:

@@ -331,8 +331,14 @@ def wall_lines(df: pd.DataFrame, slowest: int = 5) -> list[str]:
     return ["## Where the time went", "", WALL_NOTE, "", markdown_table(header, rows), ""]
 
 
-def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[str, Any] | str | None = None) -> str:
-    """summary.md's text: title, run id and env line, the pasteable table, then non-PASS rows."""
+def summary_markdown(
+    df: pd.DataFrame,
+    run_id: str | None = None,
+    env: Mapping[str, Any] | str | None = None,
+    not_run: Sequence[str] = (),
+) -> str:
+    """summary.md's text: title, run id and env line, the pasteable table, then non-PASS rows, then the planned
+    scenarios `not_run` (ids without a record: the run ended, or has not yet come, before them)."""
     lines = ["# Weight-sync harness results", ""]
     if run_id:
         lines.append(f"Run `{run_id}`")
@@ -351,7 +357,7 @@ def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[s
     lines += ["## Not passing", ""]
     failing = df[df["verdict"] != "PASS"] if len(df) else df
     if not len(failing):
-        lines.append("Every scenario passed.")
+        lines.append("Every scenario that ran passed." if not_run else "Every scenario passed.")
     for row in failing.to_dict(orient="records"):
         if flag(row.get("interrupted")):
             status = "interrupted by Ctrl-C or a signal: not judged against its expectation"
@@ -360,13 +366,21 @@ def summary_markdown(df: pd.DataFrame, run_id: str | None = None, env: Mapping[s
         message = _cell(row["message"]) or "(no message)"
         also = f" (also failing: {', '.join(row['also_failing'].split(','))})" if row.get("also_failing") else ""
         lines.append(f"- `{row['scenario']}`: **{row['verdict']}** ({status}) — {message}{also}")
+    unexpected_pass = df[(df["verdict"] == "PASS") & ~df["expect_met"].astype(bool)] if len(df) else df
+    for row in unexpected_pass.to_dict(orient="records"):
+        lines.append(f"- `{row['scenario']}`: **PASS** (UNEXPECTED, expected {row['expected']})")
     noted = df[df["oracle_notes"].astype(bool)] if len(df) else df
     if len(noted):
         lines += ["", "## Oracles that could not run", ""]
         lines += [f"- `{row['scenario']}`: {_cell(row['oracle_notes'])}" for row in noted.to_dict(orient="records")]
-    unexpected_pass = df[(df["verdict"] == "PASS") & ~df["expect_met"].astype(bool)] if len(df) else df
-    for row in unexpected_pass.to_dict(orient="records"):
-        lines.append(f"- `{row['scenario']}`: **PASS** (UNEXPECTED, expected {row['expected']})")
+    if not_run:
+        planned = len(df) + len(not_run)
+        lines += ["", "## Not run", ""]
+        lines.append(
+            f"{len(not_run)} of {planned} planned scenarios have no record: the run ended (or has not yet come) "
+            "before them."
+        )
+        lines += [f"- `{sid}`" for sid in not_run]
     return "\n".join(lines) + "\n"
 
 
@@ -375,8 +389,10 @@ def write_summary(
     out_dir: Path | str,
     run_id: str | None = None,
     env: Mapping[str, Any] | str | None = None,
+    not_run: Sequence[str] = (),
 ) -> dict[str, Path]:
-    """Write summary.csv, summary.parquet and summary.md into `out_dir`; return their paths."""
+    """Write summary.csv, summary.parquet and summary.md into `out_dir`; return their paths. `not_run`: planned
+    scenario ids without a record, listed in summary.md (`summary_markdown`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -386,7 +402,7 @@ def write_summary(
     }
     df.to_csv(paths["csv"], index=False)
     df.to_parquet(paths["parquet"], index=False)
-    paths["md"].write_text(summary_markdown(df, run_id=run_id, env=env))
+    paths["md"].write_text(summary_markdown(df, run_id=run_id, env=env, not_run=not_run))
     return paths
 
 
@@ -411,8 +427,11 @@ def fault_table(records: Iterable[RunRecord]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["fault", "scenario", "expected", "got", "caught", "interrupted", "message"])
 
 
-def write_fault_table(records: Sequence[RunRecord], out_dir: Path | str) -> dict[str, Path]:
-    """Write faults.csv and faults.md (the table of injected faults and what the harness said)."""
+def write_fault_table(
+    records: Sequence[RunRecord], out_dir: Path | str, planned: Sequence[str] = ()
+) -> dict[str, Path]:
+    """Write faults.csv and faults.md (the table of injected faults and what the harness said). `planned`: the
+    fault scenario ids the run meant to run; faults.md lists those without a record as not run."""
     out = Path(out_dir)
     df = fault_table(records)
     paths = {"csv": out / "faults.csv", "md": out / "faults.md"}
@@ -429,9 +448,14 @@ def write_fault_table(records: Sequence[RunRecord], out_dir: Path | str) -> dict
         for r in df.to_dict(orient="records")
     ]
     caught = int(df["caught"].sum()) if len(df) else 0
+    ran = set(df["scenario"])
+    not_run = [sid for sid in planned if sid not in ran]
     text = (
         f"# Fault injections\n\n{caught} of {len(df)} faults caught with their expected verdict.\n\n"
         + markdown_table(["fault", "scenario", "expected", "got", "caught", "message"], rows)
     )
+    if not_run:
+        text += f"\n\n{len(not_run)} of {len(planned)} planned faults did not run (the run ended before them):\n\n"
+        text += "\n".join(f"- `{sid}`" for sid in not_run)
     paths["md"].write_text(text)
     return paths

@@ -294,6 +294,20 @@ def test_a_signal_while_a_run_closes_is_held_until_it_has_closed(
     assert (tmp_path / "t" / "summary.md").exists()
 
 
+def test_a_run_interrupted_between_scenarios_lists_those_it_did_not_reach(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from harness.matrix_run import MatrixRun
+
+    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
+    first, second = Scenario(model="qwen3", syncs=1), Scenario(model="qwen3", syncs=1, colocate=True)
+    run = MatrixRun([first, second], tmp_path, "t")
+    run.records.append(RunRecord(scenario_id=first.id, scenario=first, run_id="t"))
+    run.write_tables()
+    md = (tmp_path / "t" / "summary.md").read_text()
+    assert md.split("## Not run", 1)[1].strip().splitlines()[-1] == f"- `{second.id}`"
+
+
 def test_a_second_signal_while_one_is_held_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interrupts, "_signalled", None)
     monkeypatch.setattr(interrupts, "_last", None)

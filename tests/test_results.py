@@ -412,8 +412,23 @@ def test_the_fault_table_says_interrupted_where_a_signal_stopped_a_fault(
     missed.scenario.expect = "PARITY_FAIL"
     stopped = missed.model_copy(deep=True, update={"scenario": missed.scenario.model_copy(update={"fault": "cut"})})
     stopped.errors.append(interrupts.interrupted_error(KeyboardInterrupt("signal 2"), stopped, None))
-    md = write_fault_table([caught, missed, stopped], tmp_path)["md"].read_text()
-    cells = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in md.splitlines()[6:]}
+    planned = [r.scenario_id for r in (caught, missed, stopped)] + ["faults/never-reached"]
+    md = write_fault_table([caught, missed, stopped], tmp_path, planned=planned)["md"].read_text()
+    table, not_run = md.split("\n\n1 of 4 planned faults did not run (the run ended before them):\n\n")
+    assert not_run == "- `faults/never-reached`"  # a run interrupted between faults does not read as complete
+    cells = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in table.splitlines()[6:]}
     assert cells == {"stale": "yes", "missed": "**NO**", "cut": "interrupted"}
     assert "1 of 3 faults caught" in md
     assert pd.read_csv(tmp_path / "faults.csv")["interrupted"].tolist() == [False, False, True]
+
+
+def test_planned_scenarios_without_a_record_are_listed_as_not_run(tmp_path: Path, records: list[RunRecord]) -> None:
+    # A run interrupted between scenarios wrote a summary of the ones that ran, "Every scenario passed."
+    raw = records[0]
+    md = write_summary(summarize([raw]), tmp_path, not_run=["qwen3/tp1-pp1/colocate/raw"])["md"].read_text()
+    assert "Every scenario that ran passed." in md and "Every scenario passed." not in md
+    assert md.endswith(
+        "## Not run\n\n1 of 2 planned scenarios have no record: the run ended (or has not yet come) before them.\n"
+        "- `qwen3/tp1-pp1/colocate/raw`\n"
+    )
+    assert "## Not run" not in write_summary(summarize([raw]), tmp_path)["md"].read_text()
