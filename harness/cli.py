@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from harness import interrupts
@@ -197,9 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         status = interrupts.exit_status()
         if status is None:
-            raise
-        print(f"interrupted by SIGTERM: exit status {status}", file=sys.stderr)
+            raise  # `print_interrupt` prints its line; Python's exit ends the process by SIGINT
+        print(f"interrupted by {interrupts.ended_by()}", file=sys.stderr)
         return status
+
+
+def print_interrupt(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """`python -m harness`'s `sys.excepthook`: one line for the KeyboardInterrupt that ends an interrupted run
+    (where the interrupted scenario was is in its record), instead of a traceback through the run's cleanup;
+    any other exception as Python prints it. Python still ends the process by SIGINT after it."""
+    if issubclass(kind, KeyboardInterrupt):
+        print(f"interrupted by {interrupts.ended_by()}", file=sys.stderr)
+        return
+    sys.__excepthook__(kind, value, tb)
 
 
 if __name__ == "__main__":

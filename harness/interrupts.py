@@ -100,6 +100,12 @@ def held() -> Iterator[None]:
         raise KeyboardInterrupt(f"signal {signum} (held until the cleanup ended)")
 
 
+def ended_by() -> str:
+    """What ended a run a KeyboardInterrupt ended, for its last line: "SIGTERM", "SIGINT", or "Ctrl-C" (Python's
+    own SIGINT handler, where `install` left it)."""
+    return signal.Signals(_last).name if _last is not None else "Ctrl-C"
+
+
 def install() -> None:
     """Make `on_signal` SIGTERM's handler, and SIGINT's unless this process started with SIGINT ignored (a
     shell's background job): there it stays ignored, as Python leaves it."""
@@ -118,7 +124,8 @@ def interrupted_error(e: KeyboardInterrupt, record: RunRecord, signum: int | Non
     and `ray.get`, raise a KeyboardInterrupt of their own, without the handler's text)."""
     what = str(e) or (f"signal {signum}" if signum is not None else "Ctrl-C")
     n = len(record.syncs)
-    syncs = f"after {n} sync{'' if n == 1 else 's'} of {record.scenario.syncs + 1} planned"
+    planned = record.scenario.syncs
+    syncs = f"after {n} of {planned + 1} planned syncs ({planned}, then one that re-sends unchanged weights)"
     phases = "; ".join(f"{label}: {phase}" for label, phase in record.progress.items()) or "none recorded"
     return ErrorRecord(
         where="runner",

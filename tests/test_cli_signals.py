@@ -134,7 +134,8 @@ def test_a_signal_in_a_scenario_ends_it_at_once_and_only_once(
     rec = RunRecord.load(runner.record_path(sc.id))
     assert [s.index for s in rec.syncs] == [0]
     assert rec.verdict == "CRASH" and [(e.where, e.type) for e in rec.errors] == [("runner", "KeyboardInterrupt")]
-    phases = f"after 1 sync of 5 planned; last phases: rank0: {rec.progress['rank0']}"
+    resend = "(4, then one that re-sends unchanged weights)"
+    phases = f"after 1 of 5 planned syncs {resend}; last phases: rank0: {rec.progress['rank0']}"
     assert phases in rec.errors[0].message, rec.errors
     assert sorted(rec.progress) == ["rank0"] and rec.progress["rank0"], rec.progress
     monkeypatch.setattr(runner, "after_sync", None)
@@ -170,7 +171,7 @@ def test_a_signal_in_a_scenarios_cleanup_still_writes_its_record(
     assert sc.world_size not in runner.pools  # the cleanup was cut short: its ranks serve no later scenario
     rec = RunRecord.load(runner.record_path(sc.id))
     assert [s.index for s in rec.syncs] == [0, 1, 2] and rec.verdict == "CRASH"  # the last re-sends unchanged weights
-    assert "after 3 syncs of 3 planned" in rec.errors[-1].message, rec.errors
+    assert "after 3 of 3 planned syncs" in rec.errors[-1].message, rec.errors
     assert runner.live_engines is None
     if step == "engines_reusable":  # cut short before it shelved or ended its engine: the runner ended it
         assert len(ended) == 1 and len(ended[0]) == 1, ended
@@ -191,7 +192,7 @@ def test_an_interrupted_scenario_meets_no_expectation_and_leaves_its_group_open(
     stopped = RunRecord(scenario_id=second.id, scenario=second, run_id="t")
     assert expectation_met(stopped, "CRASH")  # as a fault that expects CRASH would be caught
     stopped.errors.append(interrupts.interrupted_error(KeyboardInterrupt(), stopped, None))
-    assert "interrupted (Ctrl-C) after 0 syncs of 4 planned" in stopped.errors[0].message, stopped.errors
+    assert "interrupted (Ctrl-C) after 0 of 4 planned syncs" in stopped.errors[0].message, stopped.errors
     assert not expectation_met(stopped, "CRASH")  # a Ctrl-C catches no fault
 
     class _Runner:  # a group of members that ran different numbers of syncs must not be compared
@@ -212,7 +213,7 @@ def test_a_keyboard_interrupt_without_text_is_named_by_the_signal_delivered(monk
     sc = Scenario(model="qwen3", syncs=1)
     rec = RunRecord(scenario_id=sc.id, scenario=sc, run_id="t")
     assert (
-        "interrupted (signal 15) after 0 syncs of 2 planned"
+        "interrupted (signal 15) after 0 of 2 planned syncs"
         in interrupts.interrupted_error(KeyboardInterrupt(), rec, interrupts.delivered()).message
     )
     named_again = interrupts.interrupted_error(KeyboardInterrupt(), rec, interrupts.delivered()).message
@@ -420,3 +421,19 @@ def test_a_sigterm_that_meets_ray_inits_own_handlers_ends_the_run_as_any_sigterm
             signal.signal(signal.SIGTERM, _ray_init_handler(what))
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_interrupted_command_ends_with_one_line_and_python_s_sigint_exit() -> None:
+    # Ctrl-C printed a traceback of some 40 lines through the run's cleanup; the interrupted scenario's record
+    # holds where it was. Python still ends the process by SIGINT, as a shell expects of a Ctrl-C'd command.
+    code = (
+        "import sys\n"
+        "from harness import cli, interrupts\n"
+        "sys.excepthook = cli.print_interrupt  # as harness/__main__.py sets it\n"
+        "interrupts.install()\n"
+        "interrupts.on_signal(2, None)\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == -signal.SIGINT and out.stderr == "interrupted by SIGINT\n", out.stderr
+    assert "sys.excepthook = print_interrupt" in (Path(root) / "harness" / "__main__.py").read_text()

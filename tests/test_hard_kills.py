@@ -357,6 +357,7 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     assert not running or proc.returncode != 0, (how, proc.returncode, out[-2000:])
     if isinstance(seed, str):  # past ray.init, the harness's own handler: a SIGTERM'd process's status
         assert proc.returncode == 143, (how, proc.returncode, out[-2000:])
+        assert out.rstrip().endswith("interrupted by SIGTERM") and "Traceback" not in out, out[-2000:]
     for path in sorted((tmp_path / "signalled" / "records").glob("*.json")):
         assert RunRecord.load(path).verdict, path  # every finished scenario: a valid, judged record
     # and every scenario that started (its ranks made its trace folder), the interrupted one too

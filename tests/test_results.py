@@ -380,7 +380,8 @@ def test_an_interrupted_scenario_reads_as_interrupted_in_the_summary_and_the_rep
     assert "| CRASH (interrupted) |" in md
     failing = md.split("## Not passing", 1)[1]
     assert "interrupted by Ctrl-C or a signal" in failing and "UNEXPECTED" not in failing
-    assert "after 2 syncs of 5 planned; last phases: rank0: sync 2: gather" in failing
+    assert "after 2 of 5 planned syncs (4, then one that re-sends unchanged weights); last phases: rank0" in failing
+    assert "last phases: rank0: sync 2: gather" in failing
 
     status, report_md = write_report(tmp_path / "run", tmp_path / "base")
     assert status == 0  # an interrupt is not a regression of the code under test
@@ -388,7 +389,7 @@ def test_an_interrupted_scenario_reads_as_interrupted_in_the_summary_and_the_rep
     assert report.loc[raw.scenario_id, "change"] == "interrupted"
     text = report_md.read_text()
     assert "0 regressions" in text and "1 interrupted" in text
-    assert "(signal 15) after 2 syncs" in text.split("## Interrupted scenarios", 1)[1]
+    assert "(signal 15) after 2 of 5" in text.split("## Interrupted scenarios", 1)[1]
 
     # the other way round: a baseline that was interrupted is no verdict to improve on either
     status, report_md = write_report(tmp_path / "base", tmp_path / "run")
