@@ -2,7 +2,7 @@
 
     python -m harness run --matrix cpu [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
                           [--baseline DIR]
-    python -m harness list --matrix cpu [--filter EXPR]
+    python -m harness list (--matrix cpu | --faults) [--filter EXPR]
     python -m harness faults [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
     python -m harness report --run results/<run-id> --baseline results/baselines/cpu [--threshold 1.25]
     python -m harness soak [--scenario ID]... [--syncs N] [--matrix cpu] [--results-dir DIR] [--run-id ID]
@@ -48,8 +48,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m harness", description="Weight-sync harness")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "list", "faults"):
-        p = sub.add_parser(name)
+    helps = {
+        "run": "run the selected scenarios of a matrix: records, summary.md, plots (exit 1 on an unexpected verdict)",
+        "list": "print the selected scenario ids (of a matrix, or the fault scenarios) and whether each validates",
+        "faults": "run every registered fault injection (or those --filter selects): faults.md, faults.csv",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text)
         if name != "faults":
             p.add_argument("--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path")
         p.add_argument(
@@ -57,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex",
         )
+    sub.choices["list"].add_argument(
+        "--faults", action="store_true", help="list the fault scenarios (`faults` runs them) instead of a matrix"
+    )
     soak = sub.add_parser("soak", help="one scenario for many syncs; resource growth per 100 syncs")
     add_soak_arguments(soak)
     for name in ("run", "faults", "soak"):
@@ -75,8 +83,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    """Print the selected scenario ids and whether each validates."""
-    for sc in select(load_matrix(args.matrix), args.filter):
+    """Print the selected scenario ids (of `--matrix`, or with `--faults` the fault scenarios) and whether each
+    validates."""
+    for sc in select(_fault_scenarios() if args.faults else load_matrix(args.matrix), args.filter):
         problem = validate(sc)
         print(f"{sc.id:60s} {'OK' if problem is None else 'CONFIG_ERROR: ' + problem}")
     return 0
@@ -164,12 +173,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return status
 
 
+def _fault_scenarios() -> list[Scenario]:
+    """Every registered fault's scenarios (`harness.faults.fault_scenarios`, expanded)."""
+    from harness.faults import fault_scenarios
+
+    return [s for e in fault_scenarios() for s in expand(e)]
+
+
 def cmd_faults(args: argparse.Namespace) -> int:
     """Run every registered fault's scenario and write the fault table (faults.md / faults.csv)."""
-    from harness.faults import fault_scenarios
     from harness.results import write_fault_table
 
-    scenarios = select([s for e in fault_scenarios() for s in expand(e)], args.filter)
+    scenarios = select(_fault_scenarios(), args.filter)
     if not scenarios:
         print(f"no fault scenario matches filter {args.filter!r}", file=sys.stderr)
         return 2

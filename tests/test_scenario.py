@@ -212,3 +212,14 @@ def test_gpu_matrix_covers_the_released_models() -> None:
         "Qwen/Qwen3-30B-A3B",
         "Qwen/Qwen3-VL-30B-A3B-Instruct",
     }
+
+
+def test_list_faults_prints_every_registered_faults_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
+    # `harness faults --filter` took ids nothing listed: `list --matrix faults` answered "no matrix 'faults'"
+    from harness.cli import main
+    from harness.faults import FAULTS
+
+    assert main(["list", "--faults"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = {line.split()[0].rsplit("/fault-", 1)[1] for line in lines}
+    assert names == set(FAULTS) and all(line.split()[-1] == "OK" for line in lines)
