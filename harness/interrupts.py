@@ -81,18 +81,24 @@ def held() -> Iterator[None]:
     the block has ended: for cleanup that must run to its end (a run's `close`: an interrupt in its middle left
     the trainer pools unkilled, and a colocated sender's shared-memory segment in /dev/shm). A second signal
     while one is held raises at once, as without the block: a way out of a cleanup that seems stuck. Its waits
-    are bounded by their own timeouts. Blocks nest (the outer one raises).
+    are bounded by their own timeouts. Blocks nest (the outer one raises). Where the block fails with another
+    error, that error goes on and the held signal is kept as one lost (`raise_if_signalled` raises it at the next
+    wait or scenario of a process that goes on).
 
     Raises:
         KeyboardInterrupt: "signal N (held until the cleanup ended)", after the block, where a signal came.
     """
-    global _holding, _held
+    global _holding, _held, _signalled
     if _holding:
         yield
         return
     _holding = True
     try:
         yield
+    except BaseException as e:
+        if _held is not None and not isinstance(e, KeyboardInterrupt):  # a second signal's is the one delivered
+            _signalled = _held
+        raise
     finally:
         _holding = False
         signum, _held = _held, None

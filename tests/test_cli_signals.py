@@ -319,8 +319,14 @@ def test_a_second_signal_while_one_is_held_raises_at_once(monkeypatch: pytest.Mo
         interrupts.on_signal(signal.SIGTERM, None)  # a way out of a cleanup that seems stuck
         reached.append("after the second")
     assert reached == ["after the first"] and interrupts.exit_status() == 143
+    assert interrupts.delivered() == signal.SIGTERM  # the second signal's KeyboardInterrupt is the one raised
     with interrupts.held():  # nothing held from before
         pass
+    with pytest.raises(OSError), interrupts.held():  # a cleanup that fails keeps the signal it held, as one lost
+        interrupts.on_signal(signal.SIGTERM, None)
+        raise OSError("the cleanup failed")
+    with pytest.raises(KeyboardInterrupt, match="was lost"):
+        interrupts.raise_if_signalled()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
