@@ -177,8 +177,17 @@ def order_for_reuse(scenarios: list[Scenario]) -> list[Scenario]:
 def shutdown_ray() -> None:
     """Stop the Ray instance this driver started (its worker processes end with it). Also after an
     interrupted `ray.init`: Ray's processes may already run before Ray counts as initialized, and
-    `ray.shutdown` ends whatever the driver has started (it does nothing when nothing was)."""
-    ray.shutdown()
+    `ray.shutdown` ends whatever the driver has started (it does nothing when nothing was).
+
+    `ray.shutdown` also leaves SIGTERM's handler at the C level to the default action while Python still
+    names the harness's (the core worker's failure handler is taken down), so a SIGTERM later in the run's
+    close killed it at once, before its tables: the Python handler is installed again."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.shutdown()
+    finally:
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
 
 
 def descendants() -> list[psutil.Process]:

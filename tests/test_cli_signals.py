@@ -443,3 +443,23 @@ def test_an_interrupted_command_ends_with_one_line_and_python_s_sigint_exit() ->
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == -signal.SIGINT and out.stderr == "interrupted by SIGINT\n", out.stderr
     assert "sys.excepthook = print_interrupt" in (Path(root) / "harness" / "__main__.py").read_text()
+
+
+def test_a_sigterm_after_ray_shutdown_still_reaches_the_harness_handler() -> None:
+    # ray.shutdown leaves SIGTERM at the C level to the default action while Python still names the harness's
+    # handler: a SIGTERM late in a run's close killed it at once (-15), before its tables (a new user's trial).
+    code = (
+        "import os, signal, time\n"
+        "from harness import interrupts, placement\n"
+        "interrupts.install()\n"
+        "placement.ensure_ray()\n"
+        "placement.shutdown_ray()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "except KeyboardInterrupt as e:\n"
+        "    print('handled:', e, flush=True)\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=root)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "handled: signal 15", (out.returncode, out.stderr)
