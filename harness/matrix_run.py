@@ -168,8 +168,10 @@ class MatrixRun:
             finally:
                 end_leftovers(started)
             self.env = finish_env(self.out)
-            if self.records:  # an interrupt may have cut the last writes short: the tables first, then the plots
-                df = self.write_tables()
+            # an interrupt may have cut the last writes short: the tables first (also with no record yet: the
+            # scenarios not run are listed, and a report finds the run's summary.csv), then the plots
+            df = self.write_tables()
+            if self.records:
                 if self.after_each is not None:  # e.g. faults.md, the soak's table
                     self.after_each(self.records, self.out)
                 self.write_plots(df)

@@ -309,6 +309,25 @@ def test_a_run_interrupted_between_scenarios_lists_those_it_did_not_reach(
     assert md.split("## Not run", 1)[1].strip().splitlines()[-1] == f"- `{second.id}`"
 
 
+def test_a_run_interrupted_before_any_record_still_writes_its_summary(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # An interrupt in the first seconds left no summary.md, and `harness report` then answered that the run's
+    # folder had no summary.csv (a new user's trial, 6 of 6).
+    from harness.matrix_run import MatrixRun
+    from harness.report import load_run
+
+    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: None)  # this process's Ray serves other tests
+    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: None)
+    planned = [Scenario(model="qwen3", syncs=1), Scenario(model="qwen3", syncs=1, colocate=True)]
+    MatrixRun(planned, tmp_path, "t").close()
+    md = (tmp_path / "t" / "summary.md").read_text()
+    assert "No scenario ran." in md and md.rstrip().endswith(f"- `{planned[0].id}`\n- `{planned[1].id}`")
+    assert len(load_run(tmp_path / "t").table) == 0  # a report reads it: every baseline scenario is missing
+
+
 def test_a_second_signal_while_one_is_held_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interrupts, "_signalled", None)
     monkeypatch.setattr(interrupts, "_last", None)
