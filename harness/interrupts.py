@@ -15,7 +15,7 @@ it interrupted keeps its record, judged, with `interrupted_error` among its erro
 last phase in `RunRecord.progress`: a hang that someone stopped by hand says where it hung.
 
 A run's `close` runs under `held`: a signal while it stops the run's processes and writes its tables is
-raised once it has ended (a second one at once).
+raised once it has ended (a second one at once, cutting short the step it lands in).
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def held() -> Iterator[None]:
     """Hold the first SIGTERM or SIGINT that comes while the block runs, and raise its KeyboardInterrupt once
     the block has ended: for cleanup that must run to its end (a run's `close`: an interrupt in its middle left
     the trainer pools unkilled, and a colocated sender's shared-memory segment in /dev/shm). A second signal
-    while one is held raises at once, as without the block: a way out of a cleanup that seems stuck. Its waits
-    are bounded by their own timeouts. Blocks nest (the outer one raises). Where the block fails with another
+    while one is held raises at once, as without the block: it cuts short the step it lands in (a cleanup
+    that seems stuck), and what the block runs in `finally` still runs. Its waits are bounded by their own
+    timeouts. Blocks nest (the outer one raises). Where the block fails with another
     error, that error goes on and the held signal is kept as one lost (`raise_if_signalled` raises it at the next
     wait or scenario of a process that goes on).
 

@@ -145,7 +145,8 @@ class MatrixRun:
         launch left running: `harness.placement.end_leftovers`), write the run's end into
         env.json (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every
         record (an interrupt may have cut the last writes short). A signal meanwhile is held until all that has
-        ended, then raised (`harness.interrupts.held`; a second one at once). Safe to call twice."""
+        ended, then raised (`harness.interrupts.held`; a second one at once, cutting short the step it lands
+        in: the later steps, in `finally`, still run). Safe to call twice."""
         if self.closed:
             return
         self.closed = True
