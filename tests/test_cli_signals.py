@@ -50,10 +50,16 @@ LOST_IN_AN_AT_FORK_HOOK = textwrap.dedent(
 )
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    """`python -c code` in a new interpreter from the repository's root; its output captured as text."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+
+
 def _run(check: str) -> subprocess.CompletedProcess[str]:
-    code = LOST_IN_AN_AT_FORK_HOOK.format(check=check)
-    root = str(Path(__file__).resolve().parents[1])
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    return _python(LOST_IN_AN_AT_FORK_HOOK.format(check=check))
 
 
 def test_a_keyboard_interrupt_lost_in_an_at_fork_hook_is_raised_again() -> None:
@@ -220,15 +226,23 @@ def test_a_keyboard_interrupt_without_text_is_named_by_the_signal_delivered(monk
     assert "interrupted (Ctrl-C)" in named_again  # named once
 
 
+def _closing_without_ray(monkeypatch: pytest.MonkeyPatch, calls: list[str] | None = None) -> None:
+    """Stand-ins for what `MatrixRun`'s start and close touch outside this process: env.json's host calibration
+    and end, this process's Ray (the test session's other tests share it) and its leftovers. With `calls`, the
+    last two append their step ("ray down", "leftovers")."""
+    note = calls.append if calls is not None else (lambda step: None)
+    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: note("ray down"))
+    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: note("leftovers"))
+
+
 def test_a_run_closed_by_an_interrupt_writes_its_tables_and_outputs_before_its_plots(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from harness.matrix_run import MatrixRun
 
-    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: None)  # this process's Ray serves other tests
-    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: None)
+    _closing_without_ray(monkeypatch)
     sc = Scenario(model="qwen3", syncs=1)
     outputs: list[int] = []
     run = MatrixRun([sc], tmp_path, "t", after_each=lambda records, out: outputs.append(len(records)))
@@ -251,10 +265,7 @@ def test_a_run_stops_its_fork_servers_once_its_ray_is_down(monkeypatch: pytest.M
     from harness.matrix_run import MatrixRun
 
     calls: list[str] = []
-    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: calls.append("ray down"))
-    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: calls.append("leftovers"))
+    _closing_without_ray(monkeypatch, calls)
     runner = SimpleNamespace(
         close=lambda fork_servers=True: calls.append(f"runner (fork servers: {fork_servers})"),
         forks=SimpleNamespace(stop=lambda: calls.append("fork servers")),
@@ -280,10 +291,7 @@ def test_a_signal_while_a_run_closes_is_held_until_it_has_closed(
         interrupts.on_signal(signal.SIGINT, None)  # arrives while the engines end
         calls.append("engines and pools")
 
-    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: calls.append("ray down"))
-    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: calls.append("leftovers"))
+    _closing_without_ray(monkeypatch, calls)
     sc = Scenario(model="qwen3", syncs=1)
     run = MatrixRun([sc], tmp_path, "t", after_each=lambda records, out: calls.append("after_each"))
     run.runner = SimpleNamespace(close=runner_close, forks=SimpleNamespace(stop=lambda: calls.append("fork servers")))
@@ -317,10 +325,7 @@ def test_a_run_interrupted_before_any_record_still_writes_its_summary(
     from harness.matrix_run import MatrixRun
     from harness.report import load_run
 
-    monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: None)  # this process's Ray serves other tests
-    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: None)
+    _closing_without_ray(monkeypatch)
     planned = [Scenario(model="qwen3", syncs=1), Scenario(model="qwen3", syncs=1, colocate=True)]
     MatrixRun(planned, tmp_path, "t").close()
     md = (tmp_path / "t" / "summary.md").read_text()
@@ -458,10 +463,9 @@ def test_an_interrupted_command_ends_with_one_line_and_python_s_sigint_exit() ->
         "interrupts.install()\n"
         "interrupts.on_signal(2, None)\n"
     )
-    root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    out = _python(code)
     assert out.returncode == -signal.SIGINT and out.stderr == "interrupted by SIGINT\n", out.stderr
-    assert "sys.excepthook = print_interrupt" in (Path(root) / "harness" / "__main__.py").read_text()
+    assert "sys.excepthook = print_interrupt" in (ROOT / "harness" / "__main__.py").read_text()
 
 
 def test_a_sigterm_after_ray_shutdown_still_reaches_the_harness_handler() -> None:
@@ -479,6 +483,5 @@ def test_a_sigterm_after_ray_shutdown_still_reaches_the_harness_handler() -> Non
         "except KeyboardInterrupt as e:\n"
         "    print('handled:', e, flush=True)\n"
     )
-    root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=root)
+    out = _python(code)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "handled: signal 15", (out.returncode, out.stderr)
