@@ -21,8 +21,9 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import psutil
@@ -50,6 +51,22 @@ _ray_tag: str | None = None  # the value this driver gave it, once it started a 
 
 
 @contextlib.contextmanager
+def _putting_back_sigterm_handler() -> Iterator[Callable[[int, FrameType | None], Any] | None]:
+    """Install this process's Python SIGTERM handler again after the block (also at the C level, where a Ray
+    call replaced it without Python knowing); yields that handler, or None where there is none to put back (not
+    the main thread, or no Python function: a driver without one of its own, such as a test session, keeps what
+    Ray installs)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield None
+        return
+    try:
+        yield handler
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
 def _keeping_sigterm_handler() -> Iterator[None]:
     """Put this process's own SIGTERM handler back after the block. `ray.init` installs its own failure
     handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process: the run's
@@ -65,28 +82,27 @@ def _keeping_sigterm_handler() -> Iterator[None]:
     and the run ends as after any SIGTERM (KeyboardInterrupt("signal 15"), exit status 143). Ray's C++ failure
     handler, set late in `ray.init`, takes the signal before any Python handler: there the run closes and then
     ends by SIGABRT."""
-    handler = signal.getsignal(signal.SIGTERM)
-    if threading.current_thread() is not threading.main_thread() or not callable(handler):
-        yield
-        return
-    seen, wakeup = socket.socketpair()
-    seen.setblocking(False)
-    wakeup.setblocking(False)
-    previous = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
-    try:
-        try:
+    with _putting_back_sigterm_handler() as handler:
+        if handler is None:
             yield
-        except SystemExit:
-            if _took_sigterm(seen):
-                handler(signal.SIGTERM, None)  # the harness's handler raises KeyboardInterrupt, keeps the signal
-            raise
-        if _took_sigterm(seen):  # Ray's handler ran and its SystemExit was dropped
-            handler(signal.SIGTERM, None)
-    finally:
-        signal.set_wakeup_fd(previous)
-        signal.signal(signal.SIGTERM, handler)
-        seen.close()
-        wakeup.close()
+            return
+        seen, wakeup = socket.socketpair()
+        seen.setblocking(False)
+        wakeup.setblocking(False)
+        previous = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+        try:
+            try:
+                yield
+            except SystemExit:
+                if _took_sigterm(seen):
+                    handler(signal.SIGTERM, None)  # the harness's handler raises KeyboardInterrupt, keeps the signal
+                raise
+            if _took_sigterm(seen):  # Ray's handler ran and its SystemExit was dropped
+                handler(signal.SIGTERM, None)
+        finally:
+            signal.set_wakeup_fd(previous)
+            seen.close()
+            wakeup.close()
 
 
 def _took_sigterm(seen: socket.socket) -> bool:
@@ -182,12 +198,8 @@ def shutdown_ray() -> None:
     `ray.shutdown` also leaves SIGTERM's handler at the C level to the default action while Python still
     names the harness's (the core worker's failure handler is taken down), so a SIGTERM later in the run's
     close killed it at once, before its tables: the Python handler is installed again."""
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
+    with _putting_back_sigterm_handler():
         ray.shutdown()
-    finally:
-        if callable(handler) and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, handler)
 
 
 def descendants() -> list[psutil.Process]:
