@@ -279,10 +279,9 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
             continue
         b = b_tab.loc[sid].to_dict()
         row.update(baseline_verdict=b["verdict"], baseline_steady_s=b.get("steady_s"), baseline_spread=sync_spread(b))
-        stopped = [(side, t) for side, t in (("run", r), ("baseline", b)) if t["interrupted"]]
-        if stopped:  # stopped by hand or a signal: its verdict says nothing of the code under test
-            side, t = stopped[0]
-            note = str(t.get("message") or "") if side == "run" else f"interrupted in the baseline: {t.get('message')}"
+        if r["interrupted"] or b["interrupted"]:  # stopped by hand or a signal: says nothing of the code under test
+            in_baseline = f"interrupted in the baseline: {b.get('message')}"
+            note = str(r.get("message") or "") if r["interrupted"] else in_baseline
             row.update(change="interrupted", time_change="not timed", note=note)
             rows.append(row)
             continue

@@ -356,14 +356,10 @@ def summary_markdown(
     lines += wall_lines(df)
     lines += ["## Not passing", ""]
     failing = df[df["verdict"] != "PASS"] if len(df) else df
-    if not len(failing):
-        lines.append(
-            "No scenario ran."
-            if not len(df)
-            else "Every scenario that ran passed."
-            if not_run
-            else "Every scenario passed."
-        )
+    if not len(df):
+        lines.append("No scenario ran.")
+    elif not len(failing):
+        lines.append("Every scenario that ran passed." if not_run else "Every scenario passed.")
     for row in failing.to_dict(orient="records"):
         if flag(row.get("interrupted")):
             status = "interrupted by Ctrl-C or a signal: not judged against its expectation"
