@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -210,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `list | head`: the reader is gone; end quietly as a process SIGPIPE ends would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
         status = interrupts.exit_status()
         if status is None:

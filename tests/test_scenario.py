@@ -223,3 +223,15 @@ def test_list_faults_prints_every_registered_faults_scenarios(capsys: pytest.Cap
     lines = capsys.readouterr().out.splitlines()
     names = {line.split()[0].rsplit("/fault-", 1)[1] for line in lines}
     assert names == set(FAULTS) and all(line.split()[-1] == "OK" for line in lines)
+
+
+def test_list_into_a_closed_pipe_ends_without_a_traceback() -> None:
+    # `python -m harness list | head -1` printed a BrokenPipeError traceback once head had its line
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shell = f'{sys.executable} -m harness list --matrix cpu | head -1; echo "status ${{PIPESTATUS[0]}}"'
+    out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.stdout.splitlines()[0].startswith("qwen3/") and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.splitlines()[-1] == "status 141"  # 128 + SIGPIPE, as a shell reports a process SIGPIPE ended
