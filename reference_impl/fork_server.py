@@ -205,9 +205,7 @@ def _child(role: ModuleType, request: dict[str, Any], fds: list[int], ready: int
         role.run(list(request["args"]))
         code = 0
     except SystemExit as e:
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = exit_code(e)
     except KeyboardInterrupt:  # as an interpreter ends on an uncaught SIGINT: killed by it (-2)
         code = -signal.SIGINT
     except BaseException:
@@ -222,6 +220,15 @@ def _child(role: ModuleType, request: dict[str, Any], fds: list[int], ready: int
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
+
+
+def exit_code(e: SystemExit) -> int:
+    """The status an interpreter exits with for `e`: its int code; 0 for None (`sys.exit()`); 1 for anything
+    else, which is printed to stderr first (`sys.exit("message")`)."""
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
 
 
 def _write_status(path: str, code: int) -> None:
@@ -349,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(importlib.import_module(args.role), args.socket, parent)
     except SystemExit as e:  # SIGTERM; `serve` has removed its folder
-        status = e.code if isinstance(e.code, int) else 1
+        status = exit_code(e)
     # What is left is the interpreter's finalization of what `preload` imported (torch, megatron-core, transformers:
     # 1-1.7 s on this host, at every stop, once per run and per test session), which frees nothing a process's end
     # does not; the fork server holds no other state to flush. An error from `serve` still exits as Python does.

@@ -157,3 +157,14 @@ def test_a_launcher_does_not_wait_for_a_fork_server_that_was_killed_while_it_imp
         assert time.monotonic() - started < 5
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(("code", "status", "printed"), [(None, 0, ""), (0, 0, ""), (3, 3, ""), ("bad", 1, "bad\n")])
+def test_a_forked_process_exits_as_an_interpreter_does(
+    code: object, status: int, printed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the fork server's own exit read `sys.exit()` (code None) as 1 where an interpreter exits 0
+    from reference_impl.fork_server import exit_code
+
+    assert exit_code(SystemExit(code)) == status
+    assert capsys.readouterr().err == printed
