@@ -89,9 +89,18 @@ def _worker_of(proc: psutil.Process, known: dict[int, str | None]) -> str | None
     return worker
 
 
+def _is_descendant(proc: psutil.Process) -> bool:
+    """Whether `proc` is this test process or was started from it (its Ray, fork servers, engines, ranks)."""
+    me = os.getpid()
+    return proc.pid == me or any(p.pid == me for p in proc.parents())
+
+
 def _held_by_other_workers(among: set[str] | None = None) -> set[str]:
-    """Names in /dev/shm (of `among`, when given) that processes of another pytest-xdist worker map or hold open
-    (read with psutil, each process's worker by `_worker_of`); empty without xdist."""
+    """Names in /dev/shm (of `among`, when given) that processes of another run map or hold open (read with
+    psutil): another pytest-xdist worker's (each process's worker by `_worker_of`), or, without a worker, a
+    process this test did not start (a harness run beside the suite on the same host). A process of this
+    worker's that outlived its parent still carries this worker's name, so a leak of ours is never theirs.
+    Empty without xdist."""
     ours = os.environ.get("PYTEST_XDIST_WORKER")
     names: set[str] = set()
     if ours is None or among == set():
@@ -99,7 +108,8 @@ def _held_by_other_workers(among: set[str] | None = None) -> set[str]:
     known: dict[int, str | None] = {}
     for proc in psutil.process_iter():
         try:
-            if _worker_of(proc, known) in (None, ours):
+            worker = _worker_of(proc, known)
+            if worker == ours or (worker is None and _is_descendant(proc)):
                 continue
             paths = [m.path for m in proc.memory_maps()] + [f.path for f in proc.open_files()]
         except psutil.Error:
