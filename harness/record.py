@@ -230,15 +230,26 @@ class SyncRecord(SyncReport):
 class Bound(BaseModel):
     """The same-run bound of the scenario's last sync (`reference_impl.transport.bound`), seconds: the bare
     gather (all-gathers and hand-offs of the same shards) and the bare wire (broadcasts of the same chunk
-    sizes over the same transfer group, or copies into the same segment; None where the channel has none)."""
+    sizes over the same transfer group, or copies into the same segment; None where the channel has none).
+    Each is the fastest of the measurement's repeats; ``gather_max_s`` and ``wire_max_s`` are the slowest
+    (None in records that predate them), the bound's own noise, which a regression report widens its band by."""
 
     gather_s: float
     wire_s: float | None = None
+    gather_max_s: float | None = None
+    wire_max_s: float | None = None
 
     @property
     def total_s(self) -> float | None:
         """`gather_s + wire_s`; None without a wire bound."""
         return None if self.wire_s is None else self.gather_s + self.wire_s
+
+    @property
+    def max_total_s(self) -> float | None:
+        """`gather_max_s + wire_max_s`, the slowest repeat of each part; None where either is missing."""
+        if self.gather_max_s is None or self.wire_max_s is None:
+            return None
+        return self.gather_max_s + self.wire_max_s
 
 
 class RunRecord(BaseModel):

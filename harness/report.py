@@ -17,7 +17,11 @@ Scenarios are matched by id. Per scenario:
   median, not the rows), which the report says. Each row says which it used.
 - **Noise**: run/baseline ratio r is flagged only outside a band b: slower when r > b, faster when
   r < 1/b, with b = max(threshold (1.25), each run's per-sync spread (slowest over fastest steady sync,
-  ``steady_max_s / steady_min_s``; a table without those columns contributes nothing), the fence). The
+  ``steady_max_s / steady_min_s``; a table without those columns contributes nothing), the fence). A row
+  compared by efficiency also carries the noise of its bound: each run's spread is then the per-sync
+  spread times the bound's (``bound_max_s / bound_s``, slowest over fastest repeat of the bare
+  collectives), since steady / bound moves with either: a small sync's bound is tens of microseconds and
+  its repeats scatter 1.1-8x on a 2-core host (README, "Noise"). The
   fence is exp(3 x 1.4826 x MAD) of the log ratios of the rows measured the same way (when at least 6
   are): on hosts where the same commit scatters (0.6-3.8x per scenario on one fresh machine), a row
   is flagged only when it is far from the others, not because the host was noisy. Why a band and not
@@ -78,6 +82,8 @@ COLUMNS: tuple[str, ...] = (
     "band",
     "baseline_spread",
     "run_spread",
+    "baseline_bound_spread",  # bound_max_s / bound_s: efficiency rows' band also carries it
+    "run_bound_spread",
     "note",
 )
 NUMERIC_COLUMNS: tuple[str, ...] = (
@@ -89,6 +95,8 @@ NUMERIC_COLUMNS: tuple[str, ...] = (
     "band",
     "baseline_spread",
     "run_spread",
+    "baseline_bound_spread",
+    "run_bound_spread",
 )
 
 
@@ -162,6 +170,27 @@ def sync_spread(row: Mapping[str, Any]) -> float:
     return hi / lo if lo and hi else math.nan
 
 
+def bound_spread(row: Mapping[str, Any]) -> float:
+    """Slowest over fastest repeat of one row's same-run bound (>= 1); NaN when the table does not carry
+    ``bound_max_s`` or no bound was measured."""
+    lo, hi = _finite(row.get("bound_s")), _finite(row.get("bound_max_s"))
+    return hi / lo if lo and hi else math.nan
+
+
+def band_spreads(row: Mapping[str, Any]) -> list[float]:
+    """Each run's own noise of the row's measure (the band is at least the widest): the per-sync spread,
+    times the bound's spread where the row is compared by efficiency; a side without a spread gives none."""
+    spreads = []
+    for side in ("baseline", "run"):
+        spread = row[f"{side}_spread"]
+        if math.isnan(spread):
+            continue
+        if row["measure"] == MEASURE_EFFICIENCY and not math.isnan(row[f"{side}_bound_spread"]):
+            spread *= row[f"{side}_bound_spread"]
+        spreads.append(spread)
+    return spreads
+
+
 def calibration(env: Mapping[str, Any], colocate: bool) -> tuple[float | None, str]:
     """The host speed (GB/s) a row of this placement is divided by, and its name; the other
     calibration when this one is missing; (None, "") when env.json has none."""
@@ -223,8 +252,7 @@ def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.Da
         group = timed & (out["measure"] == name)
         wide = fence([math.log(r) for r in out.loc[group, "ratio"]])
         for idx in out.index[group]:
-            spreads = [s for s in (out.at[idx, "baseline_spread"], out.at[idx, "run_spread"]) if not math.isnan(s)]
-            band = max([threshold, wide, *spreads])
+            band = max([threshold, wide, *band_spreads(out.loc[idx])])
             ratio = out.at[idx, "ratio"]
             out.at[idx, "band"] = band
             out.at[idx, "time_change"] = "slower" if ratio > band else "faster" if ratio < 1 / band else "within noise"
@@ -273,12 +301,14 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
         r = r_tab.loc[sid].to_dict()
         row = _blank(sid)
         row.update(run_verdict=r["verdict"], run_steady_s=r.get("steady_s"), run_spread=sync_spread(r))
+        row["run_bound_spread"] = bound_spread(r)
         if sid not in b_tab.index:
             row.update(change="new", note=str(r.get("message") or "") if not r["expect_met"] else "")
             rows.append(row)
             continue
         b = b_tab.loc[sid].to_dict()
         row.update(baseline_verdict=b["verdict"], baseline_steady_s=b.get("steady_s"), baseline_spread=sync_spread(b))
+        row["baseline_bound_spread"] = bound_spread(b)
         if r["interrupted"] or b["interrupted"]:  # stopped by hand or a signal: says nothing of the code under test
             in_baseline = f"interrupted in the baseline: {b.get('message')}"
             note = str(r.get("message") or "") if r["interrupted"] else in_baseline

@@ -99,7 +99,8 @@ def _method(report: Report) -> list[str]:
     lines = [
         "Steady time = median of syncs >= 1. A row is compared as the measure it names (run / baseline, > 1 "
         f"slower) and flagged only outside its noise band: max({report.threshold:g}, both runs' per-sync spread "
-        f"(slowest / fastest steady sync), and, when at least {FENCE_MIN_ROWS} rows share a measure, "
+        "(slowest / fastest steady sync; for efficiency, times the bound's slowest / fastest repeat), and, "
+        f"when at least {FENCE_MIN_ROWS} rows share a measure, "
         f"exp({FENCE_MADS:g} × 1.4826 × MAD) of their log ratios). Rows measured:",
         "",
     ]

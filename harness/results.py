@@ -7,6 +7,7 @@ phase column (``gather_s`` ...) the median of that phase over the same syncs; ``
 report compares against). ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``. ``bound_s`` is the
 same-run bound of the last sync (``bound_gather_s + bound_wire_s``: the bare all-gathers, hand-offs and
 chunk transfers of the same bytes over the same groups, `reference_impl.transport.bound`) and
+``bound_max_s`` the same sum of the slowest repeats (the bound's own noise; NaN in records without it), and
 ``efficiency`` is ``bound_s / steady_s`` (1.0: the reference path costs what its bare collectives cost;
 NaN where no bound was measured: vLLM, faults, failed syncs). ``phases_sum_s`` is the median over the
 same syncs of the sum of their phases: the sender exports while earlier chunks are on the wire
@@ -71,6 +72,7 @@ COLUMNS: tuple[str, ...] = (
     "bound_gather_s",
     "bound_wire_s",
     "bound_s",
+    "bound_max_s",
     "efficiency",
     "phases_sum_s",
     *PHASE_COLUMNS,
@@ -147,16 +149,19 @@ def http_200_summary(record: RunRecord) -> str:
 
 def bound_columns(record: RunRecord, steady_s: float) -> dict[str, float]:
     """`bound_gather_s`, `bound_wire_s`, `bound_s` (their sum) from the record's same-run bound
-    (`RunRecord.bound`), and `efficiency = bound_s / steady_s`; NaN for what was not measured."""
+    (`RunRecord.bound`), `bound_max_s` (the sum of the slowest repeats) and `efficiency = bound_s /
+    steady_s`; NaN for what was not measured."""
     b = record.bound
     gather = b.gather_s if b is not None else _NAN
     wire = b.wire_s if b is not None and b.wire_s is not None else _NAN
+    slowest = b.max_total_s if b is not None else None
     total = gather + wire
     finite = not math.isnan(total) and steady_s and not math.isnan(steady_s)
     return {
         "bound_gather_s": gather,
         "bound_wire_s": wire,
         "bound_s": total,
+        "bound_max_s": _NAN if slowest is None else slowest,
         "efficiency": total / steady_s if finite else _NAN,
     }
 

@@ -210,9 +210,11 @@ class TrainerWorker:
 
     def measure_bound(self, repeats: int = 3) -> tuple[dict[str, float | None], list[HttpCall]]:
         """Collective on every rank, after a sync: the same-run bound of that sync's bytes (`transport.bound`),
-        the best of `repeats` measurements of each part. Returns, on the sender, {"gather_s", "wire_s"}
-        (seconds; "wire_s" None where the channel has no bare counterpart) and the engine calls it made;
-        on every other rank ({}, []).
+        the best of `repeats` measurements of each part after one untimed warm-up (the first touch of the
+        bound's fresh buffers pays page faults the reference path's kept buffers no longer pay: it is not
+        the bound's noise). Returns, on the sender, {"gather_s", "wire_s", "gather_max_s", "wire_max_s"}
+        (seconds, the fastest and the slowest timed repeat of each part; the wire's None where the channel
+        has no bare counterpart) and the engine calls it made; on every other rank ({}, []).
 
         Raises:
             RuntimeError: no sync ran yet in this scenario (no plan to measure).
@@ -224,15 +226,17 @@ class TrainerWorker:
         num_experts = self.convert_config.num_experts
         gathers = [
             bound.gather_bound(self.model, self.layout, num_experts, self.last_plan, self.rank, self.world_size)
-            for _ in range(repeats)
-        ]
+            for _ in range(1 + repeats)
+        ][1:]
         if self.rank != SENDER:
             return {}, []
         assert self.channel is not None and self.client is not None
         sizes = [c.nbytes for c in self.last_plan]
-        wires = [bound.wire_bound(self.channel, self.client, sizes) for _ in range(repeats)]
-        wire = None if any(w is None for w in wires) else min(w for w in wires if w is not None)
-        return {"gather_s": min(gathers), "wire_s": wire}, self._drain_calls()
+        wires = [bound.wire_bound(self.channel, self.client, sizes) for _ in range(1 + repeats)][1:]
+        timed = [w for w in wires if w is not None]
+        wire, wire_max = (min(timed), max(timed)) if timed and len(timed) == len(wires) else (None, None)
+        parts = {"gather_s": min(gathers), "wire_s": wire, "gather_max_s": max(gathers), "wire_max_s": wire_max}
+        return parts, self._drain_calls()
 
     def trainer_logprobs(self, temperature: float) -> dict[str, Any]:
         """Collective on every rank: the trainer's own log-probs of the fixed prompts at `temperature`,

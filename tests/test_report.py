@@ -268,6 +268,43 @@ def test_efficiency_is_compared_when_both_tables_have_it(tmp_path: Path) -> None
     assert f"- {MEASURE_EFFICIENCY}: 8" in _markdown(report)
 
 
+def _bound_tables(spread: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Baseline and run tables with efficiency: every row's bound is its steady time / 100, its slowest
+    repeat `spread` times that."""
+    tables = make_table(BASE_TIMES), make_table(BASE_TIMES)
+    for table in tables:
+        table["bound_s"] = [t / 100 for t in BASE_TIMES]
+        table["bound_max_s"] = table["bound_s"] * spread
+        table["efficiency"] = table["bound_s"] / table["steady_s"]
+    return tables
+
+
+def test_an_efficiency_row_carries_its_bound_noise(tmp_path: Path) -> None:
+    """Efficiency = bound / steady moves with the bound: its band widens by the bound's spread."""
+    base_table, run_table = _bound_tables(spread=1.2)
+    run_table.loc[1, ["bound_s", "bound_max_s"]] /= 1.3  # the run's bound 1.3x lower, the same steady time
+    run_table.loc[1, "efficiency"] /= 1.3
+    base = write_folder(tmp_path / "base", base_table, make_env())
+    run = write_folder(tmp_path / "run", run_table, make_env())
+    row = rows_by_id(compare(load_run(run), load_run(base)))[IDS[1]]
+    assert row["measure"] == MEASURE_EFFICIENCY and row["ratio"] == pytest.approx(1.3)
+    assert row["run_bound_spread"] == pytest.approx(1.2) and row["baseline_bound_spread"] == pytest.approx(1.2)
+    assert row["band"] == pytest.approx(1.1 * 1.2)  # per-sync spread times the bound's, above the 1.25 threshold
+    assert row["time_change"] == "within noise"
+
+    # The same tables without the bound's slowest repeat (older tables): outside the 1.25 threshold.
+    base_old = write_folder(tmp_path / "base_old", base_table.drop(columns="bound_max_s"), make_env())
+    run_old = write_folder(tmp_path / "run_old", run_table.drop(columns="bound_max_s"), make_env())
+    old = rows_by_id(compare(load_run(run_old), load_run(base_old)))[IDS[1]]
+    assert old["band"] == pytest.approx(1.25) and old["time_change"] == "slower"
+
+    # A row compared by calibration does not carry a bound's noise, even where its tables have one.
+    base_cal = write_folder(tmp_path / "base_cal", base_table.drop(columns="efficiency"), make_env())
+    run_cal = write_folder(tmp_path / "run_cal", run_table.drop(columns="efficiency"), make_env())
+    cal = rows_by_id(compare(load_run(run_cal), load_run(base_cal)))[IDS[1]]
+    assert cal["measure"] == "calibration (memcpy)" and cal["band"] == pytest.approx(1.25)
+
+
 @pytest.mark.parametrize(
     ("base_ok", "run_ok", "base_v", "run_v", "expected"),
     [

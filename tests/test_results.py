@@ -113,10 +113,12 @@ def test_summarize_numbers_by_hand(records: list[RunRecord]) -> None:
 
 def test_bound_and_efficiency_by_hand(records: list[RunRecord]) -> None:
     raw, bridge = records
-    raw.bound = Bound(gather_s=0.15, wire_s=0.27)
+    raw.bound = Bound(gather_s=0.15, wire_s=0.27, gather_max_s=0.2, wire_max_s=0.4)
     bridge.bound = Bound(gather_s=0.4, wire_s=None)  # a channel without a bare counterpart (vLLM's)
     df = summarize(records).set_index("export_mode")
     assert df.loc["raw", "bound_s"] == pytest.approx(0.42)  # 0.15 + 0.27
+    assert df.loc["raw", "bound_max_s"] == pytest.approx(0.6)  # the slowest repeats: 0.2 + 0.4
+    assert math.isnan(df.loc["bridge", "bound_max_s"])
     assert df.loc["raw", "efficiency"] == pytest.approx(0.42 / 0.6)  # bound / median steady (0.5, 0.7, 0.6)
     assert df.loc["bridge", "bound_gather_s"] == pytest.approx(0.4)
     assert math.isnan(df.loc["bridge", "bound_s"]) and math.isnan(df.loc["bridge", "efficiency"])

@@ -15,7 +15,8 @@ or load):
   channels have no probe: no wire bound (None).
 
 `bound_s = gather_s + wire_s` (the same steps one after the other, as the reference path takes them); the
-best of `repeats` measurements of each part. Seconds from `time.perf_counter`.
+best of `repeats` measurements of each part after an untimed warm-up (`worker.measure_bound`). Seconds from
+`time.perf_counter`.
 """
 
 from __future__ import annotations
