@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -105,6 +106,34 @@ def _keeping_sigterm_handler() -> Iterator[None]:
             wakeup.close()
 
 
+@contextlib.contextmanager
+def _node_processes_in_their_own_group() -> Iterator[None]:
+    """Ray's node processes (GCS server, raylet, their agents and, through the raylet, every worker) started
+    in the block lead a process group of their own instead of sharing the driver's. A SIGTERM to the driver's
+    process group (`kill -TERM -PGID`, a CI runner's or a batch scheduler's cancel) then reaches the driver and
+    not its GCS server: that server shut down on it, and the driver's Ray waited 60 s for it and ended the
+    process with status 1 ("Failed to connect to GCS within 60 seconds") before the run could close, so no
+    summary was written. Ray blocks only SIGINT in its node processes (ray/_private/services.py
+    `start_ray_process`, whose `ConsolePopen` this wraps, adding Popen's `process_group=0`). They still end with
+    the driver: Ray starts them with the kernel's parent-death signal, and the run's close ends them."""
+    services = ray._private.services
+    base = getattr(services, "ConsolePopen", None)
+    if base is None or not isinstance(base, type) or not issubclass(base, subprocess.Popen):
+        yield  # a Ray that starts its processes otherwise: they share the driver's group, as before
+        return
+
+    class OwnGroupPopen(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
+
+
 def _took_sigterm(seen: socket.socket) -> bool:
     """Whether the wakeup descriptor's other end `seen` holds SIGTERM's number (one byte per signal taken)."""
     taken = b""
@@ -135,7 +164,7 @@ def ensure_ray(address: str | None = None) -> None:
     previous = os.environ.get(RAY_TAG_VAR)
     os.environ[RAY_TAG_VAR] = _ray_tag
     try:
-        with _keeping_sigterm_handler():
+        with _keeping_sigterm_handler(), _node_processes_in_their_own_group():
             ray.init(
                 num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False
             )

@@ -306,13 +306,15 @@ def _scenario_started(run_dir: Path, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("seed", [*HARNESS_SEEDS, "sigterm-once-ray-runs"])
+@pytest.mark.parametrize("seed", [*HARNESS_SEEDS, "sigterm-once-ray-runs", "sigterm-to-the-group-once-ray-runs"])
 def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed: int | str) -> None:
-    # Random moments from Ray's start to the second scenario, and one SIGTERM once a scenario runs: there,
-    # the failure handler ray.init installs for SIGTERM used to abort the harness before its cleanup.
+    # Random moments from Ray's start to the second scenario, and a SIGTERM once a scenario runs: there, the
+    # failure handler ray.init installs for SIGTERM used to abort the harness before its cleanup; sent to the
+    # whole process group (a CI runner's cancel), it also reached Ray's GCS server, which shut down, and the
+    # driver's Ray ended the process with status 1 after 60 s, before the close wrote any summary.
     rng = random.Random(3000 + seed if isinstance(seed, int) else 0)
     how = (
-        "SIGTERM to the harness"
+        ("SIGTERM to the process group" if "group" in seed else "SIGTERM to the harness")
         if isinstance(seed, str)
         else ["SIGINT to the process group (Ctrl-C)", "SIGTERM to the harness", "SIGINT to the harness"][seed % 3]
     )
@@ -342,6 +344,8 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     running = proc.poll() is None  # else the run ended before the signal (a fast host): nothing to interrupt
     if how.endswith("(Ctrl-C)"):
         os.killpg(proc.pid, signal.SIGINT)
+    elif how == "SIGTERM to the process group":
+        os.killpg(proc.pid, signal.SIGTERM)
     else:
         proc.send_signal(signal.SIGTERM if "SIGTERM" in how else signal.SIGINT)
     signalled = time.monotonic()
@@ -358,6 +362,7 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     if isinstance(seed, str):  # past ray.init, the harness's own handler: a SIGTERM'd process's status
         assert proc.returncode == 143, (how, proc.returncode, out[-2000:])
         assert out.rstrip().endswith("interrupted by SIGTERM") and "Traceback" not in out, out[-2000:]
+        assert "CRASH (interrupted)" in (tmp_path / "signalled" / "summary.md").read_text(), out[-2000:]
     for path in sorted((tmp_path / "signalled" / "records").glob("*.json")):
         assert RunRecord.load(path).verdict, path  # every finished scenario: a valid, judged record
     # and every scenario that started (its ranks made its trace folder), the interrupted one too
