@@ -2,7 +2,7 @@
 
 A fork server (`reference_impl.fork_server`) imports a role's modules once and forks each new process from
 there, instead of each process importing them (7-9 s of CPU apiece on a 2-core host). Both run on the
-driver's node and carry the driver's Ray tag (`placement.ray_tag_env`), so what they fork is found as the
+driver's node and carry the driver's Ray tag (`driver_ray.ray_tag_env`), so what they fork is found as the
 Ray's processes are (`end_leftovers`). On a GPU host ranks never fork (CUDA does not survive a fork).
 """
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import ray
 
-from harness.placement import ray_tag_env, use_gpus
+from harness.driver_ray import ray_tag_env
+from harness.placement import use_gpus
 from harness.record import RunRecord
 from reference_impl.engine import EngineKind
 from reference_impl.engine.embedded.forked import ROLE as ENGINE_ROLE

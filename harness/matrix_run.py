@@ -51,8 +51,8 @@ class MatrixRun:
         argv: Sequence[str] | None = None,
         after_sync: SyncHook | None = None,
     ) -> None:
+        from harness.driver_ray import descendants
         from harness.env import write_env
-        from harness.placement import descendants
 
         self.before = {p.pid for p in descendants()}  # what ran before: never stopped by `close`
         if after_sync is None:  # every driver samples resources after each sync (RESOURCE_LEAK's record)
@@ -79,7 +79,7 @@ class MatrixRun:
         """Run one scenario and return its record (as judged after its group, when it closed one). Unless
         `validated` (the caller ran `harness.validate.validate` and passes its answer as `config_error`),
         the scenario is validated here first."""
-        from harness.placement import ensure_ray
+        from harness.driver_ray import ensure_ray
         from harness.runner import Runner
 
         if not validated:
@@ -142,7 +142,7 @@ class MatrixRun:
     def close(self) -> None:
         """Stop every process the run started (engines and trainer pools, Ray, then the fork servers, whose
         children are Ray workers that end with Ray, then whatever an interrupt in the middle of ray.init or a
-        launch left running: `harness.placement.end_leftovers`), write the run's end into
+        launch left running: `harness.driver_ray.end_leftovers`), write the run's end into
         env.json (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every
         record (an interrupt may have cut the last writes short). A signal meanwhile is held until all that has
         ended, then raised (`harness.interrupts.held`; a second one at once, cutting short the step it lands
@@ -154,8 +154,8 @@ class MatrixRun:
             self._close()
 
     def _close(self) -> None:
+        from harness.driver_ray import descendants, end_leftovers, shutdown_ray
         from harness.env import finish_env
-        from harness.placement import descendants, end_leftovers, shutdown_ray
 
         started = [p for p in descendants() if p.pid not in self.before]  # before their parents end
         try:

@@ -133,7 +133,7 @@ def runner(tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServerAddr
 
     import ray
 
-    from harness.placement import ensure_ray
+    from harness.driver_ray import ensure_ray
     from harness.runner import Runner
     from harness.soak import sample_resources
 

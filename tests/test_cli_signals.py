@@ -233,8 +233,8 @@ def _closing_without_ray(monkeypatch: pytest.MonkeyPatch, calls: list[str] | Non
     note = calls.append if calls is not None else (lambda step: None)
     monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
     monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
-    monkeypatch.setattr("harness.placement.shutdown_ray", lambda: note("ray down"))
-    monkeypatch.setattr("harness.placement.end_leftovers", lambda started: note("leftovers"))
+    monkeypatch.setattr("harness.driver_ray.shutdown_ray", lambda: note("ray down"))
+    monkeypatch.setattr("harness.driver_ray.end_leftovers", lambda started: note("leftovers"))
 
 
 def test_a_run_closed_by_an_interrupt_writes_its_tables_and_outputs_before_its_plots(
@@ -435,19 +435,19 @@ def test_a_sigterm_that_meets_ray_inits_own_handlers_ends_the_run_as_any_sigterm
 ) -> None:
     # A run SIGTERMed while ray.init ran exited 15 or 1, or, where Python dropped Ray's SystemExit, went on to
     # its end and exited 0.
-    from harness import placement
+    from harness import driver_ray
 
     monkeypatch.setattr(interrupts, "_signalled", None)
     monkeypatch.setattr(interrupts, "_last", None)
     previous = signal.signal(signal.SIGTERM, interrupts.on_signal)
     try:
-        with pytest.raises(KeyboardInterrupt, match="signal 15"), placement._keeping_sigterm_handler():
+        with pytest.raises(KeyboardInterrupt, match="signal 15"), driver_ray._keeping_sigterm_handler():
             signal.signal(signal.SIGTERM, _ray_init_handler(what))
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.5)  # the handler runs at the next bytecode; ray.init then goes on
         assert signal.getsignal(signal.SIGTERM) is interrupts.on_signal
         assert interrupts.exit_status() == 143
-        with placement._keeping_sigterm_handler():  # a later block without a signal raises nothing
+        with driver_ray._keeping_sigterm_handler():  # a later block without a signal raises nothing
             signal.signal(signal.SIGTERM, _ray_init_handler(what))
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -473,10 +473,10 @@ def test_a_sigterm_after_ray_shutdown_still_reaches_the_harness_handler() -> Non
     # handler: a SIGTERM late in a run's close killed it at once (-15), before its tables (a new user's trial).
     code = (
         "import os, signal, time\n"
-        "from harness import interrupts, placement\n"
+        "from harness import driver_ray, interrupts\n"
         "interrupts.install()\n"
-        "placement.ensure_ray()\n"
-        "placement.shutdown_ray()\n"
+        "driver_ray.ensure_ray()\n"
+        "driver_ray.shutdown_ray()\n"
         "try:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(5)\n"

@@ -1,4 +1,4 @@
-"""What a run leaves behind when it ends in the middle of starting processes (`harness.placement`): a
+"""What a run leaves behind when it ends in the middle of starting processes (`harness.driver_ray`): a
 parent still starting children when it is killed, and a process of the run's Ray re-parented before the
 harness looks. Both are what an interrupt in the middle of `ray.init` leaves: the raylet starts its agents
 a while after it runs, and an agent outlives a raylet killed before it. And what an engine server leaves in
@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness import placement
+from harness import driver_ray
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
@@ -64,7 +64,7 @@ def test_a_parent_still_starting_children_is_ended_with_every_child_it_started(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # No Ray of this driver in the sweep: the test session's own Ray (conftest) must survive the test.
-    monkeypatch.setattr(placement, "_ray_tag", None)
+    monkeypatch.setattr(driver_ray, "_ray_tag", None)
     marker = uuid.uuid4().hex
     parent = subprocess.Popen([sys.executable, "-c", SPAWNER], env={**os.environ, "TEST_MARKER": marker})
     try:
@@ -72,7 +72,7 @@ def test_a_parent_still_starting_children_is_ended_with_every_child_it_started(
         while len(_marked(marker)) < 4 and time.monotonic() < end:  # it is well under way
             time.sleep(0.05)
         assert len(_marked(marker)) >= 4
-        placement.end_leftovers([psutil.Process(parent.pid)], grace_s=0.1)
+        driver_ray.end_leftovers([psutil.Process(parent.pid)], grace_s=0.1)
         parent.wait(timeout=10)  # reaped by the function's wait: its status is lost
         assert not psutil.pid_exists(parent.pid)
         left = _gone_within(_marked(marker))
@@ -84,21 +84,21 @@ def test_a_parent_still_starting_children_is_ended_with_every_child_it_started(
 
 def test_a_process_of_the_drivers_ray_is_found_after_it_was_re_parented(monkeypatch: pytest.MonkeyPatch) -> None:
     tag = f"test-{uuid.uuid4().hex}"
-    monkeypatch.setattr(placement, "_ray_tag", tag)
+    monkeypatch.setattr(driver_ray, "_ray_tag", tag)
     other = f"test-{uuid.uuid4().hex}"  # another driver's Ray: never touched
     runs = {}
     for value in (tag, other):
         out = subprocess.run(
             [sys.executable, "-c", ORPHANER],
-            env={**os.environ, placement.RAY_TAG_VAR: value},
+            env={**os.environ, driver_ray.RAY_TAG_VAR: value},
             capture_output=True,
             text=True,
             check=True,
         )
         runs[value] = psutil.Process(int(out.stdout))
     try:
-        assert runs[tag].ppid() != os.getpid() and runs[tag].pid in {p.pid for p in placement.ray_processes()}
-        placement.end_leftovers([], grace_s=0.0)
+        assert runs[tag].ppid() != os.getpid() and runs[tag].pid in {p.pid for p in driver_ray.ray_processes()}
+        driver_ray.end_leftovers([], grace_s=0.0)
         assert _gone_within([runs[tag]]) == []  # by its SIGTERM or its SIGKILL
         assert runs[other].is_running()
     finally:
@@ -108,8 +108,8 @@ def test_a_process_of_the_drivers_ray_is_found_after_it_was_re_parented(monkeypa
 
 
 def test_without_a_ray_of_its_own_the_driver_finds_no_ray_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(placement, "_ray_tag", None)
-    assert placement.ray_processes() == []
+    monkeypatch.setattr(driver_ray, "_ray_tag", None)
+    assert driver_ray.ray_processes() == []
 
 
 def test_an_engine_server_writes_to_a_temp_folder_of_its_own_that_stop_removes(tmp_path: Path) -> None:
@@ -207,7 +207,8 @@ def test_an_engine_actor_stopped_while_its_server_starts_ends_that_start(tmp_pat
     # interrupt during a start took that long to end the run. The start must now fail, its server ended.
     import ray
 
-    from harness.placement import EngineActor, ensure_ray
+    from harness.driver_ray import ensure_ray
+    from harness.placement import EngineActor
 
     ensure_ray()
     ckpt = make_checkpoint(load_model("qwen3"), 1234)
@@ -230,15 +231,15 @@ def test_a_process_of_the_drivers_ray_nobody_ended_gets_a_sigterm_not_the_whole_
     # What a SIGTERM in the middle of ray.init leaves: node processes ray.shutdown does not know of. They end on
     # a SIGTERM; before, the run's exit waited the whole grace for them and then killed them.
     tag = f"test-{uuid.uuid4().hex}"
-    monkeypatch.setattr(placement, "_ray_tag", tag)
+    monkeypatch.setattr(driver_ray, "_ray_tag", tag)
     node = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, placement.RAY_TAG_VAR: tag}
+        [sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, driver_ray.RAY_TAG_VAR: tag}
     )
     try:
         end = time.monotonic() + 30
-        while node.pid not in {p.pid for p in placement.ray_processes()} and time.monotonic() < end:
+        while node.pid not in {p.pid for p in driver_ray.ray_processes()} and time.monotonic() < end:
             time.sleep(0.05)  # its environment is readable once it runs
-        killed = placement.end_leftovers([psutil.Process(node.pid)], grace_s=60.0)
+        killed = driver_ray.end_leftovers([psutil.Process(node.pid)], grace_s=60.0)
         assert killed == []  # it ended on the SIGTERM, within the grace, not by the SIGKILL after it
         assert not psutil.pid_exists(node.pid)  # ended, and reaped by the wait
     finally:

@@ -1,0 +1,246 @@
+"""This driver's own Ray: its start, its processes, its stop, and what a run leaves running.
+
+- `ensure_ray` starts Ray once per driver (or joins a cluster) with the harness's SIGTERM handling kept
+  through `ray.init`, and its node processes in process groups of their own; every process that Ray starts
+  carries this driver's tag (`RAY_TAG_VAR`), so `ray_processes` finds them wherever they were re-parented.
+- `shutdown_ray` stops it; `end_leftovers` ends whatever the run started that is still running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import psutil
+import ray
+
+FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
+
+
+RAY_TAG_VAR = "WSH_RAY_OWNER"  # set while this driver starts Ray: every process Ray starts inherits it
+_ray_tag: str | None = None  # the value this driver gave it, once it started a Ray of its own
+
+
+@contextlib.contextmanager
+def _putting_back_sigterm_handler() -> Iterator[Callable[[int, FrameType | None], Any] | None]:
+    """Install this process's Python SIGTERM handler again after the block (also at the C level, where a Ray
+    call replaced it without Python knowing); yields that handler, or None where there is none to put back (not
+    the main thread, or no Python function: a driver without one of its own, such as a test session, keeps what
+    Ray installs)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield None
+        return
+    try:
+        yield handler
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """Put this process's own SIGTERM handler back after the block. `ray.init` installs its own failure
+    handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process: the run's
+    `close` never runs and its Ray, workers and engine servers are left behind. The harness's handler
+    (`harness.interrupts.install`: SIGTERM ends a run like Ctrl-C) must stay the one that runs. Only a Python
+    function is put back: a driver without one of its own (a test session) keeps what Ray installs.
+
+    A SIGTERM while the block runs meets Ray's Python handlers instead (ray/_private/worker.py `init`:
+    `sys.exit(15)`; ray/_private/node.py, once its node processes start: `sys.exit(1)` after ending them), whose
+    SystemExit Python drops where it lands in an at-fork hook (Ray forks its processes), so the run went on and
+    exited 0. A wakeup descriptor (`signal.set_wakeup_fd`) sees every signal a Python handler took: where one
+    was SIGTERM, the harness's handler is called once the block ends, whether it raised SystemExit or returned,
+    and the run ends as after any SIGTERM (KeyboardInterrupt("signal 15"), exit status 143). Ray's C++ failure
+    handler, set late in `ray.init`, takes the signal before any Python handler: there the run closes and then
+    ends by SIGABRT."""
+    with _putting_back_sigterm_handler() as handler:
+        if handler is None:
+            yield
+            return
+        seen, wakeup = socket.socketpair()
+        seen.setblocking(False)
+        wakeup.setblocking(False)
+        previous = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+        try:
+            try:
+                yield
+            except SystemExit:
+                if _took_sigterm(seen):
+                    handler(signal.SIGTERM, None)  # the harness's handler raises KeyboardInterrupt, keeps the signal
+                raise
+            if _took_sigterm(seen):  # Ray's handler ran and its SystemExit was dropped
+                handler(signal.SIGTERM, None)
+        finally:
+            signal.set_wakeup_fd(previous)
+            seen.close()
+            wakeup.close()
+
+
+@contextlib.contextmanager
+def _node_processes_in_their_own_group() -> Iterator[None]:
+    """Ray's node processes (GCS server, raylet, their agents and, through the raylet, every worker) started
+    in the block lead a process group of their own instead of sharing the driver's. A SIGTERM to the driver's
+    process group (`kill -TERM -PGID`, a CI runner's or a batch scheduler's cancel) then reaches the driver and
+    not its GCS server: that server shut down on it, and the driver's Ray waited 60 s for it and ended the
+    process with status 1 ("Failed to connect to GCS within 60 seconds") before the run could close, so no
+    summary was written. Ray blocks only SIGINT in its node processes (ray/_private/services.py
+    `start_ray_process`, whose `ConsolePopen` this wraps, adding Popen's `process_group=0`). They still end with
+    the driver: Ray starts them with the kernel's parent-death signal, and the run's close ends them."""
+    services = ray._private.services
+    base = getattr(services, "ConsolePopen", None)
+    if base is None or not isinstance(base, type) or not issubclass(base, subprocess.Popen):
+        yield  # a Ray that starts its processes otherwise: they share the driver's group, as before
+        return
+
+    class OwnGroupPopen(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
+
+
+def _took_sigterm(seen: socket.socket) -> bool:
+    """Whether the wakeup descriptor's other end `seen` holds SIGTERM's number (one byte per signal taken)."""
+    taken = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := seen.recv(4096):
+            taken += chunk
+    return signal.SIGTERM in taken
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Start (or join, with `address`) Ray once per driver process, without the dashboard. A Ray this
+    driver starts carries `RAY_TAG_VAR` in the environment of every process it starts (its node
+    processes, their agents and workers, what those start), so `ray_processes` still finds them after an
+    interrupted `ray.init` or once their parent is gone and they were re-parented."""
+    global _ray_tag
+    if ray.is_initialized():
+        return
+    env_vars = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
+    # What validation read in this driver must be what the engine actors read (also on a joined cluster).
+    env_vars |= {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env = {"env_vars": env_vars}
+    if address:
+        with _keeping_sigterm_handler():
+            ray.init(address=address, runtime_env=env, log_to_driver=False)
+        return
+    # Only for the length of ray.init: processes the driver starts itself later must not carry it.
+    _ray_tag = _ray_tag or f"{os.getpid()}-{uuid.uuid4().hex}"
+    previous = os.environ.get(RAY_TAG_VAR)
+    os.environ[RAY_TAG_VAR] = _ray_tag
+    try:
+        with _keeping_sigterm_handler(), _node_processes_in_their_own_group():
+            ray.init(
+                num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False
+            )
+    finally:
+        if previous is None:
+            os.environ.pop(RAY_TAG_VAR, None)
+        else:
+            os.environ[RAY_TAG_VAR] = previous
+
+
+def ray_tag_env() -> dict[str, str]:
+    """The environment entry that makes a process this driver starts itself count as one of its Ray's
+    (`ray_processes`): {RAY_TAG_VAR: tag} once this driver started a Ray of its own, else {}. The runner's fork
+    servers get it, so the engine servers and trainer ranks they fork are found wherever they were re-parented."""
+    return {RAY_TAG_VAR: _ray_tag} if _ray_tag is not None else {}
+
+
+def ray_processes() -> list[psutil.Process]:
+    """Every live process (other than this one) of a Ray this driver started (`ensure_ray`), found by the
+    environment tag it inherited, wherever it has been re-parented; empty when this driver started none.
+    Processes whose environment cannot be read (another user's) are never among them."""
+    if _ray_tag is None:
+        return []
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid != os.getpid() and proc.environ().get(RAY_TAG_VAR) == _ray_tag:
+                found.append(proc)
+    return found
+
+
+def shutdown_ray() -> None:
+    """Stop the Ray instance this driver started (its worker processes end with it). Also after an
+    interrupted `ray.init`: Ray's processes may already run before Ray counts as initialized, and
+    `ray.shutdown` ends whatever the driver has started (it does nothing when nothing was).
+
+    `ray.shutdown` also leaves SIGTERM's handler at the C level to the default action while Python still
+    names the harness's (the core worker's failure handler is taken down), so a SIGTERM later in the run's
+    close killed it at once, before its tables: the Python handler is installed again."""
+    with _putting_back_sigterm_handler():
+        ray.shutdown()
+
+
+def descendants() -> list[psutil.Process]:
+    """This process's descendants (once Ray runs: its node processes, their workers, the engine servers
+    those start); empty when they cannot be read."""
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+LEFTOVER_GRACE_S = 2.0  # seconds from the SIGTERM to the SIGKILL of a process a run left running
+
+
+def _freeze_trees(roots: list[psutil.Process]) -> dict[int, psutil.Process]:
+    """SIGSTOP `roots`, their children, and every process of this driver's Ray (`ray_processes`), collecting
+    children again after each stop until no new one appears: a parent still starting children (Ray's raylet
+    starts its agents a while after it runs) can start none unseen. Returns the frozen processes by pid (zombies
+    and processes gone meanwhile left out; never this process)."""
+    frozen: dict[int, psutil.Process] = {}
+    seen: set[int] = {os.getpid()}
+    todo = [*roots, *ray_processes()]
+    while todo:
+        proc = todo.pop()
+        if proc.pid in seen:
+            continue
+        seen.add(proc.pid)
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                proc.suspend()
+                frozen[proc.pid] = proc
+                todo.extend(proc.children())
+        if not todo:  # a last sweep: a tagged process re-parented before its parent was frozen
+            todo = [p for p in ray_processes() if p.pid not in seen]
+    return frozen
+
+
+def end_leftovers(started: list[psutil.Process], grace_s: float = LEFTOVER_GRACE_S) -> list[int]:
+    """End what this driver started and is still running (`started`, with every process of this driver's Ray,
+    `ray_processes`, and everything they started): SIGTERM, `grace_s` seconds to end, then SIGKILL; returns
+    the pids SIGKILLed. Each step first freezes the whole set (`_freeze_trees`), so nothing started in between is
+    left behind re-parented. What is still running here has nobody else to end it: the runner and `ray.shutdown`
+    have ended what they knew of (after a run that was not interrupted, nothing is left), and a SIGTERM in the
+    middle of `ray.init` leaves the node processes it had started, and the agents the raylet started, unknown
+    to `ray.shutdown`; its GCS server ignores a SIGTERM (Ray's own shutdown gives each of its processes 1 s
+    after the SIGTERM, then SIGKILLs it: `ray._private.node.Node._kill_process_impl`). Before, they got no
+    SIGTERM and were waited for 10 s. `psutil.Process` objects compare by pid and start time, so a pid reused
+    by an unrelated process meanwhile is never touched."""
+    asked = _freeze_trees(started)
+    for proc in asked.values():
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()  # delivered once it runs again
+            proc.resume()
+    _, alive = psutil.wait_procs([*started, *asked.values()], timeout=grace_s)
+    killed = []
+    for proc in _freeze_trees(alive).values():
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            killed.append(proc.pid)
+    return killed
