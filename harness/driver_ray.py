@@ -1,8 +1,11 @@
-"""This driver's own Ray: its start, its processes, its stop, and what a run leaves running.
+"""This driver's own Ray: its start, its processes, its loss, its stop, and what a run leaves running.
 
 - `ensure_ray` starts Ray once per driver (or joins a cluster) with the harness's SIGTERM handling kept
   through `ray.init`, and its node processes in process groups of their own; every process that Ray starts
   carries this driver's tag (`RAY_TAG_VAR`), so `ray_processes` finds them wherever they were re-parented.
+- `ray_lost` says when that Ray's GCS server stopped under the run (a signal to every process of a job):
+  every call that needs it then waits until the driver's Ray ends the process, so the cleanup ends the
+  run's processes by pid instead.
 - `shutdown_ray` stops it; `end_leftovers` ends whatever the run started that is still running.
 """
 
@@ -136,6 +139,7 @@ def ensure_ray(address: str | None = None) -> None:
     if address:
         with _keeping_sigterm_handler():
             ray.init(address=address, runtime_env=env, log_to_driver=False)
+        _note_gcs()
         return
     # Only for the length of ray.init: processes the driver starts itself later must not carry it.
     _ray_tag = _ray_tag or f"{os.getpid()}-{uuid.uuid4().hex}"
@@ -146,6 +150,7 @@ def ensure_ray(address: str | None = None) -> None:
             ray.init(
                 num_cpus=64, include_dashboard=False, runtime_env=env, log_to_driver=False, configure_logging=False
             )
+        _note_gcs()
     finally:
         if previous is None:
             os.environ.pop(RAY_TAG_VAR, None)
@@ -172,6 +177,33 @@ def ray_processes() -> list[psutil.Process]:
             if proc.pid != os.getpid() and proc.environ().get(RAY_TAG_VAR) == _ray_tag:
                 found.append(proc)
     return found
+
+
+_gcs_address: str | None = None  # host:port of the GCS server of the Ray this driver started or joined
+
+
+def ray_lost() -> bool:
+    """Whether the GCS server of this driver's Ray refuses connections: a signal to every process of a job (a
+    batch scheduler's cancel, `pkill`) reached it too, and it stopped listening (its process lingers). A Ray
+    call then waits for it, and 60 s later the driver's Ray ends the process with status 1 ("Failed to connect
+    to GCS within 60 seconds"), before the run's close: a cleanup that finds Ray lost ends the run's processes
+    by pid instead (`TrainerPool.kill`, `engines.end_engines`). False before Ray started, and where the
+    connection neither succeeds nor is refused (a remote GCS that does not answer in 1 s: not known lost)."""
+    if _gcs_address is None:
+        return False
+    host, _, port = _gcs_address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def _note_gcs() -> None:
+    global _gcs_address
+    _gcs_address = ray.get_runtime_context().gcs_address
 
 
 def shutdown_ray() -> None:

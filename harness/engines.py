@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from harness.driver_ray import ray_lost
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import STOP_GRACE_S
@@ -63,7 +64,10 @@ def end_engines(engines: Sequence[Any], pids: Sequence[int | None], engine: str,
     """Stop every engine server (SIGTERM to its process group, SIGKILL after `grace_s` seconds; 30 s for all),
     kill their actors, and let the kind reap what it leaves (`EngineKind.reap`, e.g. vLLM's engine core).
     `pids[i]` is engine `i`'s server pid (None if unknown); the runner's `grace_s` is
-    `harness.outcome.stop_grace_s`."""
+    `harness.outcome.stop_grace_s`. Where this driver's Ray was lost under the run (`driver_ray.ray_lost`),
+    its actors cannot be asked: the servers are left to the run's close (`driver_ray.end_leftovers`)."""
+    if ray_lost():
+        return
     stops = [e.stop.remote(grace_s) for e in engines]
     with contextlib.suppress(Exception):
         ray.get(stops, timeout=30)

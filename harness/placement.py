@@ -15,6 +15,7 @@ on one node everything stays on 127.0.0.1.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness import shm
+from harness.driver_ray import ray_lost
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.engine.process import STOP_GRACE_S, EngineStartError, ServerProcess, free_port
@@ -72,6 +74,15 @@ class EngineActor:
     def __init__(self) -> None:
         self.proc: ServerProcess | None = None
         self.stopped = False  # `stop` was called: a start that comes or runs after it ends its server at once
+        atexit.register(self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        """Where this actor's worker process exits through Python (a SIGTERM to every process of a job reaches
+        the Ray worker, whose handler raises SystemExit: the runner can no longer ask it to stop), its server
+        ends too and its temp folder goes (`ServerProcess.stop`); before, the folder stayed in /tmp. `ray.kill`
+        ends the worker without this, after the runner's own `stop`."""
+        if self.proc is not None:
+            self.proc.stop(1.0)
 
     def start(
         self,
@@ -265,15 +276,22 @@ class TrainerPool:
 
     def kill(self) -> None:
         """End every rank process and free the placement group, then unlink the shared-memory segments the
-        ranks held that are still there: a killed sender never unlinks its own (`harness.shm`)."""
+        ranks held that are still there: a killed sender never unlinks its own (`harness.shm`). Where this
+        driver's Ray was lost under the run (`driver_ray.ray_lost`), no Ray call would return: the ranks on
+        this host are killed by pid, and the run's close ends the rest (`driver_ray.end_leftovers`)."""
         # A rank that has not told its pid within a second has not started (a forked one may wait for its fork
         # server's imports): it holds no segment, and ray.kill alone ends it.
         ranks = self.local_processes(wait_s=1.0)
         held = set().union(*(shm.held_by(p.pid) for p in ranks))
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
+        if ray_lost():
+            for proc in ranks:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+        else:
+            for a in self.actors:
+                ray.kill(a, no_restart=True)
+            remove_placement_group(self.pg)
         self.actors = []
-        remove_placement_group(self.pg)
         if held:
             psutil.wait_procs(ranks, timeout=10)
             shm.unlink(held)

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from harness.driver_ray import ray_lost
 from harness.interrupts import raise_if_signalled
 from harness.record import ErrorRecord
 from reference_impl.transport.progress import read_progress
@@ -84,7 +85,7 @@ class EngineWatch:
     def name_the_engine(self, errors: list[ErrorRecord], what: str, sender: bool = True) -> None:
         """Put the engine's end first in `errors` when its server is gone and no error says so yet (a rank
         that failed because the engine died is then listed after it). `what` and `sender` as for a call."""
-        if any(e.type == "EngineExited" for e in errors):
+        if any(e.type == "EngineExited" for e in errors) or ray_lost():  # no actor answers without its Ray
             return
         # Once the scenario has ended nothing waits on this answer: a loaded host may take its actor longer
         # than the polls' `ASK_TIMEOUT_S` to answer, and an unnamed engine death reads as a trainer crash.

@@ -12,6 +12,7 @@ process of a harness subprocess inherits; only those are ever signalled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -306,15 +307,29 @@ def _scenario_started(run_dir: Path, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("seed", [*HARNESS_SEEDS, "sigterm-once-ray-runs", "sigterm-to-the-group-once-ray-runs"])
+ONCE_RAY_RUNS = (
+    "sigterm-once-ray-runs",
+    "sigterm-to-the-group-once-ray-runs",
+    "sigterm-to-every-process-once-ray-runs",
+)
+
+
+@pytest.mark.parametrize("seed", [*HARNESS_SEEDS, *ONCE_RAY_RUNS])
 def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed: int | str) -> None:
     # Random moments from Ray's start to the second scenario, and a SIGTERM once a scenario runs: there, the
     # failure handler ray.init installs for SIGTERM used to abort the harness before its cleanup; sent to the
     # whole process group (a CI runner's cancel), it also reached Ray's GCS server, which shut down, and the
-    # driver's Ray ended the process with status 1 after 60 s, before the close wrote any summary.
+    # driver's Ray ended the process with status 1 after 60 s, before the close wrote any summary. Sent to every
+    # process (a batch scheduler's cancel), it stops the GCS server in any case: the close then ends the run's
+    # processes by pid instead of through Ray (`driver_ray.ray_lost`).
     rng = random.Random(3000 + seed if isinstance(seed, int) else 0)
+    by_seed = {
+        "sigterm-once-ray-runs": "SIGTERM to the harness",
+        "sigterm-to-the-group-once-ray-runs": "SIGTERM to the process group",
+        "sigterm-to-every-process-once-ray-runs": "SIGTERM to every process",
+    }
     how = (
-        ("SIGTERM to the process group" if "group" in seed else "SIGTERM to the harness")
+        by_seed[seed]
         if isinstance(seed, str)
         else ["SIGINT to the process group (Ctrl-C)", "SIGTERM to the harness", "SIGINT to the harness"][seed % 3]
     )
@@ -346,6 +361,10 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
         os.killpg(proc.pid, signal.SIGINT)
     elif how == "SIGTERM to the process group":
         os.killpg(proc.pid, signal.SIGTERM)
+    elif how == "SIGTERM to every process":
+        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
     else:
         proc.send_signal(signal.SIGTERM if "SIGTERM" in how else signal.SIGINT)
     signalled = time.monotonic()

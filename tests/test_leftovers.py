@@ -8,6 +8,7 @@ the temp folder once stopped (`ServerProcess.server_temp_dir`; vLLM's side in
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -225,6 +226,31 @@ def test_an_engine_actor_stopped_while_its_server_starts_ends_that_start(tmp_pat
         ray.kill(actor, no_restart=True)
 
 
+def test_an_engine_actor_whose_worker_gets_a_sigterm_ends_its_server_and_its_temp_folder(tmp_path: Path) -> None:
+    # A SIGTERM to every process of a job reaches the engine actor's Ray worker, which exits through SystemExit:
+    # nothing asked it to stop its server, and the server's temp folder stayed in /tmp (one per engine).
+    import ray
+
+    from harness.driver_ray import ensure_ray
+    from harness.placement import EngineActor
+
+    ensure_ray()
+    ckpt = make_checkpoint(load_model("qwen3"), 1234)
+    actor = EngineActor.remote()  # type: ignore[attr-defined]
+    try:
+        ray.get(actor.start.remote("embedded", str(ckpt), 4321, str(tmp_path / "engine.log"), "float32"), timeout=180)
+        server = psutil.Process(ray.get(actor.pid.remote(), timeout=30))
+        temp = Path(server.environ()["TMPDIR"])
+        worker = psutil.Process(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
+        assert temp.name.startswith("wsh-server-") and temp.is_dir()
+        worker.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs([server, worker], timeout=30)
+        assert alive == [], alive
+        assert not temp.exists()
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
 def test_a_process_of_the_drivers_ray_nobody_ended_gets_a_sigterm_not_the_whole_grace(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -244,3 +270,18 @@ def test_a_process_of_the_drivers_ray_nobody_ended_gets_a_sigterm_not_the_whole_
         assert not psutil.pid_exists(node.pid)  # ended, and reaped by the wait
     finally:
         node.kill()
+
+
+def test_ray_is_lost_once_its_gcs_server_refuses_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A SIGTERM to every process of a job stops the GCS server listening (its process lingers): a Ray call then
+    # waited 60 s until the driver's Ray ended the process with status 1, before the run's close wrote anything.
+    import socket
+
+    monkeypatch.setattr(driver_ray, "_gcs_address", None)
+    assert not driver_ray.ray_lost()  # no Ray started or joined
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setattr(driver_ray, "_gcs_address", f"127.0.0.1:{server.getsockname()[1]}")
+        assert not driver_ray.ray_lost()
+    assert driver_ray.ray_lost()  # the port now refuses
