@@ -24,6 +24,7 @@ import ray
 
 from harness import interrupts, shm
 from harness.checks import group_differences, judged
+from harness.driver_ray import ray_lost
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
 from harness.fork_servers import ForkServers
@@ -330,6 +331,9 @@ class Runner:
         scenario no longer costs the next one that."""
         actors, rank_pids = session.pool.actors, session.pool.pids
         after = "the fault" if record.scenario.fault else "the failed sync"
+        if ray_lost():  # no rank can be asked (`driver_ray.ray_lost`); each ray.get below waited up to 60 s
+            record.notes.append(f"trainer ranks not reused after {after}: this driver's Ray was lost")
+            return False
         if len(session.pool.local_processes()) != len(actors):  # /proc of another node cannot be read here
             record.notes.append(f"trainer ranks not reused after {after}: not all of them run on this host")
             return False
