@@ -212,10 +212,35 @@ def shutdown_ray() -> None:
     `ray.shutdown` ends whatever the driver has started (it does nothing when nothing was).
 
     `ray.shutdown` also leaves SIGTERM's handler at the C level to the default action while Python still
-    names the harness's (the core worker's failure handler is taken down), so a SIGTERM later in the run's
-    close killed it at once, before its tables: the Python handler is installed again."""
-    with _putting_back_sigterm_handler():
+    names the harness's (the core worker's failure handler is taken down first, ray/_private/worker.py
+    `shutdown`), so a SIGTERM later in the run's close, or during the second or so in which Ray then stops its
+    node processes, killed it at once, before its tables: the Python handler is installed again before the
+    node processes are stopped (`_handler_back_before_node_stop`) and once more after."""
+    with _putting_back_sigterm_handler() as handler, _handler_back_before_node_stop(handler):
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _handler_back_before_node_stop(handler: Callable[[int, FrameType | None], Any] | None) -> Iterator[None]:
+    """For the block (a `ray.shutdown`): `handler` is installed as SIGTERM's again when this driver's Ray node
+    starts to stop its processes (`Node.kill_all_processes`, wrapped on that one node object), after the core
+    worker's shutdown left SIGTERM to its default action. Nothing changes without a handler or a node."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    stop = getattr(node, "kill_all_processes", None)
+    if handler is None or node is None or stop is None:
+        yield
+        return
+
+    def kill_all_processes(*args: Any, **kwargs: Any) -> Any:
+        signal.signal(signal.SIGTERM, handler)
+        return stop(*args, **kwargs)
+
+    node.kill_all_processes = kill_all_processes
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            del node.kill_all_processes
 
 
 def descendants() -> list[psutil.Process]:

@@ -67,13 +67,19 @@ class MatrixRun:
         self.out.mkdir(parents=True, exist_ok=True)
         self.ray_address = ray_address
         self.after_each = after_each
-        self.env = write_env(self.out, calibrate=True, argv=argv)
         self.records: list[RunRecord] = []
         self.pending = Counter(sc.group_key for sc in order if sc.group_key)
         self.finished_groups: dict[str, list[RunRecord]] = {}  # group key -> members, judged together
         self.runner = None
         self.closed = False
         self._plotted_at: float | None = None  # time.monotonic() of the last plots written
+        try:
+            self.env = write_env(self.out, calibrate=True, argv=argv)
+        except KeyboardInterrupt:  # the host calibration fills the run's first seconds, before anything to close
+            with interrupts.held():  # the run's folder still gets its env.json and tables, every scenario not run
+                self.env = write_env(self.out, calibrate=False, argv=argv)
+                self.write_tables()
+            raise
 
     def run(self, sc: Scenario, config_error: str | None = None, validated: bool = False) -> RunRecord:
         """Run one scenario and return its record (as judged after its group, when it closed one). Unless

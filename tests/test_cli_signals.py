@@ -317,6 +317,28 @@ def test_a_run_interrupted_between_scenarios_lists_those_it_did_not_reach(
     assert md.split("## Not run", 1)[1].strip().splitlines()[-1] == f"- `{second.id}`"
 
 
+def test_a_run_interrupted_while_it_calibrates_the_host_still_writes_its_tables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A SIGTERM in a run's first 2.5 s, while MatrixRun measured the host, left an empty run folder: no env.json,
+    # no summary (a new user's trial, 3 of 4), and `harness report` answered that it had no summary.csv.
+    from harness import env
+    from harness.matrix_run import MatrixRun
+
+    def calibrate(calibrate: bool = False, argv: object = None) -> dict[str, object]:
+        if calibrate:
+            raise KeyboardInterrupt("signal 15")
+        return {"started_at": "2026-01-01T00:00:00+00:00"}
+
+    monkeypatch.setattr(env, "collect_env", calibrate)
+    planned = [Scenario(model="qwen3", syncs=1)]
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        MatrixRun(planned, tmp_path, "t")
+    assert "started_at" in (tmp_path / "t" / "env.json").read_text()
+    md = (tmp_path / "t" / "summary.md").read_text()
+    assert "No scenario ran." in md and md.rstrip().endswith(f"- `{planned[0].id}`")
+
+
 def test_a_run_interrupted_before_any_record_still_writes_its_summary(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -480,6 +502,30 @@ def test_a_sigterm_after_ray_shutdown_still_reaches_the_harness_handler() -> Non
         "try:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(5)\n"
+        "except KeyboardInterrupt as e:\n"
+        "    print('handled:', e, flush=True)\n"
+    )
+    out = _python(code)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "handled: signal 15", (out.returncode, out.stderr)
+
+
+def test_a_sigterm_while_ray_stops_its_node_processes_reaches_the_harness_handler() -> None:
+    # The core worker's shutdown leaves SIGTERM to its default action, and Ray then stops its node processes for
+    # about a second: a SIGTERM then killed the run at once (-15), before its tables (a new user's trial, 5 of 5).
+    code = (
+        "import os, signal, time\n"
+        "from ray._private.node import Node\n"
+        "from harness import driver_ray, interrupts\n"
+        "stop = Node.kill_all_processes\n"
+        "def signalled_first(self, *args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.5)\n"
+        "    return stop(self, *args, **kwargs)\n"
+        "Node.kill_all_processes = signalled_first\n"
+        "interrupts.install()\n"
+        "driver_ray.ensure_ray()\n"
+        "try:\n"
+        "    driver_ray.shutdown_ray()\n"
         "except KeyboardInterrupt as e:\n"
         "    print('handled:', e, flush=True)\n"
     )
