@@ -231,13 +231,14 @@ class Bound(BaseModel):
     """The same-run bound of the scenario's last sync (`reference_impl.transport.bound`), seconds: the bare
     gather (all-gathers and hand-offs of the same shards) and the bare wire (broadcasts of the same chunk
     sizes over the same transfer group, or copies into the same segment; None where the channel has none).
-    Each is the fastest of the measurement's repeats; ``gather_max_s`` and ``wire_max_s`` are the slowest
-    (None in records that predate them), the bound's own noise, which a regression report widens its band by."""
+    Each is the fastest of the measurement's repeats, all of which ``gather_repeats_s`` and ``wire_repeats_s``
+    keep in the order they ran (empty in records that predate them): the bound's own noise, which a regression
+    report widens an efficiency row's band by."""
 
     gather_s: float
     wire_s: float | None = None
-    gather_max_s: float | None = None
-    wire_max_s: float | None = None
+    gather_repeats_s: list[float] = Field(default_factory=list)
+    wire_repeats_s: list[float] = Field(default_factory=list)
 
     @property
     def total_s(self) -> float | None:
@@ -246,10 +247,10 @@ class Bound(BaseModel):
 
     @property
     def max_total_s(self) -> float | None:
-        """`gather_max_s + wire_max_s`, the slowest repeat of each part; None where either is missing."""
-        if self.gather_max_s is None or self.wire_max_s is None:
+        """The slowest repeat of the gather plus that of the wire; None without repeats of either."""
+        if not self.gather_repeats_s or not self.wire_repeats_s:
             return None
-        return self.gather_max_s + self.wire_max_s
+        return max(self.gather_repeats_s) + max(self.wire_repeats_s)
 
 
 class RunRecord(BaseModel):

@@ -7,7 +7,8 @@ phase column (``gather_s`` ...) the median of that phase over the same syncs; ``
 report compares against). ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``. ``bound_s`` is the
 same-run bound of the last sync (``bound_gather_s + bound_wire_s``: the bare all-gathers, hand-offs and
 chunk transfers of the same bytes over the same groups, `reference_impl.transport.bound`) and
-``bound_max_s`` the same sum of the slowest repeats (the bound's own noise; NaN in records without it), and
+``bound_max_s`` the same sum of the slowest repeats (the bound's own noise; NaN in records without them),
+and
 ``efficiency`` is ``bound_s / steady_s`` (1.0: the reference path costs what its bare collectives cost;
 NaN where no bound was measured: vLLM, faults, failed syncs). ``phases_sum_s`` is the median over the
 same syncs of the sum of their phases: the sender exports while earlier chunks are on the wire

@@ -212,9 +212,10 @@ class TrainerWorker:
         """Collective on every rank, after a sync: the same-run bound of that sync's bytes (`transport.bound`),
         the best of `repeats` measurements of each part after one untimed warm-up (the first touch of the
         bound's fresh buffers pays page faults the reference path's kept buffers no longer pay: it is not
-        the bound's noise). Returns, on the sender, {"gather_s", "wire_s", "gather_max_s", "wire_max_s"}
-        (seconds, the fastest and the slowest timed repeat of each part; the wire's None where the channel
-        has no bare counterpart) and the engine calls it made; on every other rank ({}, []).
+        the bound's noise). Returns, on the sender, {"gather_s", "wire_s", "gather_repeats_s",
+        "wire_repeats_s"} (seconds: the fastest timed repeat of each part, and every timed repeat in order; the
+        wire's None and [] where the channel has no bare counterpart) and the engine calls it made; on every
+        other rank ({}, []).
 
         Raises:
             RuntimeError: no sync ran yet in this scenario (no plan to measure).
@@ -233,9 +234,13 @@ class TrainerWorker:
         assert self.channel is not None and self.client is not None
         sizes = [c.nbytes for c in self.last_plan]
         wires = [bound.wire_bound(self.channel, self.client, sizes) for _ in range(1 + repeats)][1:]
-        timed = [w for w in wires if w is not None]
-        wire, wire_max = (min(timed), max(timed)) if timed and len(timed) == len(wires) else (None, None)
-        parts = {"gather_s": min(gathers), "wire_s": wire, "gather_max_s": max(gathers), "wire_max_s": wire_max}
+        timed = [w for w in wires if w is not None] if all(w is not None for w in wires) else []
+        parts = {
+            "gather_s": min(gathers),
+            "wire_s": min(timed) if timed else None,
+            "gather_repeats_s": gathers,
+            "wire_repeats_s": timed,
+        }
         return parts, self._drain_calls()
 
     def trainer_logprobs(self, temperature: float) -> dict[str, Any]:

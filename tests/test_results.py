@@ -113,7 +113,7 @@ def test_summarize_numbers_by_hand(records: list[RunRecord]) -> None:
 
 def test_bound_and_efficiency_by_hand(records: list[RunRecord]) -> None:
     raw, bridge = records
-    raw.bound = Bound(gather_s=0.15, wire_s=0.27, gather_max_s=0.2, wire_max_s=0.4)
+    raw.bound = Bound(gather_s=0.15, wire_s=0.27, gather_repeats_s=[0.2, 0.15, 0.18], wire_repeats_s=[0.3, 0.4, 0.27])
     bridge.bound = Bound(gather_s=0.4, wire_s=None)  # a channel without a bare counterpart (vLLM's)
     df = summarize(records).set_index("export_mode")
     assert df.loc["raw", "bound_s"] == pytest.approx(0.42)  # 0.15 + 0.27
