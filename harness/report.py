@@ -59,7 +59,7 @@ CALIBRATION_KEYS: dict[bool, tuple[str, str]] = {
     False: ("gloo_broadcast_gbps", "gloo broadcast"),
     True: ("memcpy_gbps", "memcpy"),
 }
-MEASURE_EFFICIENCY = "efficiency (steady time / same-run bound)"
+MEASURE_EFFICIENCY = "steady time / same-run bound (1 / efficiency)"
 MEASURE_RAW = "raw seconds / median ratio"
 
 # env.json keys never listed as differences: they differ on every run (report.md shows them per run) or

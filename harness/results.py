@@ -456,10 +456,13 @@ def write_fault_table(
         for r in df.to_dict(orient="records")
     ]
     caught = int(df["caught"].sum()) if len(df) else 0
+    stopped = int(df["interrupted"].map(flag).sum()) if len(df) else 0
     ran = set(df["scenario"])
     not_run = [sid for sid in planned if sid not in ran]
+    judged_of = f"{len(df) - stopped} judged, {stopped} interrupted" if stopped else ""
     text = (
-        f"# Fault injections\n\n{caught} of {len(df)} faults caught with their expected verdict.\n\n"
+        f"# Fault injections\n\n{caught} of {len(df)} faults caught with their expected verdict"
+        + (f" ({judged_of}).\n\n" if judged_of else ".\n\n")
         + markdown_table(["fault", "scenario", "expected", "got", "caught", "message"], rows)
     )
     if not_run:

@@ -421,7 +421,7 @@ def test_the_fault_table_says_interrupted_where_a_signal_stopped_a_fault(
     assert not_run == "- `faults/never-reached`"  # a run interrupted between faults does not read as complete
     cells = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in table.splitlines()[6:]}
     assert cells == {"stale": "yes", "missed": "**NO**", "cut": "interrupted"}
-    assert "1 of 3 faults caught" in md
+    assert "1 of 3 faults caught with their expected verdict (2 judged, 1 interrupted)." in md
     assert pd.read_csv(tmp_path / "faults.csv")["interrupted"].tolist() == [False, False, True]
 
 
