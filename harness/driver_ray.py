@@ -215,9 +215,12 @@ def shutdown_ray() -> None:
     names the harness's (the core worker's failure handler is taken down first, ray/_private/worker.py
     `shutdown`), so a SIGTERM later in the run's close, or during the second or so in which Ray then stops its
     node processes, killed it at once, before its tables: the Python handler is installed again before the
-    node processes are stopped (`_handler_back_before_node_stop`) and once more after."""
+    node processes are stopped (`_handler_back_before_node_stop`) and once more after. A Ray stopped here is
+    not lost (`ray_lost`): its GCS address is forgotten."""
+    global _gcs_address
     with _putting_back_sigterm_handler() as handler, _handler_back_before_node_stop(handler):
         ray.shutdown()
+    _gcs_address = None
 
 
 @contextlib.contextmanager
