@@ -103,7 +103,8 @@ def cpu_matrix_vllm(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def hard_kills(session: nox.Session) -> None:
     """Every seed of `tests/test_hard_kills.py` (8 engine kills, 6 rank kills, 6 signals to the harness and
-    the SIGTERM once a scenario runs); `tests` runs the seeds that cover each kind once (11 of 21)."""
+    the SIGTERMs once a scenario runs: to the harness, its process group, every process it started); `tests`
+    runs the seeds that cover each kind once (13 of 23)."""
     _install(session)
     session.run("pytest", *(session.posargs or ["-q", "tests/test_hard_kills.py"]), env={"WSH_HARD_KILL_SEEDS": "all"})
 

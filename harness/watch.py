@@ -71,10 +71,16 @@ class EngineWatch:
         self.actor, self.pid, self.trace_dir = actor, pid, trace_dir
 
     def __call__(self, what: str, timeout_s: float = ASK_TIMEOUT_S, sender: bool = True) -> ErrorRecord | None:
-        """None while the server runs (or its actor does not answer within `timeout_s` seconds), else the
-        `ErrorRecord` of its end with `what` (and, with `sender`, the sender's last phase) as what was in flight."""
+        """None while the server runs (or its actor does not answer within `timeout_s` seconds, or this driver's
+        Ray is lost meanwhile: `driver_ray.ray_lost`, looked at every second), else the `ErrorRecord` of its end
+        with `what` (and, with `sender`, the sender's last phase) as what was in flight."""
+        ref = self.actor.exit_status.remote(LOG_TAIL)
+        deadline = time.monotonic() + timeout_s
         try:
-            returncode, tail = ray.get(self.actor.exit_status.remote(LOG_TAIL), timeout=timeout_s)
+            while not ray.wait([ref], timeout=max(0.0, min(1.0, deadline - time.monotonic())))[0]:
+                if time.monotonic() >= deadline or ray_lost():
+                    return None
+            returncode, tail = ray.get(ref)
         except (ray.exceptions.RayError, TimeoutError):
             return None
         if returncode is None:

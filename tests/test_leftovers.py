@@ -288,3 +288,29 @@ def test_ray_is_lost_once_its_gcs_server_refuses_connections(monkeypatch: pytest
     monkeypatch.setattr(driver_ray.ray, "shutdown", lambda: None)
     driver_ray.shutdown_ray()
     assert not driver_ray.ray_lost()  # a Ray this driver stopped itself is not lost
+
+
+def test_an_engine_watch_stops_asking_once_ray_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    # After a SIGTERM to every process the engine actor cannot answer, and naming the engine's end waited its
+    # whole 30 s for it, half the driver's Ray's own 60 s before it ends the process.
+    import ray
+
+    from harness import watch
+    from harness.driver_ray import ensure_ray
+
+    ensure_ray()
+
+    @ray.remote(num_cpus=0)
+    class Silent:
+        def exit_status(self, tail_chars: int) -> tuple[int | None, str]:
+            time.sleep(120)
+            return None, ""
+
+    actor = Silent.remote()  # type: ignore[attr-defined]
+    try:
+        monkeypatch.setattr(watch, "ray_lost", lambda: True)
+        t0 = time.monotonic()
+        assert watch.EngineWatch(actor, 1234)("sync 0", timeout_s=30) is None
+        assert time.monotonic() - t0 < 5
+    finally:
+        ray.kill(actor, no_restart=True)
