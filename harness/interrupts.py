@@ -107,6 +107,11 @@ def held() -> Iterator[None]:
         raise KeyboardInterrupt(f"signal {signum} (held until the cleanup ended)")
 
 
+def last_signal() -> str | None:
+    """The name of the last SIGTERM or SIGINT this process got ("SIGTERM", "SIGINT"), None before any."""
+    return signal.Signals(_last).name if _last is not None else None
+
+
 def ended_by() -> str:
     """What ended a run a KeyboardInterrupt ended, for its last line: "SIGTERM", "SIGINT", or "Ctrl-C" (Python's
     own SIGINT handler, where `install` left it)."""

@@ -127,15 +127,16 @@ class MatrixRun:
             self._plotted_at = now
 
     def write_tables(self) -> pd.DataFrame:
-        """summary.csv / .parquet / .md of the records so far, rows in matrix order, and the planned scenarios
-        without a record listed as not run; returns the summary."""
+        """summary.csv / .parquet / .md of the records so far, rows in matrix order, the planned scenarios
+        without a record listed as not run, and the signal that ended the run, once one came (a run interrupted
+        in its start or its close has no interrupted scenario to say so); returns the summary."""
         from harness.results import summarize, write_summary
 
         rank = {sid: i for i, sid in enumerate(self.order)}
         df = summarize(sorted(self.records, key=lambda r: rank.get(r.scenario_id, len(rank))))
         recorded = {r.scenario_id for r in self.records}
         not_run = [sid for sid in self.order if sid not in recorded]
-        write_summary(df, self.out, run_id=self.run_id, env=self.env, not_run=not_run)
+        write_summary(df, self.out, self.run_id, self.env, not_run, interrupts.last_signal())
         return df
 
     def write_plots(self, df: pd.DataFrame) -> None:

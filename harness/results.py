@@ -342,9 +342,11 @@ def summary_markdown(
     run_id: str | None = None,
     env: Mapping[str, Any] | str | None = None,
     not_run: Sequence[str] = (),
+    interrupted_by: str | None = None,
 ) -> str:
-    """summary.md's text: title, run id and env line, the pasteable table, then non-PASS rows, then the planned
-    scenarios `not_run` (ids without a record: the run ended, or has not yet come, before them)."""
+    """summary.md's text: title, run id and env line, the line `interrupted_by` (a signal's name) gives, the
+    pasteable table, then non-PASS rows, then the planned scenarios `not_run` (ids without a record: the run
+    ended, or has not yet come, before them)."""
     lines = ["# Weight-sync harness results", ""]
     if run_id:
         lines.append(f"Run `{run_id}`")
@@ -353,6 +355,8 @@ def summary_markdown(
         lines.append(f"Env: {env_text}")
     if run_id or env_text:
         lines.append("")
+    if interrupted_by:
+        lines += [f"**Interrupted by {interrupted_by}**: the run ended before its planned end.", ""]
     lines += [markdown_table(MARKDOWN_HEADER, summary_table_rows(df)), ""]
     pairs = engine_comparison(df)
     if len(pairs):
@@ -398,9 +402,11 @@ def write_summary(
     run_id: str | None = None,
     env: Mapping[str, Any] | str | None = None,
     not_run: Sequence[str] = (),
+    interrupted_by: str | None = None,
 ) -> dict[str, Path]:
     """Write summary.csv, summary.parquet and summary.md into `out_dir`; return their paths. `not_run`: planned
-    scenario ids without a record, listed in summary.md (`summary_markdown`)."""
+    scenario ids without a record; `interrupted_by`: the signal that ended the run; both said in summary.md
+    (`summary_markdown`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -410,7 +416,7 @@ def write_summary(
     }
     df.to_csv(paths["csv"], index=False)
     df.to_parquet(paths["parquet"], index=False)
-    paths["md"].write_text(summary_markdown(df, run_id=run_id, env=env, not_run=not_run))
+    paths["md"].write_text(summary_markdown(df, run_id, env, not_run, interrupted_by))
     return paths
 
 

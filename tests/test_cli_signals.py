@@ -339,6 +339,24 @@ def test_a_run_interrupted_while_it_calibrates_the_host_still_writes_its_tables(
     assert "No scenario ran." in md and md.rstrip().endswith(f"- `{planned[0].id}`")
 
 
+def test_a_run_a_signal_ended_in_its_close_says_so_in_its_summary(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A SIGTERM in the run's start or close interrupts no scenario: summary.md read as a clean run, both rows
+    # PASS, while the process exited 143 (a new user's trial, 5 of 5 at the close).
+    from harness.matrix_run import MatrixRun
+
+    _closing_without_ray(monkeypatch)
+    planned = [Scenario(model="qwen3", syncs=1)]
+    monkeypatch.setattr(interrupts, "_last", None)
+    MatrixRun(planned, tmp_path, "clean").close()
+    assert "Interrupted" not in (tmp_path / "clean" / "summary.md").read_text()
+    monkeypatch.setattr(interrupts, "_last", signal.SIGTERM)
+    MatrixRun(planned, tmp_path, "ended").close()
+    md = (tmp_path / "ended" / "summary.md").read_text()
+    assert "**Interrupted by SIGTERM**: the run ended before its planned end." in md.split("|", 1)[0]
+
+
 def test_a_run_interrupted_before_any_record_still_writes_its_summary(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
