@@ -508,43 +508,33 @@ def test_an_interrupted_command_ends_with_one_line_and_python_s_sigint_exit() ->
     assert "sys.excepthook = print_interrupt" in (ROOT / "harness" / "__main__.py").read_text()
 
 
-def test_a_sigterm_after_ray_shutdown_still_reaches_the_harness_handler() -> None:
-    # ray.shutdown leaves SIGTERM at the C level to the default action while Python still names the harness's
-    # handler: a SIGTERM late in a run's close killed it at once (-15), before its tables (a new user's trial).
+SIGNALLED_AS_RAY_STOPS_ITS_NODE = (
+    "from ray._private.node import Node\n"
+    "stop = Node.kill_all_processes\n"
+    "def signalled_first(self, *args, **kwargs):\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    time.sleep(0.5)\n"
+    "    return stop(self, *args, **kwargs)\n"
+    "Node.kill_all_processes = signalled_first\n"
+)
+
+
+@pytest.mark.parametrize("when", ["after ray.shutdown", "while ray.shutdown stops the node processes"])
+def test_a_sigterm_around_ray_shutdown_reaches_the_harness_handler(when: str) -> None:
+    # The core worker's shutdown leaves SIGTERM at the C level to the default action while Python still names the
+    # harness's handler: a SIGTERM late in a run's close killed it at once (-15), before its tables; also in the
+    # second in which Ray then stops its node processes (new users' trials: 2 of 2, then 5 of 5).
+    during = when.startswith("while")
     code = (
         "import os, signal, time\n"
         "from harness import driver_ray, interrupts\n"
-        "interrupts.install()\n"
-        "driver_ray.ensure_ray()\n"
-        "driver_ray.shutdown_ray()\n"
-        "try:\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    time.sleep(5)\n"
-        "except KeyboardInterrupt as e:\n"
-        "    print('handled:', e, flush=True)\n"
-    )
-    out = _python(code)
-    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "handled: signal 15", (out.returncode, out.stderr)
-
-
-def test_a_sigterm_while_ray_stops_its_node_processes_reaches_the_harness_handler() -> None:
-    # The core worker's shutdown leaves SIGTERM to its default action, and Ray then stops its node processes for
-    # about a second: a SIGTERM then killed the run at once (-15), before its tables (a new user's trial, 5 of 5).
-    code = (
-        "import os, signal, time\n"
-        "from ray._private.node import Node\n"
-        "from harness import driver_ray, interrupts\n"
-        "stop = Node.kill_all_processes\n"
-        "def signalled_first(self, *args, **kwargs):\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    time.sleep(0.5)\n"
-        "    return stop(self, *args, **kwargs)\n"
-        "Node.kill_all_processes = signalled_first\n"
-        "interrupts.install()\n"
+        + (SIGNALLED_AS_RAY_STOPS_ITS_NODE if during else "")
+        + "interrupts.install()\n"
         "driver_ray.ensure_ray()\n"
         "try:\n"
         "    driver_ray.shutdown_ray()\n"
-        "except KeyboardInterrupt as e:\n"
+        + ("" if during else "    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(5)\n")
+        + "except KeyboardInterrupt as e:\n"
         "    print('handled:', e, flush=True)\n"
     )
     out = _python(code)
