@@ -285,8 +285,12 @@ def test_ray_is_lost_once_its_gcs_server_refuses_connections(monkeypatch: pytest
         monkeypatch.setattr(driver_ray, "_gcs_address", f"127.0.0.1:{server.getsockname()[1]}")
         assert not driver_ray.ray_lost()
     assert driver_ray.ray_lost()  # the port now refuses
-    monkeypatch.setattr(driver_ray.ray, "shutdown", lambda: None)
+    # shutdown_ray SIGKILLs a lost Ray's GCS server and raylet first (here they would be this test session's own)
+    killed: list[str] = []
+    monkeypatch.setattr(driver_ray.ray, "shutdown", lambda: killed.append("ray.shutdown"))
+    monkeypatch.setattr(driver_ray, "_kill_core", lambda: killed.append("core"))
     driver_ray.shutdown_ray()
+    assert killed == ["core", "ray.shutdown"]
     assert not driver_ray.ray_lost()  # a Ray this driver stopped itself is not lost
 
 
