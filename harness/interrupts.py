@@ -115,7 +115,7 @@ def last_signal() -> str | None:
 def ended_by() -> str:
     """What ended a run a KeyboardInterrupt ended, for its last line: "SIGTERM", "SIGINT", or "Ctrl-C" (Python's
     own SIGINT handler, where `install` left it)."""
-    return signal.Signals(_last).name if _last is not None else "Ctrl-C"
+    return last_signal() or "Ctrl-C"
 
 
 def install() -> None:

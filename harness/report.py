@@ -164,17 +164,20 @@ def _finite(value: Any) -> float | None:
     return number if math.isfinite(number) and number > 0 else None
 
 
+def _spread(row: Mapping[str, Any], fastest: str, slowest: str) -> float:
+    lo, hi = _finite(row.get(fastest)), _finite(row.get(slowest))
+    return hi / lo if lo and hi else math.nan
+
+
 def sync_spread(row: Mapping[str, Any]) -> float:
     """Slowest over fastest steady sync of one row (>= 1); NaN when the table does not carry them."""
-    lo, hi = _finite(row.get("steady_min_s")), _finite(row.get("steady_max_s"))
-    return hi / lo if lo and hi else math.nan
+    return _spread(row, "steady_min_s", "steady_max_s")
 
 
 def bound_spread(row: Mapping[str, Any]) -> float:
     """Slowest over fastest repeat of one row's same-run bound (>= 1); NaN when the table does not carry
     ``bound_max_s`` or no bound was measured."""
-    lo, hi = _finite(row.get("bound_s")), _finite(row.get("bound_max_s"))
-    return hi / lo if lo and hi else math.nan
+    return _spread(row, "bound_s", "bound_max_s")
 
 
 def band_spreads(row: Mapping[str, Any]) -> list[float]:
