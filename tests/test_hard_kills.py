@@ -307,11 +307,11 @@ def _scenario_started(run_dir: Path, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-ONCE_RAY_RUNS = (
-    "sigterm-once-ray-runs",
-    "sigterm-to-the-group-once-ray-runs",
-    "sigterm-to-every-process-once-ray-runs",
-)
+ONCE_RAY_RUNS = {  # seed -> the signal sent once a scenario runs
+    "sigterm-once-ray-runs": "SIGTERM to the harness",
+    "sigterm-to-the-group-once-ray-runs": "SIGTERM to the process group",
+    "sigterm-to-every-process-once-ray-runs": "SIGTERM to every process",
+}
 
 
 @pytest.mark.parametrize("seed", [*HARNESS_SEEDS, *ONCE_RAY_RUNS])
@@ -323,13 +323,8 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     # process (a batch scheduler's cancel), it stops the GCS server in any case: the close then ends the run's
     # processes by pid instead of through Ray (`driver_ray.ray_lost`).
     rng = random.Random(3000 + seed if isinstance(seed, int) else 0)
-    by_seed = {
-        "sigterm-once-ray-runs": "SIGTERM to the harness",
-        "sigterm-to-the-group-once-ray-runs": "SIGTERM to the process group",
-        "sigterm-to-every-process-once-ray-runs": "SIGTERM to every process",
-    }
     how = (
-        by_seed[seed]
+        ONCE_RAY_RUNS[seed]
         if isinstance(seed, str)
         else ["SIGINT to the process group (Ctrl-C)", "SIGTERM to the harness", "SIGINT to the harness"][seed % 3]
     )
