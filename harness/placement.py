@@ -180,6 +180,17 @@ class EngineActor:
         return popen.returncode, self.proc.log_tail(tail_chars) if self.proc is not None else ""
 
 
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie not reaped yet): only then is `pid` read as the maker of
+    segments (`shm.made_by`), while no other process can have taken it."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
 @dataclass
 class TrainerPool:
     """Trainer actors of one world size, in one placement group (bundle i = rank i)."""
@@ -276,12 +287,14 @@ class TrainerPool:
 
     def kill(self) -> None:
         """End every rank process and free the placement group, then unlink the shared-memory segments the
-        ranks held that are still there: a killed sender never unlinks its own (`harness.shm`). Where this
-        driver's Ray was lost under the run (`driver_ray.ray_lost`), no Ray call would return: the ranks on
-        this host are killed by pid, and the run's close ends the rest (`driver_ray.end_leftovers`)."""
+        ranks held, or made (`shm.made_by`: one made after the last look, or whose rank a signal ended first),
+        that are still there: a killed sender never unlinks its own (`harness.shm`). Where this driver's Ray
+        was lost under the run (`driver_ray.ray_lost`), no Ray call would return: the ranks on this host are
+        killed by pid, and the run's close ends the rest (`driver_ray.end_leftovers`)."""
         # A rank that has not told its pid within a second has not started (a forked one may wait for its fork
         # server's imports): it holds no segment, and ray.kill alone ends it.
         ranks = self.local_processes(wait_s=1.0)
+        pids = {p.pid for p in ranks} | set(self._pids or ())  # a rank a signal ended first is among those told
         held = set().union(*(shm.held_by(p.pid) for p in ranks))
         if ray_lost():
             for proc in ranks:
@@ -292,9 +305,9 @@ class TrainerPool:
                 ray.kill(a, no_restart=True)
             remove_placement_group(self.pg)
         self.actors = []
-        if held:
+        if held or shm.made_by(pids):
             psutil.wait_procs(ranks, timeout=10)
-            shm.unlink(held)
+            shm.unlink(held | shm.made_by(pid for pid in pids if _ended(pid)))
 
     def restore_priority(self) -> None:
         """Give every thread of every rank the priority of the rank's main thread (Ray's worker priority): a warm

@@ -8,8 +8,10 @@ segments the rank processes hold (mapped, or open by descriptor, read from `/pro
 and unlinks those still there once the processes are gone (`TrainerPool.kill`); the runner also unlinks
 those the scenario's processes held at any resource sample, or when the sender connected (its channel's
 first segment), once its pool is gone (a segment closed but never unlinked is no longer held at the
-kill). Only segments held by the scenario's own local processes are ever touched: the host's /dev/shm is
-shared with every other program on it.
+kill). A sender's segment names carry its pid (`protocol.shm_maker_prefix`): a segment a rank made after the
+last look and before its end, held by nobody once the rank is gone, is still found (`made_by`). Only segments
+held or made by the scenario's own local processes are ever touched: the host's /dev/shm is shared with every
+other program on it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from wsh_vllm_plugin.protocol import shm_maker_prefix
+
 from harness.record import ResourceSample
 from reference_impl.shm_segments import SHM_DIR, held_by, held_by_tree, present, unlink
 
-__all__ = ["SHM_DIR", "held_by", "held_by_tree", "held_in", "host_usage", "present", "unlink"]
+__all__ = ["SHM_DIR", "held_by", "held_by_tree", "held_in", "host_usage", "made_by", "present", "unlink"]
 
 
 def host_usage(root: Path = SHM_DIR) -> tuple[int, int]:
@@ -43,3 +47,17 @@ def host_usage(root: Path = SHM_DIR) -> tuple[int, int]:
 def held_in(samples: Iterable[ResourceSample]) -> set[str]:
     """Names of every segment a scenario's processes held at one of its resource samples."""
     return {name for s in samples for p in s.processes.values() for name in p.shm}
+
+
+def made_by(pids: Iterable[int], root: Path = SHM_DIR) -> set[str]:
+    """Names of the colocate chunk segments in `root` that processes `pids` made (the name starts with
+    `protocol.shm_maker_prefix(pid)`: `transport.handles.SharedMemoryBuffer`), whether anything still holds
+    them or not. Only ask once those processes are gone: a pid is reused once its process ended."""
+    prefixes = tuple(shm_maker_prefix(pid) for pid in pids)
+    if not prefixes:
+        return set()
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return set()
+    return {name for name in names if name.startswith(prefixes)}

@@ -183,13 +183,15 @@ def test_malformed_ipc_strings() -> None:
 # ---------------------------------------------------------------- shared memory
 
 
-def test_producer_segments_carry_the_prefix_and_pass() -> None:
+def test_producer_segments_carry_the_prefix_and_the_makers_pid_and_pass() -> None:
+    # the maker's pid as 8 hex digits, so whoever ends a killed producer finds every segment it made
+    maker = f"{SHM_NAME_PREFIX}{os.getpid():08x}"
     with SharedMemoryBuffer(NBYTES) as buf:
-        assert buf.name.startswith(SHM_NAME_PREFIX)
+        assert buf.name.startswith(maker) and len(buf.name) == len(maker) + 16
         assert check_handle(buf.handle(NBYTES), "shm", NBYTES).name == buf.name
         old = buf.name
         buf.grow(4 * NBYTES)
-        assert buf.name != old and buf.name.startswith(SHM_NAME_PREFIX)
+        assert buf.name != old and buf.name.startswith(maker)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ the temp folder once stopped (`ServerProcess.server_temp_dir`; vLLM's side in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -318,3 +319,52 @@ def test_an_engine_watch_stops_asking_once_ray_is_lost(monkeypatch: pytest.Monke
         assert time.monotonic() - t0 < 5
     finally:
         ray.kill(actor, no_restart=True)
+
+
+def _make_a_segment_and_let_go(worker: object) -> str:
+    """Run in a rank (`__ray_call__`): make a colocate chunk segment as a sender does, then let go of it (unmapped,
+    its descriptor closed, Python's resource tracker told to forget it) without unlinking it, as a sender a
+    signal ends between its last look and its cleanup leaves it: held by nothing, made by the rank."""
+    from multiprocessing import resource_tracker
+
+    from reference_impl.transport.handles import SharedMemoryBuffer
+
+    buf = SharedMemoryBuffer(4096)
+    segment, buf._shm = buf.shm, None
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    segment.close()
+    return segment.name
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("lost", [False, True], ids=["through-ray", "ray-lost"])
+def test_a_killed_pool_unlinks_the_segments_its_ranks_made_and_no_longer_hold(
+    runner: object, lost: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A segment a sender made after the run's last look at what it holds, or whose rank a SIGTERM to every process
+    # ended first, was held by nobody when the pool was killed, and stayed in /dev/shm (1 MiB, once).
+    import ray
+    from ray.util import remove_placement_group
+
+    from harness import placement
+    from harness.shm import SHM_DIR
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the function travels by value
+    pool = placement.TrainerPool.create(1, fork_server=runner.forks.for_ranks())  # type: ignore[attr-defined]
+    actors, pg, name = list(pool.actors), pool.pg, ""
+    try:
+        name = ray.get(actors[0].__ray_call__.remote(_make_a_segment_and_let_go), timeout=120)
+        rank = psutil.Process(pool.pids[0])
+        assert (SHM_DIR / name).exists() and name.startswith(f"wsh_chunk_{rank.pid:08x}")
+        monkeypatch.setattr(placement, "ray_lost", lambda: lost)  # lost: the ranks are killed by pid
+        pool.kill()
+        assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
+        assert not (SHM_DIR / name).exists()
+    finally:
+        if lost:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(pg)
+        if name:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / name).unlink()

@@ -35,6 +35,7 @@ import contextlib
 import gc
 import inspect
 import io
+import os
 import pickle
 import secrets
 import traceback
@@ -49,11 +50,11 @@ from wsh_vllm_plugin.protocol import (
     CUDA_IPC,
     MAX_INT64,
     SHM,
-    SHM_NAME_PREFIX,
     CudaIpcHandle,
     ProtocolError,
     ShmHandle,
     handle_from_json,
+    shm_maker_prefix,
 )
 
 
@@ -87,11 +88,11 @@ def _close(shm: SharedMemory, who: str) -> None:
 
 
 def _create_segment(size: int) -> SharedMemory:
-    """A new segment of `size` bytes named `SHM_NAME_PREFIX` + 16 random hex digits (the only names an
-    engine maps: `protocol.ShmHandle.check`)."""
+    """A new segment of `size` bytes named `SHM_NAME_PREFIX`, this process's pid and 16 random hex digits
+    (`protocol.shm_maker_prefix`; the only names an engine maps: `protocol.ShmHandle.check`)."""
     while True:
         try:
-            return SharedMemory(name=SHM_NAME_PREFIX + secrets.token_hex(8), create=True, size=size)
+            return SharedMemory(name=shm_maker_prefix(os.getpid()) + secrets.token_hex(8), create=True, size=size)
         except FileExistsError:  # 2^-64 per try; as SharedMemory's own naming does, try another
             continue
 

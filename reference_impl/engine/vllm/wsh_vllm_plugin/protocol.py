@@ -224,6 +224,21 @@ def check_lengths(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequ
 # (`reference_impl.transport.handles`) makes, then hex digits. Nothing else on the host can be named by a handle.
 SHM_NAME_PREFIX = "wsh_chunk_"
 _SHM_NAME = re.compile(re.escape(SHM_NAME_PREFIX) + r"[0-9a-f]{1,32}")
+SHM_PID_DIGITS = 8  # Linux pids are below 2^22 (/proc/sys/kernel/pid_max): 6 hex digits, 8 leave room
+
+
+def shm_maker_prefix(pid: int) -> str:
+    """The start of the name of every segment process `pid` makes: `SHM_NAME_PREFIX`, then `pid` as
+    `SHM_PID_DIGITS` hex digits (random hex digits follow: `transport.handles.SharedMemoryBuffer`). Whoever ends
+    a producer that may die before it unlinks its segment finds every one it made by that prefix, also one it
+    made a moment before its end (`harness.shm.made_by`).
+
+    Raises:
+        ValueError: `pid` is negative or needs more than `SHM_PID_DIGITS` hex digits.
+    """
+    if not 0 <= pid < 16**SHM_PID_DIGITS:
+        raise ValueError(f"pid {pid} does not fit {SHM_PID_DIGITS} hex digits")
+    return f"{SHM_NAME_PREFIX}{pid:0{SHM_PID_DIGITS}x}"
 
 
 def _check_nbytes(nbytes: int, expected: int | None) -> None:
