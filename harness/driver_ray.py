@@ -6,24 +6,30 @@
 - `ray_lost` says when that Ray's GCS server stopped under the run (a signal to every process of a job):
   every call that needs it then waits until the driver's Ray ends the process, so the cleanup ends the
   run's processes by pid instead.
-- `shutdown_ray` stops it; `end_leftovers` ends whatever the run started that is still running.
+- `shutdown_ray` stops it; `end_leftovers` ends whatever the run started that is still running, and
+  `remove_server_temp_root` the folder its engine servers made their temp folders in.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import psutil
 import ray
+
+from reference_impl.engine.process import SERVER_TEMP_ROOT_VAR
 
 FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
 
@@ -143,6 +149,7 @@ def ensure_ray(address: str | None = None) -> None:
         return
     # Only for the length of ray.init: processes the driver starts itself later must not carry it.
     _ray_tag = _ray_tag or f"{os.getpid()}-{uuid.uuid4().hex}"
+    env_vars[SERVER_TEMP_ROOT_VAR] = str(server_temp_root())
     previous = os.environ.get(RAY_TAG_VAR)
     os.environ[RAY_TAG_VAR] = _ray_tag
     try:
@@ -156,6 +163,30 @@ def ensure_ray(address: str | None = None) -> None:
             os.environ.pop(RAY_TAG_VAR, None)
         else:
             os.environ[RAY_TAG_VAR] = previous
+
+
+_server_temp_root: Path | None = None  # the folder of this driver's engine servers' temp folders, once made
+
+
+def server_temp_root() -> Path:
+    """The folder in which the engine servers of this driver's own Ray make their temp folders (its workers'
+    `SERVER_TEMP_ROOT_VAR`; `ServerProcess.server_temp_dir`), made on first use. A server stopped as planned
+    removes its own folder; one whose actor's worker was killed before it could (a SIGTERM to every process
+    of a job) left it in /tmp, where only its name said whose it was: the run's close now removes this
+    folder with all it holds (`remove_server_temp_root`)."""
+    global _server_temp_root
+    if _server_temp_root is None or not _server_temp_root.is_dir():
+        _server_temp_root = Path(tempfile.mkdtemp(prefix="wsh-run-"))
+    return _server_temp_root
+
+
+def remove_server_temp_root() -> None:
+    """Remove `server_temp_root` and what is in it, once this driver's engine servers have ended (a run's
+    close, after `end_leftovers`). Nothing happens where it was never made."""
+    global _server_temp_root
+    if _server_temp_root is not None:
+        shutil.rmtree(_server_temp_root, ignore_errors=True)
+        _server_temp_root = None
 
 
 def ray_tag_env() -> dict[str, str]:

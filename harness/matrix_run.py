@@ -149,7 +149,8 @@ class MatrixRun:
     def close(self) -> None:
         """Stop every process the run started (engines and trainer pools, Ray, then the fork servers, whose
         children are Ray workers that end with Ray, then whatever an interrupt in the middle of ray.init or a
-        launch left running: `harness.driver_ray.end_leftovers`), write the run's end into
+        launch left running: `harness.driver_ray.end_leftovers`) and remove its engine servers' temp folders
+        (`remove_server_temp_root`), write the run's end into
         env.json (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every
         record (an interrupt may have cut the last writes short). A signal meanwhile is held until all that has
         ended, then raised (`harness.interrupts.held`; a second one at once, cutting short the step it lands
@@ -161,7 +162,7 @@ class MatrixRun:
             self._close()
 
     def _close(self) -> None:
-        from harness.driver_ray import descendants, end_leftovers, shutdown_ray
+        from harness.driver_ray import descendants, end_leftovers, remove_server_temp_root, shutdown_ray
         from harness.env import finish_env
 
         started = [p for p in descendants() if p.pid not in self.before]  # before their parents end
@@ -175,6 +176,7 @@ class MatrixRun:
                     self.runner.forks.stop()
             finally:
                 end_leftovers(started)
+                remove_server_temp_root()  # what a server ended by a signal left in its temp folder
             self.env = finish_env(self.out)
             # an interrupt may have cut the last writes short: the tables first (also with no record yet: the
             # scenarios not run are listed, and a report finds the run's summary.csv), then the plots

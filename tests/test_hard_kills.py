@@ -32,6 +32,7 @@ from harness import shm
 from harness.record import RunRecord
 from harness.scenario import Scenario
 from harness.soak import sample_resources
+from reference_impl.engine.process import SERVER_TEMP_ROOT_VAR
 from reference_impl.fork_server import FORKED_LINE
 
 pytestmark = pytest.mark.e2e
@@ -86,7 +87,7 @@ def _launcher(server: psutil.Process, logs: Path) -> int:
 
 
 def _segments_left(held: set[str], within: float = GONE_WITHIN_S) -> set[str]:
-    """Those of the run's segments (`held`: held by its processes at some point) still in /dev/shm after
+    """Those of the run's segments (`held`: held or made by its processes) still in /dev/shm after
     `within` seconds. The host's /dev/shm is shared with other programs: only the run's own are judged."""
     end = time.monotonic() + within
     while time.monotonic() < end and shm.present(held):
@@ -185,7 +186,7 @@ def _run_with_kill(runner, sc: Scenario, make_killer: Callable[[Path, dict[str, 
     assert _wait_gone(seen) == []
     held = {n for s in rec.resources for p in s.processes.values() for n in p.shm}
     assert not sc.colocate or held, "a colocated sender holds its segment"
-    assert _segments_left(held) == set()
+    assert _segments_left(held | shm.made_by(seen)) == set()  # made by a process now gone, also unheld
     return rec, killer
 
 
@@ -272,29 +273,36 @@ def test_rank_killed_mid_gather_ends_as_crash_or_deadlock(runner, seed: int) -> 
 # ------------------------------------------------------------------------------------ the harness, signals
 
 
-def _marked(marker: str) -> set[int]:
+def _marked(marker: str, temp_dirs: set[Path] | None = None) -> set[int]:
+    """Pids of the live processes carrying `marker`; into `temp_dirs`, the folder each was given for its engine
+    servers' temp folders (`SERVER_TEMP_ROOT_VAR`: the engine actors' Ray workers have it)."""
     found = set()
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.pid != os.getpid() and proc.environ().get("WSH_RUN_MARKER") == marker:
-                found.add(proc.pid)
+            env = proc.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+        if proc.pid != os.getpid() and env.get("WSH_RUN_MARKER") == marker:
+            found.add(proc.pid)
+            if temp_dirs is not None and SERVER_TEMP_ROOT_VAR in env:
+                temp_dirs.add(Path(env[SERVER_TEMP_ROOT_VAR]))
     return found
 
 
 class Holdings(threading.Thread):
-    """Every process carrying `marker` and every /dev/shm segment one of them held, polled until `done`."""
+    """Every process carrying `marker`, every /dev/shm segment one of them held and every folder one of them was
+    given for its engine servers' temp folders (`ServerProcess.server_temp_dir`), polled until `done`."""
 
     def __init__(self, marker: str) -> None:
         super().__init__(daemon=True)
         self.marker, self.done = marker, threading.Event()
         self.pids: set[int] = set()
         self.held: set[str] = set()
+        self.temp_dirs: set[Path] = set()
 
     def run(self) -> None:
         while not self.done.wait(0.3):
-            for pid in _marked(self.marker):
+            for pid in _marked(self.marker, self.temp_dirs):
                 self.pids.add(pid)
                 self.held |= shm.held_by(pid)
 
@@ -388,4 +396,9 @@ def test_harness_signalled_leaves_records_and_nothing_else(tmp_path: Path, seed:
     ours |= _marked(marker) | watcher.pids
     assert _wait_gone(ours) == [], (how, out[-2000:])
     assert _marked(marker) == set(), how
-    assert _segments_left(watcher.held) == set(), how
+    # held by one of the run's processes at a look, or made by one (a segment made after the last look)
+    assert _segments_left(watcher.held | shm.made_by(ours)) == set(), how
+    # the run's folder of its engine servers' temp folders (a SIGTERM to every process ended an engine actor's
+    # worker before it removed its server's folder, 1 of 6 runs: the folder stayed in /tmp)
+    assert watcher.temp_dirs or not isinstance(seed, str), "no engine actor seen once a scenario ran"
+    assert {d for d in watcher.temp_dirs if d.exists()} == set(), how

@@ -131,6 +131,9 @@ def popen_in_session(
         )
 
 
+# The folder engine servers' temp folders are made in, where set (`ServerProcess.server_temp_dir`): a harness run
+# gives its engine actors one of its own (`harness.driver_ray.ensure_ray`) and removes it at its close.
+SERVER_TEMP_ROOT_VAR = "WSH_SERVER_TEMP_ROOT"
 STOP_GRACE_S = 10.0  # seconds a server has between SIGTERM and SIGKILL by default (`ServerProcess.stop`)
 
 
@@ -194,9 +197,14 @@ class ServerProcess(ABC):
 
     def server_temp_dir(self) -> Path:
         """The server's own temp folder (its TMPDIR), made on first use and removed by `stop`; its name is
-        short (vLLM's ZMQ socket paths live in it, and those are limited to 107 bytes)."""
+        short (vLLM's ZMQ socket paths live in it, and those are limited to 107 bytes). It is made in the folder
+        `SERVER_TEMP_ROOT_VAR` names where the environment sets it (a harness run's own, which the run's close
+        removes with whatever a server ended by a signal left in it), else in the system's temp folder."""
         if self.temp_dir is None:
-            self.temp_dir = Path(tempfile.mkdtemp(prefix="wsh-server-"))
+            root = os.environ.get(SERVER_TEMP_ROOT_VAR) or None
+            if root is not None:
+                os.makedirs(root, exist_ok=True)
+            self.temp_dir = Path(tempfile.mkdtemp(prefix="wsh-server-", dir=root))
         return self.temp_dir
 
     @abstractmethod
