@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import ray
 
+from harness import interrupts
 from reference_impl.engine.process import SERVER_TEMP_ROOT_VAR
 
 FORWARDED_ENV = ("WSH_VLLM_PYTHON", "WSH_HF_CACHE", "WSH_CACHE", "VLLM_CPU_KVCACHE_SPACE")
@@ -55,21 +56,90 @@ def _putting_back_sigterm_handler() -> Iterator[Callable[[int, FrameType | None]
 
 
 @contextlib.contextmanager
-def _keeping_sigterm_handler() -> Iterator[None]:
-    """Put this process's own SIGTERM handler back after the block. `ray.init` installs its own failure
-    handler for SIGTERM in the driver, which prints "SIGTERM received" and aborts the process: the run's
-    `close` never runs and its Ray, workers and engine servers are left behind. The harness's handler
-    (`harness.interrupts.install`: SIGTERM ends a run like Ctrl-C) must stay the one that runs. Only a Python
-    function is put back: a driver without one of its own (a test session) keeps what Ray installs.
+def _without_failure_signal_handler() -> Iterator[None]:
+    """For the block (a `ray.init`): this driver's core worker starts without Ray's C++ failure signal handler
+    (Ray's own switch, `RAY_DISABLE_FAILURE_SIGNAL_HANDLER`, read by the driver's connect from
+    `ray._private.ray_constants`; set here on that module alone, so the node processes and workers Ray starts
+    keep theirs, with their stack traces on a crash). That handler takes SIGTERM too: one that came in the
+    last second of `ray.init` printed "SIGTERM received" and ended a run, closed by then, with SIGABRT (134)
+    instead of 143; and `ray.shutdown` took it down by leaving SIGTERM to its default action. A Ray without
+    the switch starts as before."""
+    constants = ray._private.ray_constants
+    if not hasattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"):
+        yield
+        return
+    previous = constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+    constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    try:
+        yield
+    finally:
+        constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = previous
 
-    A SIGTERM while the block runs meets Ray's Python handlers instead (ray/_private/worker.py `init`:
-    `sys.exit(15)`; ray/_private/node.py, once its node processes start: `sys.exit(1)` after ending them), whose
-    SystemExit Python drops where it lands in an at-fork hook (Ray forks its processes), so the run went on and
-    exited 0. A wakeup descriptor (`signal.set_wakeup_fd`) sees every signal a Python handler took: where one
-    was SIGTERM, the harness's handler is called once the block ends, whether it raised SystemExit or returned,
-    and the run ends as after any SIGTERM (KeyboardInterrupt("signal 15"), exit status 143). Ray's C++ failure
-    handler, set late in `ray.init`, takes the signal before any Python handler: there the run closes and then
-    ends by SIGABRT."""
+
+@contextlib.contextmanager
+def _rays_sigterm_handlers_left_out() -> Iterator[None]:
+    """For the block (a `ray.init`): Ray installs none of its Python SIGTERM handlers in this driver (worker.py
+    `init`: `sys.exit(15)`; node.py, once its node processes start: `sys.exit(1)` after ending them; both
+    through `ray._private.utils.set_sigterm_handler`, which does nothing here meanwhile), so the driver's own
+    handler stays in place (the signal is held through the driver's connect: `_driver_connect_held`). A Ray
+    without that function installs them as before."""
+    utils = ray._private.utils
+    install = getattr(utils, "set_sigterm_handler", None)
+    if install is None:
+        yield
+        return
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = install
+
+
+@contextlib.contextmanager
+def _driver_connect_held() -> Iterator[None]:
+    """For the block (a `ray.init`): a first SIGTERM or SIGINT that comes while Ray connects this driver
+    (`ray._private.worker.connect`, which makes its core worker) is held until the connect has returned
+    (`harness.interrupts.held`), and raised there. Raised in the middle of it, it left a core worker half made,
+    and the run, once closed, died at its exit (SIGSEGV, 4 of 5 moments 4.6-4.7 s into a run). Elsewhere in
+    `ray.init` the signal is raised at once: there Ray may be waiting for a GCS server the same signal stopped
+    (a SIGTERM to every process), which held it for 60 s before Ray ended the process with status 1. A Ray
+    without that function connects as before."""
+    worker = ray._private.worker
+    connect = getattr(worker, "connect", None)
+    if connect is None:
+        yield
+        return
+
+    def held_connect(*args: Any, **kwargs: Any) -> Any:
+        with interrupts.held():
+            return connect(*args, **kwargs)
+
+    worker.connect = held_connect
+    try:
+        yield
+    finally:
+        worker.connect = connect
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """Keep this process's own SIGTERM handler through the block (a `ray.init`), and put it back after.
+    `ray.init` installs its own handlers for SIGTERM in the driver: Python ones (ray/_private/worker.py `init`:
+    `sys.exit(15)`; ray/_private/node.py, once its node processes start: `sys.exit(1)` after ending them) and a
+    C++ failure signal handler that prints "SIGTERM received" and aborts the process. The harness's handler
+    (`harness.interrupts.install`: SIGTERM ends a run like Ctrl-C) must stay the one that runs. Only a Python
+    function is kept: a driver without one of its own (a test session) keeps what Ray installs.
+
+    With a handler of its own, the driver's core worker starts without the C++ handler
+    (`_without_failure_signal_handler`), Ray's Python handlers are not installed
+    (`_rays_sigterm_handlers_left_out`), and a first SIGTERM or SIGINT that comes while Ray connects the
+    driver is held until the connect has returned (`_driver_connect_held`). Where `ray.init` fails instead (a
+    SIGTERM to every process also reached its GCS server, and Ray gave up on it), or a Ray handler installed
+    some other way exited, a wakeup descriptor (`signal.set_wakeup_fd`, which sees every signal a Python handler
+    took) tells that a SIGTERM came, and the harness's handler is called: the run ends as after any SIGTERM
+    (KeyboardInterrupt("signal 15"), exit status 143). Such a SystemExit was dropped by Python where it landed
+    in an at-fork hook (Ray forks its processes), and the run went on and exited 0; where a Ray handler
+    returned, its signal is raised once the block ends."""
     with _putting_back_sigterm_handler() as handler:
         if handler is None:
             yield
@@ -80,12 +150,13 @@ def _keeping_sigterm_handler() -> Iterator[None]:
         previous = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
         try:
             try:
-                yield
-            except SystemExit:
+                with _without_failure_signal_handler(), _rays_sigterm_handlers_left_out(), _driver_connect_held():
+                    yield
+            except (SystemExit, Exception):  # a Ray handler's exit, or Ray gave up: its GCS server got the signal too
                 if _took_sigterm(seen):
                     handler(signal.SIGTERM, None)  # the harness's handler raises KeyboardInterrupt, keeps the signal
                 raise
-            if _took_sigterm(seen):  # Ray's handler ran and its SystemExit was dropped
+            if _took_sigterm(seen):  # a Ray handler ran and its SystemExit was dropped
                 handler(signal.SIGTERM, None)
         finally:
             signal.set_wakeup_fd(previous)
@@ -242,16 +313,15 @@ def shutdown_ray() -> None:
     interrupted `ray.init`: Ray's processes may already run before Ray counts as initialized, and
     `ray.shutdown` ends whatever the driver has started (it does nothing when nothing was).
 
-    `ray.shutdown` also leaves SIGTERM's handler at the C level to the default action while Python still
-    names the harness's (the core worker's failure handler is taken down first, ray/_private/worker.py
-    `shutdown`), so a SIGTERM later in the run's close, or during the second or so in which Ray then stops its
-    node processes, killed it at once, before its tables: the Python handler is installed again before the
-    node processes are stopped (`_handler_back_before_node_stop`) and once more after. A Ray stopped here is
+    A Ray whose driver's core worker was started with Ray's C++ failure signal handler (where
+    `_without_failure_signal_handler` could not leave it out) took that handler down in `ray.shutdown` and left
+    SIGTERM at the C level to its default action: a SIGTERM late in the run's close killed it at once, before its
+    tables. The driver's Python handler is therefore installed again after the shutdown. A Ray stopped here is
     not lost (`ray_lost`): its GCS address is forgotten."""
     global _gcs_address
     if ray_lost():  # its GCS server and raylet ignore the SIGTERM that `ray.shutdown` sends and waits on
         _kill_core()
-    with _putting_back_sigterm_handler() as handler, _handler_back_before_node_stop(handler):
+    with _putting_back_sigterm_handler():
         ray.shutdown()
     _gcs_address = None
 
@@ -267,29 +337,6 @@ def _kill_core() -> None:
         with contextlib.suppress(psutil.Error):
             if proc.name() in CORE_PROCESSES:
                 proc.kill()
-
-
-@contextlib.contextmanager
-def _handler_back_before_node_stop(handler: Callable[[int, FrameType | None], Any] | None) -> Iterator[None]:
-    """For the block (a `ray.shutdown`): `handler` is installed as SIGTERM's again when this driver's Ray node
-    starts to stop its processes (`Node.kill_all_processes`, wrapped on that one node object), after the core
-    worker's shutdown left SIGTERM to its default action. Nothing changes without a handler or a node."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    stop = getattr(node, "kill_all_processes", None)
-    if handler is None or node is None or stop is None:
-        yield
-        return
-
-    def kill_all_processes(*args: Any, **kwargs: Any) -> Any:
-        signal.signal(signal.SIGTERM, handler)
-        return stop(*args, **kwargs)
-
-    node.kill_all_processes = kill_all_processes
-    try:
-        yield
-    finally:
-        with contextlib.suppress(AttributeError):
-            del node.kill_all_processes
 
 
 def descendants() -> list[psutil.Process]:

@@ -539,3 +539,33 @@ def test_a_sigterm_around_ray_shutdown_reaches_the_harness_handler(when: str) ->
     )
     out = _python(code)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "handled: signal 15", (out.returncode, out.stderr)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_sigterm_as_ray_init_connects_the_driver_is_held_until_ray_init_returns(when: str) -> None:
+    # Late in ray.init, once the driver's core worker connected, Ray's C++ failure signal handler took SIGTERM
+    # before any Python handler: it printed "SIGTERM received" and the run, closed by then, ended by SIGABRT (134).
+    # Just before, Ray's own Python handler raised SystemExit in the middle of the connect, and the run, closed by
+    # then, died at its exit by SIGSEGV. Now the signal waits for ray.init to return, and ends the run as any.
+    code = (
+        "import os, signal, time\n"
+        "import ray\n"
+        "import ray._private.worker as worker\n"
+        "from harness import driver_ray, interrupts\n"
+        "connect = worker.connect\n"
+        "def signalled(*args, **kwargs):\n"
+        + ("    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(0.5)\n" if when == "before" else "")
+        + "    out = connect(*args, **kwargs)\n"
+        + ("    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(0.5)\n" if when == "after" else "")
+        + "    return out\n"
+        "worker.connect = signalled\n"
+        "interrupts.install()\n"
+        "try:\n"
+        "    driver_ray.ensure_ray()\n"
+        "except KeyboardInterrupt as e:\n"
+        "    print('handled, Ray up:', ray.is_initialized(), flush=True)\n"
+        "driver_ray.shutdown_ray()\n"
+    )
+    out = _python(code)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "handled, Ray up: True", (out.returncode, out.stderr)
+    assert "SIGTERM received" not in out.stderr, out.stderr[-2000:]
