@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -236,28 +237,28 @@ def ensure_ray(address: str | None = None) -> None:
             os.environ[RAY_TAG_VAR] = previous
 
 
-_server_temp_root: Path | None = None  # the folder of this driver's engine servers' temp folders, once made
+_server_temp_root: Path | None = None  # the folder of this driver's engine servers' temp folders, once named
 
 
 def server_temp_root() -> Path:
     """The folder in which the engine servers of this driver's own Ray make their temp folders (its workers'
-    `SERVER_TEMP_ROOT_VAR`; `ServerProcess.server_temp_dir`), made on first use. A server stopped as planned
-    removes its own folder; one whose actor's worker was killed before it could (a SIGTERM to every process
-    of a job) left it in /tmp, where only its name said whose it was: the run's close now removes this
-    folder with all it holds (`remove_server_temp_root`)."""
+    `SERVER_TEMP_ROOT_VAR`; `ServerProcess.server_temp_dir` makes it when a first server starts, so a driver that
+    starts none leaves none), named on first use. A server stopped as planned removes its own folder; one whose
+    actor's worker was killed before it could (a SIGTERM to every process of a job) left it in /tmp, where
+    only its name said whose it was: the run's close removes this folder with all it holds
+    (`remove_server_temp_root`), and so does this driver's exit, for a driver that never closes a run."""
     global _server_temp_root
-    if _server_temp_root is None or not _server_temp_root.is_dir():
-        _server_temp_root = Path(tempfile.mkdtemp(prefix="wsh-run-"))
+    if _server_temp_root is None:
+        _server_temp_root = Path(tempfile.gettempdir()) / f"wsh-run-{uuid.uuid4().hex[:16]}"
+        atexit.register(remove_server_temp_root)
     return _server_temp_root
 
 
 def remove_server_temp_root() -> None:
     """Remove `server_temp_root` and what is in it, once this driver's engine servers have ended (a run's
-    close, after `end_leftovers`). Nothing happens where it was never made."""
-    global _server_temp_root
+    close, after `end_leftovers`; this driver's exit). Nothing happens where no server made it."""
     if _server_temp_root is not None:
         shutil.rmtree(_server_temp_root, ignore_errors=True)
-        _server_temp_root = None
 
 
 def ray_tag_env() -> dict[str, str]:

@@ -133,7 +133,7 @@ def runner(tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServerAddr
 
     import ray
 
-    from harness.driver_ray import ensure_ray, remove_server_temp_root
+    from harness.driver_ray import ensure_ray
     from harness.runner import Runner
     from harness.soak import sample_resources
 
@@ -152,7 +152,6 @@ def runner(tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServerAddr
     yield r
     r.close()
     ray.shutdown()
-    remove_server_temp_root()
 
 
 @pytest.fixture(scope="session")

@@ -203,7 +203,7 @@ class ServerProcess(ABC):
         if self.temp_dir is None:
             root = os.environ.get(SERVER_TEMP_ROOT_VAR) or None
             if root is not None:
-                os.makedirs(root, exist_ok=True)
+                os.makedirs(root, mode=0o700, exist_ok=True)
             self.temp_dir = Path(tempfile.mkdtemp(prefix="wsh-server-", dir=root))
         return self.temp_dir
 
