@@ -57,6 +57,21 @@ def _putting_back_sigterm_handler() -> Iterator[Callable[[int, FrameType | None]
 
 
 @contextlib.contextmanager
+def _replaced(owner: Any, name: str, replacement: Callable[[Any], Any]) -> Iterator[None]:
+    """For the block, `owner.name` is `replacement(original)`; then the original again. Nothing changes where
+    `owner` has no `name` (a Ray that does not have it: the harness then behaves as before)."""
+    if not hasattr(owner, name):
+        yield
+        return
+    original = getattr(owner, name)
+    setattr(owner, name, replacement(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
 def _without_failure_signal_handler() -> Iterator[None]:
     """For the block (a `ray.init`): this driver's core worker starts without Ray's C++ failure signal handler
     (Ray's own switch, `RAY_DISABLE_FAILURE_SIGNAL_HANDLER`, read by the driver's connect from
@@ -65,16 +80,8 @@ def _without_failure_signal_handler() -> Iterator[None]:
     last second of `ray.init` printed "SIGTERM received" and ended a run, closed by then, with SIGABRT (134)
     instead of 143; and `ray.shutdown` took it down by leaving SIGTERM to its default action. A Ray without
     the switch starts as before."""
-    constants = ray._private.ray_constants
-    if not hasattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"):
+    with _replaced(ray._private.ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", lambda _: True):
         yield
-        return
-    previous = constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
-    constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
-    try:
-        yield
-    finally:
-        constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = previous
 
 
 @contextlib.contextmanager
@@ -84,16 +91,8 @@ def _rays_sigterm_handlers_left_out() -> Iterator[None]:
     through `ray._private.utils.set_sigterm_handler`, which does nothing here meanwhile), so the driver's own
     handler stays in place (the signal is held through the driver's connect: `_driver_connect_held`). A Ray
     without that function installs them as before."""
-    utils = ray._private.utils
-    install = getattr(utils, "set_sigterm_handler", None)
-    if install is None:
+    with _replaced(ray._private.utils, "set_sigterm_handler", lambda _: lambda handler: None):
         yield
-        return
-    utils.set_sigterm_handler = lambda handler: None
-    try:
-        yield
-    finally:
-        utils.set_sigterm_handler = install
 
 
 @contextlib.contextmanager
@@ -105,21 +104,16 @@ def _driver_connect_held() -> Iterator[None]:
     `ray.init` the signal is raised at once: there Ray may be waiting for a GCS server the same signal stopped
     (a SIGTERM to every process), which held it for 60 s before Ray ended the process with status 1. A Ray
     without that function connects as before."""
-    worker = ray._private.worker
-    connect = getattr(worker, "connect", None)
-    if connect is None:
-        yield
-        return
 
-    def held_connect(*args: Any, **kwargs: Any) -> Any:
-        with interrupts.held():
-            return connect(*args, **kwargs)
+    def held(connect: Callable[..., Any]) -> Callable[..., Any]:
+        def held_connect(*args: Any, **kwargs: Any) -> Any:
+            with interrupts.held():
+                return connect(*args, **kwargs)
 
-    worker.connect = held_connect
-    try:
+        return held_connect
+
+    with _replaced(ray._private.worker, "connect", held):
         yield
-    finally:
-        worker.connect = connect
 
 
 @contextlib.contextmanager
