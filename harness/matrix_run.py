@@ -149,12 +149,15 @@ class MatrixRun:
     def close(self) -> None:
         """Stop every process the run started (engines and trainer pools, Ray, then the fork servers, whose
         children are Ray workers that end with Ray, then whatever an interrupt in the middle of ray.init or a
-        launch left running: `harness.driver_ray.end_leftovers`) and remove its engine servers' temp folders
-        (`remove_server_temp_root`), write the run's end into
-        env.json (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every
-        record (an interrupt may have cut the last writes short). A signal meanwhile is held until all that has
-        ended, then raised (`harness.interrupts.held`; a second one at once, cutting short the step it lands
-        in: the later steps, in `finally`, still run). Safe to call twice."""
+        launch left running: `harness.driver_ray.end_leftovers`), unlink the colocate segments those processes
+        made and left (`harness.shm.left_by`: a pool's kill cut short by a second signal left its sender's),
+        remove its engine servers' temp folders (`remove_server_temp_root`), write the run's end into env.json
+        (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every record (an
+        interrupt may have cut the last writes short). A signal meanwhile is held until all that has ended, then
+        raised (`harness.interrupts.held`); a second one raises at once, cutting short the step it lands in, and
+        every later step still runs (before, a second Ctrl-C during the close skipped the tables, so
+        `summary.md` did not say the run was interrupted, and left a segment in /dev/shm: 4 of 5 tries). The
+        first error a step raised is raised once all have run. Safe to call twice."""
         if self.closed:
             return
         self.closed = True
@@ -162,22 +165,14 @@ class MatrixRun:
             self._close()
 
     def _close(self) -> None:
+        from harness import shm
         from harness.driver_ray import descendants, end_leftovers, remove_server_temp_root, shutdown_ray
         from harness.env import finish_env
 
         started = [p for p in descendants() if p.pid not in self.before]  # before their parents end
-        try:
-            if self.runner is not None:
-                self.runner.close(fork_servers=False)
-        finally:
-            shutdown_ray()
-            try:  # the rank fork server waits for its children, Ray workers: with Ray down, idle ones end too
-                if self.runner is not None:
-                    self.runner.forks.stop()
-            finally:
-                end_leftovers(started)
-                remove_server_temp_root()  # what a server ended by a signal left in its temp folder
-            self.env = finish_env(self.out)
+        runner = self.runner
+
+        def tables_and_outputs() -> None:
             # an interrupt may have cut the last writes short: the tables first (also with no record yet: the
             # scenarios not run are listed, and a report finds the run's summary.csv), then the plots
             df = self.write_tables()
@@ -185,6 +180,27 @@ class MatrixRun:
                 if self.after_each is not None:  # e.g. faults.md, the soak's table
                     self.after_each(self.records, self.out)
                 self.write_plots(df)
+
+        steps: list[Callable[[], object]] = [
+            lambda: runner.close(fork_servers=False) if runner is not None else None,
+            shutdown_ray,
+            # the rank fork server waits for its children, Ray workers: with Ray down, idle ones end too
+            lambda: runner.forks.stop() if runner is not None else None,
+            lambda: end_leftovers(started),
+            # what a rank ended before its pool's kill unlinked them left: all of the run's processes are gone now
+            lambda: shm.unlink(shm.left_by(p.pid for p in started)),
+            remove_server_temp_root,  # what a server ended by a signal left in its temp folder
+            lambda: setattr(self, "env", finish_env(self.out)),
+            tables_and_outputs,
+        ]
+        first: BaseException | None = None
+        for step in steps:  # a second signal cuts short the step it lands in; the later steps still run
+            try:
+                step()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def report(self, baseline: Path) -> tuple[int, Path]:
         """Compare this run with `baseline` (`harness.report.write_report`): (exit status, report.md)."""

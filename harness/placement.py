@@ -180,17 +180,6 @@ class EngineActor:
         return popen.returncode, self.proc.log_tail(tail_chars) if self.proc is not None else ""
 
 
-def _ended(pid: int) -> bool:
-    """Whether process `pid` has ended (gone, or a zombie not reaped yet): only then is `pid` read as the maker of
-    segments (`shm.made_by`), while no other process can have taken it."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
-
-
 @dataclass
 class TrainerPool:
     """Trainer actors of one world size, in one placement group (bundle i = rank i)."""
@@ -307,7 +296,7 @@ class TrainerPool:
         self.actors = []
         if held or shm.made_by(pids):
             psutil.wait_procs(ranks, timeout=10)
-            shm.unlink(held | shm.made_by(pid for pid in pids if _ended(pid)))
+            shm.unlink(held | shm.left_by(pids))
 
     def restore_priority(self) -> None:
         """Give every thread of every rank the priority of the rank's main thread (Ray's worker priority): a warm

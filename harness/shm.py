@@ -21,12 +21,13 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+import psutil
 from wsh_vllm_plugin.protocol import shm_maker_prefix
 
 from harness.record import ResourceSample
 from reference_impl.shm_segments import SHM_DIR, held_by, held_by_tree, present, unlink
 
-__all__ = ["SHM_DIR", "held_by", "held_by_tree", "held_in", "host_usage", "made_by", "present", "unlink"]
+__all__ = ["SHM_DIR", "held_by", "held_by_tree", "held_in", "host_usage", "left_by", "made_by", "present", "unlink"]
 
 
 def host_usage(root: Path = SHM_DIR) -> tuple[int, int]:
@@ -61,3 +62,20 @@ def made_by(pids: Iterable[int], root: Path = SHM_DIR) -> set[str]:
     except FileNotFoundError:
         return set()
     return {name for name in names if name.startswith(prefixes)}
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie not reaped yet), so that no other process holds `pid`."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def left_by(pids: Iterable[int], root: Path = SHM_DIR) -> set[str]:
+    """`made_by` of those of `pids` whose process has ended (gone, or a zombie): what they left in `root`. A pid
+    whose process still runs is left out, whether it is the maker still at work or a process that took the pid
+    over once the maker ended."""
+    return made_by((pid for pid in pids if _ended(pid)), root)

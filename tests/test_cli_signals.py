@@ -303,6 +303,65 @@ def test_a_signal_while_a_run_closes_is_held_until_it_has_closed(
     assert (tmp_path / "t" / "summary.md").exists()
 
 
+MAKES_A_SEGMENT = (
+    "from multiprocessing import resource_tracker\n"
+    "import time\n"
+    "from reference_impl.transport.handles import SharedMemoryBuffer\n"
+    "buf = SharedMemoryBuffer(4096)\n"
+    "resource_tracker.unregister(buf.shm._name, 'shared_memory')  # as a killed rank's tracker, ended with it\n"
+    "print(buf.name, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_second_signal_while_a_run_closes_cuts_one_step_short_and_every_later_step_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A second Ctrl-C to the process group in the run's close (0.3 s after the first) skipped every step after the
+    # one it landed in: summary.md kept saying every scenario passed, and the colocated sender's segment, whose
+    # rank was killed before its pool's kill unlinked it, stayed in /dev/shm (a new user's trial, then 4 of 5).
+    from harness.matrix_run import MatrixRun
+    from harness.shm import SHM_DIR
+
+    monkeypatch.setattr(interrupts, "_signalled", None)
+    monkeypatch.setattr(interrupts, "_last", None)
+    calls: list[str] = []
+    _closing_without_ray(monkeypatch, calls)
+    sc = Scenario(model="qwen3", syncs=1)
+    run = MatrixRun([sc], tmp_path, "t", after_each=lambda records, out: calls.append("after_each"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "reference_impl/engine/vllm")])}
+    sender = subprocess.Popen([sys.executable, "-c", MAKES_A_SEGMENT], stdout=subprocess.PIPE, text=True, env=env)
+    assert sender.stdout is not None
+    segment = SHM_DIR / sender.stdout.readline().strip()
+    try:
+        assert segment.name.startswith(f"wsh_chunk_{sender.pid:08x}") and segment.exists()
+
+        def runner_close(fork_servers: bool = True) -> None:
+            interrupts.on_signal(signal.SIGINT, None)  # held
+            sender.kill()  # the pool's kill ended the rank; its unlink is not reached
+            sender.wait()
+            calls.append("engines and pools")
+
+        def end_leftovers(started: object) -> None:
+            calls.append("leftovers")
+            interrupts.on_signal(signal.SIGINT, None)  # the second signal: this step is cut short
+
+        monkeypatch.setattr("harness.driver_ray.end_leftovers", end_leftovers)
+        run.runner = SimpleNamespace(
+            close=runner_close, forks=SimpleNamespace(stop=lambda: calls.append("fork servers"))
+        )
+        run.records.append(RunRecord(scenario_id=sc.id, scenario=sc, run_id="t"))
+        monkeypatch.setattr(run, "write_plots", lambda df: calls.append("plots"))
+        with pytest.raises(KeyboardInterrupt, match=r"^signal 2$"):
+            run.close()
+        assert calls == ["engines and pools", "ray down", "fork servers", "leftovers", "after_each", "plots"]
+        assert "**Interrupted by SIGINT**" in (tmp_path / "t" / "summary.md").read_text()
+        assert not segment.exists()
+    finally:
+        sender.kill()
+        segment.unlink(missing_ok=True)
+
+
 def test_a_run_interrupted_between_scenarios_lists_those_it_did_not_reach(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
