@@ -22,7 +22,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
-from wsh_vllm_plugin.protocol import shm_maker_prefix
 
 from harness.record import ResourceSample
 from reference_impl.shm_segments import SHM_DIR, held_by, held_by_tree, present, unlink
@@ -54,6 +53,9 @@ def made_by(pids: Iterable[int], root: Path = SHM_DIR) -> set[str]:
     """Names of the colocate chunk segments in `root` that processes `pids` made (the name starts with
     `protocol.shm_maker_prefix(pid)`: `transport.handles.SharedMemoryBuffer`), whether anything still holds
     them or not. Only ask once those processes are gone: a pid is reused once its process ended."""
+    # here, not at the top: the protocol imports torch, and an engine actor imports this module without it
+    from wsh_vllm_plugin.protocol import shm_maker_prefix
+
     prefixes = tuple(shm_maker_prefix(pid) for pid in pids)
     if not prefixes:
         return set()
