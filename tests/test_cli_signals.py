@@ -319,7 +319,7 @@ def test_a_second_signal_while_a_run_closes_cuts_one_step_short_and_every_later_
 ) -> None:
     # A second Ctrl-C to the process group in the run's close (0.3 s after the first) skipped every step after the
     # one it landed in: summary.md kept saying every scenario passed, and the colocated sender's segment, whose
-    # rank was killed before its pool's kill unlinked it, stayed in /dev/shm (a new user's trial, then 4 of 5).
+    # rank was killed before its pool's kill unlinked it, stayed in /dev/shm (a new user's trial; then 6 of 12 tries).
     from harness.matrix_run import MatrixRun
     from harness.shm import SHM_DIR
 
