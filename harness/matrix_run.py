@@ -156,7 +156,7 @@ class MatrixRun:
         interrupt may have cut the last writes short). A signal meanwhile is held until all that has ended, then
         raised (`harness.interrupts.held`); a second one raises at once, cutting short the step it lands in, and
         every later step still runs (before, a second Ctrl-C during the close skipped the tables, so
-        `summary.md` did not say the run was interrupted, and left a segment in /dev/shm: 4 of 5 tries). The
+        `summary.md` did not say the run was interrupted, and left a segment in /dev/shm: 6 of 12 tries). The
         first error a step raised is raised once all have run. Safe to call twice."""
         if self.closed:
             return

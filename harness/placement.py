@@ -276,7 +276,7 @@ class TrainerPool:
 
     def kill(self) -> None:
         """End every rank process and free the placement group, then unlink the shared-memory segments the
-        ranks held, or made (`shm.made_by`: one made after the last look, or whose rank a signal ended first),
+        ranks held, or made (`shm.left_by`: one made after the last look, or whose rank a signal ended first),
         that are still there: a killed sender never unlinks its own (`harness.shm`). Where this driver's Ray
         was lost under the run (`driver_ray.ray_lost`), no Ray call would return: the ranks on this host are
         killed by pid, and the run's close ends the rest (`driver_ray.end_leftovers`)."""

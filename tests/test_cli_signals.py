@@ -53,6 +53,13 @@ LOST_IN_AN_AT_FORK_HOOK = textwrap.dedent(
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def fresh_interrupts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as if it had got no signal yet (`harness.interrupts`), and as it was again after the test."""
+    monkeypatch.setattr(interrupts, "_signalled", None)
+    monkeypatch.setattr(interrupts, "_last", None)
+
+
 def _python(code: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
     """`python -c code` in a new interpreter from the repository's root; its output captured as text."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
@@ -277,14 +284,12 @@ def test_a_run_stops_its_fork_servers_once_its_ray_is_down(monkeypatch: pytest.M
 
 
 def test_a_signal_while_a_run_closes_is_held_until_it_has_closed(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    fresh_interrupts: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # Ctrl-C to the process group while the run ended its engines cut its close short: the trainer pools were
     # never killed, and a colocated sender's shared-memory segment stayed in /dev/shm (a new user's trial, 3 of 3).
     from harness.matrix_run import MatrixRun
 
-    monkeypatch.setattr(interrupts, "_signalled", None)
-    monkeypatch.setattr(interrupts, "_last", None)
     calls: list[str] = []
 
     def runner_close(fork_servers: bool = True) -> None:
@@ -315,7 +320,7 @@ MAKES_A_SEGMENT = (
 
 
 def test_a_second_signal_while_a_run_closes_cuts_one_step_short_and_every_later_step_runs(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    fresh_interrupts: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # A second Ctrl-C to the process group in the run's close (0.3 s after the first) skipped every step after the
     # one it landed in: summary.md kept saying every scenario passed, and the colocated sender's segment, whose
@@ -323,8 +328,6 @@ def test_a_second_signal_while_a_run_closes_cuts_one_step_short_and_every_later_
     from harness.matrix_run import MatrixRun
     from harness.shm import SHM_DIR
 
-    monkeypatch.setattr(interrupts, "_signalled", None)
-    monkeypatch.setattr(interrupts, "_last", None)
     calls: list[str] = []
     _closing_without_ray(monkeypatch, calls)
     sc = Scenario(model="qwen3", syncs=1)
@@ -432,9 +435,9 @@ def test_a_run_interrupted_before_any_record_still_writes_its_summary(
     assert len(load_run(tmp_path / "t").table) == 0  # a report reads it: every baseline scenario is missing
 
 
-def test_a_second_signal_while_one_is_held_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(interrupts, "_signalled", None)
-    monkeypatch.setattr(interrupts, "_last", None)
+def test_a_second_signal_while_one_is_held_raises_at_once(
+    fresh_interrupts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reached: list[str] = []
     with pytest.raises(KeyboardInterrupt, match=r"^signal 15$"), interrupts.held():
         interrupts.on_signal(signal.SIGINT, None)  # held
@@ -530,14 +533,12 @@ def _ray_init_handler(what: str) -> Callable[[int, object], None]:
 
 @pytest.mark.parametrize("what", ["exit 15", "exit 1", "dropped"])
 def test_a_sigterm_that_meets_ray_inits_own_handlers_ends_the_run_as_any_sigterm(
-    monkeypatch: pytest.MonkeyPatch, what: str
+    fresh_interrupts: None, monkeypatch: pytest.MonkeyPatch, what: str
 ) -> None:
     # A run SIGTERMed while ray.init ran exited 15 or 1, or, where Python dropped Ray's SystemExit, went on to
     # its end and exited 0.
     from harness import driver_ray
 
-    monkeypatch.setattr(interrupts, "_signalled", None)
-    monkeypatch.setattr(interrupts, "_last", None)
     previous = signal.signal(signal.SIGTERM, interrupts.on_signal)
     try:
         with pytest.raises(KeyboardInterrupt, match="signal 15"), driver_ray._keeping_sigterm_handler():
