@@ -631,16 +631,43 @@ def test_a_sigterm_as_ray_init_connects_the_driver_is_held_until_ray_init_return
     assert "SIGTERM received" not in out.stderr, out.stderr[-2000:]
 
 
-def test_a_sigterm_during_the_commands_imports_ends_it_with_143_and_one_line(tmp_path: Path) -> None:
-    # The harness's handler was installed only once its command's imports (torch, Megatron, Ray: about 2 s here)
-    # had run: a SIGTERM in that time ended the process by the signal (-15), with nothing written (a new user's
-    # trial, 6 of 6 at 1.0-1.8 s).
+SLOW_IMPORT = textwrap.dedent(
+    """
+    import sys, time, runpy
+
+    class Slow:  # holds the import of one module once it has said so: the test signals in that moment
+        def find_spec(self, name, path=None, target=None):
+            if name == {module!r}:
+                print("importing", name, flush=True)
+                time.sleep({hold_s})
+            return None
+
+    sys.meta_path.insert(0, Slow())
+    sys.argv = ["harness", "run", "--matrix", {matrix!r}, "--results-dir", {out!r}]
+    runpy.run_module("harness", run_name="__main__", alter_sys=True)  # `python -m harness run ...`
+    """
+)
+
+
+@pytest.mark.parametrize(("module", "hold_s"), [("harness.interrupts", 2), ("harness.cli", 60)])
+def test_a_sigterm_during_the_commands_imports_ends_it_with_143_and_one_line(
+    tmp_path: Path, module: str, hold_s: int
+) -> None:
+    # The harness's handler was installed only once its command's imports (`harness.cli`, then torch, Megatron,
+    # Ray: about 2 s here) had run: a SIGTERM in that time ended the process by the signal (-15), with nothing
+    # written (a new user's trial, 6 of 6 at 1.0-1.8 s). The signal lands while `module` is imported, whatever
+    # the host's speed: `harness.interrupts` (before the harness's handler, the early one keeps the signal) or
+    # `harness.cli` (after it). The early handler only records the signal: that hold ends by its time, not by it.
     matrix = tmp_path / "matrix.yaml"
     matrix.write_text("- {model: qwen3, syncs: 1}\n")
-    argv = [sys.executable, "-m", "harness", "run", "--matrix", str(matrix), "--results-dir", str(tmp_path / "out")]
+    code = SLOW_IMPORT.format(module=module, hold_s=hold_s, matrix=str(matrix), out=str(tmp_path / "out"))
+    argv = [sys.executable, "-c", code]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(0.6)  # the interpreter has started; the command's imports take longer than this
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first == f"importing {module}\n", first
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, (proc.returncode, out[-2000:])
     assert out.rstrip().endswith("interrupted by SIGTERM") and "Traceback" not in out, out[-2000:]
+    assert not (tmp_path / "out").exists()  # stopped before it made its results folder
