@@ -312,11 +312,17 @@ def shutdown_ray() -> None:
     `_without_failure_signal_handler` could not leave it out) took that handler down in `ray.shutdown` and left
     SIGTERM at the C level to its default action: a SIGTERM late in the run's close killed it at once, before its
     tables. The driver's Python handler is therefore installed again after the shutdown. A Ray stopped here is
-    not lost (`ray_lost`): its GCS address is forgotten."""
+    not lost (`ray_lost`): its GCS address is forgotten.
+
+    A signal while `ray.shutdown` runs is delivered once it has returned (`harness.interrupts.deferred`), also a
+    second one in a run's close: cut just after Ray shut the driver's core worker down, the shutdown left the
+    worker's Python object in place, and Ray's own `sys.excepthook` and exit hook, which use it, ended the
+    process with status 1 and no message (3 of 18 double Ctrl-Cs in a close), or waited 60 s for the GCS server
+    the close had gone on to stop."""
     global _gcs_address
     if ray_lost():  # its GCS server and raylet ignore the SIGTERM that `ray.shutdown` sends and waits on
         _kill_core()
-    with _putting_back_sigterm_handler():
+    with interrupts.deferred(), _putting_back_sigterm_handler():
         ray.shutdown()
     _gcs_address = None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import traceback
 from collections.abc import Iterator
 from types import FrameType
@@ -32,6 +33,8 @@ _signalled: int | None = None  # the SIGTERM or SIGINT not yet seen delivered, o
 _last: int | None = None  # the last SIGTERM or SIGINT this process got (never cleared): what ends the run
 _holding = False  # inside `held`: the first signal is kept for the block's end instead of raised
 _held: int | None = None  # the signal `held` keeps
+_deferring = False  # inside `deferred`: every signal is kept, and delivered once the block has ended
+_deferred: list[int] = []  # the signals `deferred` keeps, in the order they came
 
 
 def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -39,6 +42,9 @@ def on_signal(signum: int, frame: FrameType | None) -> None:
     signal for `raise_if_signalled`; inside `held`, the first signal is kept for the block's end instead."""
     global _signalled, _last, _held
     _last = signum
+    if _deferring:
+        _deferred.append(signum)
+        return
     if _holding and _held is None:
         _held = signum
         return
@@ -105,6 +111,43 @@ def held() -> Iterator[None]:
         signum, _held = _held, None
     if signum is not None:
         raise KeyboardInterrupt(f"signal {signum} (held until the cleanup ended)")
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Keep every SIGTERM or SIGINT that comes while the block runs, and deliver them once it has ended, in the
+    order they came, as if they had come then (`on_signal`: inside `held`, the first is held, a second raises).
+    For a short step that a KeyboardInterrupt must not cut in two, also in a cleanup under `held`: Ray's
+    `ray.shutdown` cut just after it shut the driver's core worker down (a second Ctrl-C in a run's close, which
+    lands there: the call takes most of the shutdown) left a core worker object whose next use (Ray's own
+    `sys.excepthook`, its exit hook) ended the process at once with status 1 and no message (3 of 18 tries).
+    Blocks nest (the outer one delivers); outside the main thread, where no handler runs, the block changes
+    nothing. Where the block fails with another error, that error goes on, and a signal that would have raised
+    is kept as one lost (`raise_if_signalled` raises it at the next wait or scenario of a process that goes on).
+
+    Raises:
+        KeyboardInterrupt: "signal N", after the block, where a signal came and is not held (see above).
+    """
+    global _deferring
+    if _deferring or threading.current_thread() is not threading.main_thread():  # only there do handlers run
+        yield
+        return
+    _deferring = True
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        _deferring = False
+        signals = list(_deferred)
+        _deferred.clear()
+        for signum in signals:
+            try:
+                on_signal(signum, None)
+            except KeyboardInterrupt:
+                if not failed:
+                    raise
+                # the block's own error goes on; the signal stays kept as one not yet delivered (`_signalled`)
 
 
 def last_signal() -> str | None:

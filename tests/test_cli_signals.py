@@ -455,6 +455,30 @@ def test_a_second_signal_while_one_is_held_raises_at_once(
         interrupts.raise_if_signalled()
 
 
+def test_signals_in_a_deferred_block_are_delivered_once_it_has_ended(fresh_interrupts: None) -> None:
+    reached: list[str] = []
+    with pytest.raises(KeyboardInterrupt, match=r"^signal 2$"), interrupts.deferred():
+        interrupts.on_signal(signal.SIGINT, None)
+        reached.append("went on")
+    assert reached == ["went on"] and interrupts.delivered() == signal.SIGINT
+    # in a cleanup under `held`: the first is held for the cleanup's end, the second raises once the block ends
+    with pytest.raises(KeyboardInterrupt, match=r"^signal 15$"), interrupts.held():
+        with interrupts.deferred():
+            interrupts.on_signal(signal.SIGINT, None)
+            interrupts.on_signal(signal.SIGTERM, None)
+            reached.append("went on under held")
+        reached.append("after the block")
+    assert reached[1:] == ["went on under held"] and interrupts.exit_status() == 143
+    interrupts.delivered()
+    with interrupts.deferred():  # nothing kept from before
+        pass
+    with pytest.raises(OSError), interrupts.deferred():  # a block that fails: its error goes on, the signal is kept
+        interrupts.on_signal(signal.SIGTERM, None)
+        raise OSError("the step failed")
+    with pytest.raises(KeyboardInterrupt, match="was lost"):
+        interrupts.raise_if_signalled()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_command_a_signal_ended_exits_as_a_shell_reports_that_signal(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], signum: int
@@ -599,6 +623,46 @@ def test_a_sigterm_around_ray_shutdown_reaches_the_harness_handler(when: str) ->
     )
     out = _python(code)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "handled: signal 15", (out.returncode, out.stderr)
+
+
+SECOND_CTRL_C_AS_THE_CORE_WORKER_SHUTS_DOWN = textwrap.dedent(
+    """
+    import os, signal, sys
+    from harness import cli, interrupts
+
+    sys.excepthook = cli.print_interrupt  # as harness/__main__.py sets it, before the command imports Ray
+    interrupts.install()
+    import ray._private.worker as worker  # Ray's own excepthook, which calls the one above after its own work
+    from harness import driver_ray
+
+    class SignalledAsItReturns:  # the driver's core worker, whose shutdown a second Ctrl-C meets
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def shutdown_driver(self):
+            self.real.shutdown_driver()  # most of ray.shutdown's time: a Ctrl-C lands here, raised as it returns
+            os.kill(os.getpid(), signal.SIGINT)
+
+    driver_ray.ensure_ray()
+    worker.global_worker.core_worker = SignalledAsItReturns(worker.global_worker.core_worker)
+    with interrupts.held():  # a run's close
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C, held for the close's end
+        driver_ray.shutdown_ray()
+    """
+)
+
+
+def test_a_second_ctrl_c_as_ray_shuts_the_driver_down_is_raised_once_the_shutdown_has_ended() -> None:
+    # Raised in the middle of ray.shutdown, just after it shut the driver's core worker down, the second Ctrl-C of
+    # a run's close left the worker's Python object behind; Ray's own excepthook used it, and Ray ended the process
+    # at once with status 1 and no message (3 of 18 double Ctrl-Cs in a run's close). Now the Ctrl-C is raised
+    # once the shutdown has ended, and the process ends as any interrupted run: one line, then by SIGINT.
+    out = _python(SECOND_CTRL_C_AS_THE_CORE_WORKER_SHUTS_DOWN)
+    assert out.returncode == -signal.SIGINT, (out.returncode, out.stdout, out.stderr[-3000:])
+    assert out.stderr.endswith("interrupted by SIGINT\n"), out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
