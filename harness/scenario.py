@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reference_impl.engine import DEFAULT_ENGINE
 from reference_impl.trainer.layout import world_size_for
@@ -59,7 +59,7 @@ class Scenario(BaseModel):
     fault_sync: int | None = None  # arm a trainer fault for this sync only (fail once, then recover)
     suffix: str = ""  # distinguishes scenarios that share model/layout/placement/mode; {field} placeholders
     group: str = ""  # scenarios with the same group_key must leave bit-identical engine weights
-    deadline_s: float | None = None  # per-sync deadline; None = from bytes and a margin
+    deadline_s: float | None = Field(default=None, gt=0)  # per-sync deadline (s); None = from bytes and a margin
     logprobs: bool = True  # compare engine and trainer log-probs on fixed prompts after every sync
     # None: the engine's way. The embedded engine applies temperature to prompt log-probs (0.7 exercises
     # that path); vLLM computes them before any sampling processor, i.e. at temperature 1.0.
@@ -124,16 +124,28 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
 
     Raises:
         FileNotFoundError: no such matrix (the message lists the available ones).
-        ValueError: two scenarios share an id.
+        ValueError: the file is not a matrix (not YAML, not a list of entries, an entry that is not a mapping
+            of fields, a field of the wrong type, a list axis with no value, no entry at all), or two scenarios
+            share an id; the message names the file and the entry, and what to change.
     """
     path = Path(name_or_path)
     if not path.exists():
         path = SCENARIOS_DIR / f"{name_or_path}.yaml"
+    names = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
     if not path.exists():
-        names = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
         raise FileNotFoundError(f"no matrix {name_or_path!r}: use one of {names} or a path to a YAML file")
-    entries = yaml.safe_load(path.read_text()) or []
-    scenarios = [sc for e in entries for sc in expand(e)]
+    if not path.is_file():
+        raise ValueError(f"matrix {str(path)!r} is a folder: pass a YAML file in it, or one of {names}")
+    try:
+        entries = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not entries:
+        raise ValueError(f"{path}: no entries; {MATRIX_SHAPE}")
+    if not isinstance(entries, list):
+        what = {dict: "a mapping", str: "text", int: "a number", float: "a number"}.get(type(entries), "a value")
+        raise ValueError(f"{path}: {what} at the top, not a list; {MATRIX_SHAPE}")
+    scenarios = [sc for i, e in enumerate(entries, 1) for sc in _expand_entry(path, i, e)]
     ids = [s.id for s in scenarios]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
@@ -141,14 +153,62 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
     return scenarios
 
 
+MATRIX_SHAPE = "a matrix is a list of entries, each a mapping of fields: `- {model: qwen3, tp: [1, 2]}`"
+
+
+def _expand_entry(path: Path, index: int, entry: object) -> list[Scenario]:
+    """`expand` for entry `index` (from 1) of matrix `path`, with errors that name both."""
+    where = f"{path}, entry {index}"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: {entry!r} is not a mapping of fields; {MATRIX_SHAPE}")
+    empty = [k for k in AXES if entry.get(k) == []]
+    if empty:
+        raise ValueError(f"{where}: {empty[0]}: [] gives no scenario: list at least one value")
+    try:
+        return expand(entry)
+    except ValidationError as e:
+        hints = [_number_hint(err["input"]) for err in e.errors()]
+        hint = next((h for h in hints if h), "")
+        raise ValueError(f"{where}: {e}{hint}") from None
+
+
+def _number_hint(value: object) -> str:
+    """A hint for a number YAML read as text (`1e6`: YAML 1.1 wants `1.0e+6`)."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return ""
+        if number.is_integer():
+            return f"\nYAML reads {value!r} as text: write {int(number)}"
+    return ""
+
+
 def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     """Filter scenarios by an expression: space-separated terms, all must hold.
 
     A term is `key=value` (scenario field, e.g. `tp=2`, `export_mode=bridge`, `model=qwen3-vl`), `tag:NAME`,
     `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
+
+    Raises:
+        ValueError: a `key=value` term whose key is no scenario field, or a term that is no regex.
     """
     if not expr:
         return scenarios
+    fields = {"id", "group_key", *Scenario.model_fields}
+    for term in expr.split():
+        t = term.removeprefix("!")
+        if t.startswith("tag:"):
+            continue
+        if "=" in t:
+            key = t.split("=", 1)[0]
+            if key not in fields:
+                raise ValueError(f"filter term {term!r}: {key!r} is no scenario field: use one of {sorted(fields)}")
+            continue
+        try:
+            re.compile(t)
+        except re.error as e:
+            raise ValueError(f"filter term {term!r} is neither key=value, tag:NAME nor a regex ({e})") from None
     out = []
     for sc in scenarios:
         d = sc.as_dict()

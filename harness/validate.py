@@ -8,6 +8,7 @@ is recorded as CONFIG_ERROR without launching anything. Model facts come from th
 
 from __future__ import annotations
 
+from harness.record import VERDICTS
 from harness.scenario import Scenario
 from reference_impl.engine import ENGINES, EngineRequest, engine_kind
 from reference_impl.export import MODES
@@ -19,6 +20,8 @@ DTYPES = ("float32", "bfloat16")
 
 def validate(sc: Scenario) -> str | None:
     """None when `sc` can run here; else one sentence saying what to change."""
+    if sc.expect not in VERDICTS:
+        return f"expect {sc.expect!r} is no verdict: use one of {', '.join(VERDICTS)}"
     if sc.export_mode not in MODES:
         return f"mode {sc.export_mode!r} is unknown: use {' or '.join(MODES)}"
     try:
@@ -140,13 +143,25 @@ def _layout_problem(sc: Scenario, spec: ModelSpec) -> str | None:
 
 
 def _fault_problem(sc: Scenario) -> str | None:
-    """A fault must be registered, and an engine-side fault needs an engine that loads fault hooks."""
+    """A fault must be registered, and an engine-side fault needs an engine that loads fault hooks; a fault armed
+    for one sync only (`fault_sync`) is a trainer fault, and that sync is one the scenario runs (0..`syncs`: the
+    last re-sends unchanged weights, `harness.session.ScenarioSession.run_syncs`)."""
     if sc.fault is None:
+        if sc.fault_sync is not None:
+            return f"fault_sync {sc.fault_sync} arms no fault: name one (fault: ...) or leave fault_sync out"
         return None
     from harness.faults import FAULTS
 
     if sc.fault not in FAULTS:
         return f"fault {sc.fault!r} is unknown: use one of {sorted(FAULTS)}"
+    if sc.fault_sync is not None:
+        if FAULTS[sc.fault].trainer is None:
+            return f"fault {sc.fault!r} is the engine's, armed at its start: leave fault_sync out"
+        if not 0 <= sc.fault_sync <= sc.syncs:
+            return (
+                f"fault_sync {sc.fault_sync} is no sync of this scenario (0..{sc.syncs}, with syncs: {sc.syncs}): "
+                f"pick one of those, or raise syncs"
+            )
     if FAULTS[sc.fault].engine is not None and not engine_kind(sc.engine).capabilities.fault_hooks:
         hooks = [name for name, kind in ENGINES.items() if kind.capabilities.fault_hooks]
         return (

@@ -54,6 +54,10 @@ def test_expand_is_a_product_over_list_axes() -> None:
         ({"model": "qwen3", "export_mode": "mbridge"}, "mode 'mbridge' is unknown: use raw or bridge"),
         ({"model": "nope"}, "unknown model 'nope'"),
         ({"model": "qwen3", "ep": 2}, "needs a mixture-of-experts model"),
+        ({"model": "qwen3", "expect": "PASSED"}, "expect 'PASSED' is no verdict: use one of PASS, CONFIG_ERROR"),
+        ({"model": "qwen3", "fault_sync": 1}, "fault_sync 1 arms no fault"),
+        ({"model": "qwen3", "syncs": 1, "fault": "wrong_dtype", "fault_sync": 3}, "fault_sync 3 is no sync of this"),
+        ({"model": "qwen3", "fault": "engine_keeps_received_chunks", "fault_sync": 0}, "leave fault_sync out"),
     ],
 )
 def test_impossible_scenarios_say_what_to_change(fields: dict, says: str) -> None:
@@ -89,6 +93,44 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
     assert validate(Scenario(model="qwen3-untied", engine_tp=4)) is None  # KV heads replicated over 2 ranks each
     out = expand({"model": "qwen3", "engines": [1, 2], "engine_tp": [1, 2]})
     assert sorted((s.engines, s.engine_tp) for s in out) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("model: qwen3\nsyncs: 1\n", "a mapping at the top, not a list; a matrix is a list of entries"),
+        ("42\n", "a number at the top, not a list"),
+        ("- qwen3\n", "entry 1: 'qwen3' is not a mapping of fields"),
+        ("- {model: qwen3, syncs: 1\n", "not valid YAML: while parsing a flow mapping"),
+        ("", "no entries; a matrix is a list of entries"),
+        ("- {model: qwen3}\n- {model: qwen3, tp: []}\n", "entry 2: tp: [] gives no scenario"),
+        ("- {model: qwen3, chunk_bytes: 1e6}\n", "YAML reads '1e6' as text: write 1000000"),
+        ("- {modle: qwen3}\n", "entry 1: 2 validation errors for Scenario"),
+        ("- {model: qwen3, deadline_s: -1}\n", "deadline_s\n  Input should be greater than 0"),
+    ],
+)
+def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path, text: str, says: str) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_matrix(str(path))
+    assert str(e.value).startswith(str(path)) and says in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="is a folder: pass a YAML file in it"):
+        load_matrix(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("expr", "says"),
+    [
+        ("modle=qwen3", "'modle' is no scenario field: use one of ['chunk_bytes'"),
+        ("!modle=qwen3", "'modle' is no scenario field"),
+        ("qwen3[", "is neither key=value, tag:NAME nor a regex (unterminated character set"),
+    ],
+)
+def test_a_filter_term_that_can_match_nothing_is_refused(expr: str, says: str) -> None:
+    with pytest.raises(ValueError) as e:
+        select(load_matrix("cpu"), expr)
+    assert says in str(e.value), str(e.value)
 
 
 def test_filters() -> None:
