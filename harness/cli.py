@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from harness import interrupts
 from harness.checks import expectation_met
 from harness.record import RunRecord
+from harness.run_args import ray_address_problem, results_folder
 from harness.scenario import Scenario, expand, load_matrix, select
 from harness.soak import add_arguments as add_soak_arguments
 from harness.soak import cmd_soak, sample_resources
@@ -108,9 +109,13 @@ def run_scenarios(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harness.matrix_run import MatrixRun
+    from harness.matrix_run import MatrixRun, failure_message
     from harness.placement import order_for_reuse
 
+    run_id = results_folder(results_dir, run_id)  # before anything starts: bad input says what to change
+    problem = ray_address_problem(ray_address) if ray_address else None
+    if problem:
+        raise ValueError(problem)
     console = Console(stderr=True)
     run = MatrixRun(scenarios, results_dir, run_id, ray_address, after_each=after_each, after_sync=after_sync)
     t0 = time.perf_counter()
@@ -128,8 +133,11 @@ def run_scenarios(
                 interrupts.raise_if_signalled()
                 progress.update(task, description=sc.id)
                 rec = run.run(sc, problems[sc.id], validated=True)
-                style = "green" if expectation_met(rec, rec.verdict) else "red"
-                progress.console.print(f"[{style}]{rec.verdict:14s}[/] {rec.scenario_id}")
+                met = expectation_met(rec, rec.verdict)
+                progress.console.print(f"[{'green' if met else 'red'}]{rec.verdict:14s}[/] {rec.scenario_id}")
+                why = None if met else failure_message(rec)
+                if why:  # what to change, or the first failing check: also in summary.md and the record
+                    progress.console.print(f"               {why[:400]}", markup=False, highlight=False, soft_wrap=True)
                 progress.advance(task)
             interrupts.raise_if_signalled()
     finally:
@@ -148,9 +156,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not scenarios:
         print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}", file=sys.stderr)
         return 2
-    if args.baseline is not None and not (args.baseline / "summary.csv").exists():
-        print(f"--baseline {args.baseline} has no summary.csv: pass a results folder", file=sys.stderr)
-        return 2
+    if args.baseline is not None:  # read now, not after the run: a folder that is no run's is refused up front
+        from harness.report import load_run
+
+        load_run(args.baseline)
     records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address)
     status = 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
     if args.baseline is not None:
@@ -170,6 +179,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Compare a run's tables with a baseline's; write report.md / report.csv / plots/regression.png."""
     from harness.report import write_report
 
+    if not args.threshold > 1:
+        print(f"--threshold {args.threshold} flags every row: pass a time ratio above 1 (1.25)", file=sys.stderr)
+        return 2
     status, md = write_report(args.run, args.baseline, args.threshold)
     print(md.read_text())
     return status

@@ -1,0 +1,75 @@
+"""A run's command-line inputs that name places (`harness.run_args`), and what `python -m harness run` says
+before anything starts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from harness_cli import harness_run
+
+from harness.run_args import ray_address_problem, results_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_run_id_names_one_new_folder_under_the_results_dir(tmp_path: Path) -> None:
+    assert results_folder(tmp_path, "r1") == "r1"
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "console.log").write_text("")  # a folder the caller made for its own files is taken
+    assert results_folder(tmp_path, "r1") == "r1"
+    (tmp_path / "r1" / "records").mkdir()  # an earlier run's: its summary would be overwritten, its records mixed
+    with pytest.raises(ValueError, match=r"r1 holds an earlier run \(records\): pick another --run-id"):
+        results_folder(tmp_path, "r1")
+    for bad in ("../escape", "a/b", ".."):
+        with pytest.raises(ValueError, match="is no folder name"):
+            results_folder(tmp_path, bad)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match="afile is a file: pass a folder"):
+        results_folder(tmp_path / "afile", "r2")
+
+
+def test_a_default_run_id_is_a_timestamp_that_steps_past_an_earlier_run_of_the_same_second(tmp_path: Path) -> None:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    first = results_folder(tmp_path, None)
+    if first != stamp:  # the clock turned a second meanwhile
+        stamp = first
+    (tmp_path / stamp).mkdir()
+    (tmp_path / stamp / "env.json").write_text("{}")
+    second = results_folder(tmp_path, "")
+    assert second in (f"{stamp}-2", time.strftime("%Y%m%d-%H%M%S")) and second != stamp
+
+
+def test_a_ray_address_where_nothing_listens_is_refused() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert ray_address_problem(f"127.0.0.1:{port}") is None
+    problem = ray_address_problem(f"127.0.0.1:{port}")  # closed now: Ray retried it every 30 s without end
+    assert problem is not None and problem.startswith(f"nothing answers at --ray-address 127.0.0.1:{port}")
+    assert "no host:port of a Ray head" in (ray_address_problem("nonsense") or "")
+    assert ray_address_problem("auto") is None and ray_address_problem("ray://10.0.0.1:10001") is None
+
+
+def test_bad_places_are_refused_before_anything_starts_and_a_config_error_says_why(tmp_path: Path) -> None:
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text("- {model: qwen3, syncs: 1, tp: 3}\n")
+    baseline = tmp_path / "baseline"
+    baseline.mkdir()
+    (baseline / "summary.csv").write_text("a,b\n")
+    refused = subprocess.run(
+        harness_run(matrix, tmp_path / "out", "--baseline", str(baseline)), capture_output=True, text=True, cwd=ROOT
+    )
+    assert refused.returncode == 2 and "is no run's summary table" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "out").exists()  # checked before the run: it used to run every scenario, then fail
+    argv = harness_run(matrix, tmp_path / "out", "--run-id", "r")
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1
+    # the terminal says what to change, not only the verdict (also in summary.md and the record)
+    assert "TP 3 does not divide qwen3's 4 attention heads and 2 KV heads" in run.stderr, run.stderr[-2000:]
+    again = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 2 and "holds an earlier run" in again.stderr, again.stderr[-2000:]
