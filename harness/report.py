@@ -145,15 +145,25 @@ def load_run(path: Path | str) -> RunTables:
     """Read `path`/summary.csv and `path`/env.json (``{}`` when absent).
 
     Raises:
-        FileNotFoundError: `path` has no summary.csv.
+        FileNotFoundError: `path` is no folder with a summary.csv.
+        ValueError: its summary.csv is no run's table (empty, or without the `scenario` and `verdict` columns
+            every run writes); the message names the file.
     """
     folder = Path(path)
     csv = folder / "summary.csv"
-    if not csv.exists():
-        raise FileNotFoundError(f"{folder} has no summary.csv: pass a results/<run-id>/ folder")
+    if not csv.is_file():
+        what = "is a file" if folder.is_file() else "has no summary.csv"
+        raise FileNotFoundError(f"{folder} {what}: pass a results/<run-id>/ folder")
+    try:
+        df = pd.read_csv(csv)
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{csv} is empty: pass the folder of a run that wrote its tables") from None
+    missing = [c for c in ("scenario", "verdict") if c not in df]
+    if missing:
+        raise ValueError(f"{csv} is no run's summary table (no {' or '.join(missing)} column): pass a run's folder")
     env_path = folder / "env.json"
     env = json.loads(env_path.read_text()) if env_path.exists() else {}
-    return RunTables(name=folder.name, path=folder, table=normalise_table(pd.read_csv(csv)), env=env)
+    return RunTables(name=folder.name, path=folder, table=normalise_table(df), env=env)
 
 
 def _finite(value: Any) -> float | None:
@@ -362,9 +372,20 @@ def _overall(row: Mapping[str, Any]) -> str:
     return "changed" if row["verdict_change"] == "changed" else "unchanged"
 
 
+COMPARED = ("regression", "improvement", "changed", "unchanged", "interrupted")  # changes of scenarios in both
+
+
+def compared_nothing(report: Report) -> bool:
+    """Whether the run shares no scenario with a baseline that has some: an empty or interrupted run, or one of
+    another matrix. Its report has no regression to find, and must not read as a pass."""
+    rows = report.rows
+    return bool(len(report.baseline.table)) and not rows["change"].isin(COMPARED).any()
+
+
 def exit_status(report: Report) -> int:
-    """1 when any scenario regressed (verdict or time), else 0."""
-    return int(bool((report.rows["change"] == "regression").any()))
+    """1 when any scenario regressed (verdict or time), or when the run compared nothing (`compared_nothing`: a run
+    interrupted before its first scenario exited 0 against every baseline); else 0."""
+    return int(bool((report.rows["change"] == "regression").any()) or compared_nothing(report))
 
 
 def write_report(run_dir: Path | str, baseline_dir: Path | str, threshold: float = THRESHOLD) -> tuple[int, Path]:
@@ -373,6 +394,7 @@ def write_report(run_dir: Path | str, baseline_dir: Path | str, threshold: float
 
     Raises:
         FileNotFoundError: either folder has no summary.csv.
+        ValueError: either summary.csv is no run's table (`load_run`).
     """
     from harness.plots import plot_regression
     from harness.report_md import report_markdown

@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.report import FENCE_MADS, FENCE_MIN_ROWS, MEASURE_RAW, Report
+from harness.report import FENCE_MADS, FENCE_MIN_ROWS, MEASURE_RAW, Report, compared_nothing
 from harness.results import markdown_table
 
 LONG_LIST = 12  # longer lists of scenarios go into a collapsed block
@@ -140,6 +140,12 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
         + (f", {counts['interrupted']} interrupted." if counts["interrupted"] else "."),
         "",
     ]
+    if compared_nothing(report):
+        lines += [
+            f"**Nothing compared**: the run has none of the baseline's {len(base.table)} scenarios (an empty or "
+            "interrupted run, or another matrix); the report exits 1.",
+            "",
+        ]
     if plot is not None:
         lines += [f"Plot: `{plot}` (run / baseline per scenario, with each row's noise band).", ""]
     for title, name in (("Regressions", "regression"), ("Improvements", "improvement")):

@@ -329,3 +329,34 @@ def test_the_committed_baseline_reads_and_matches_itself(tmp_path: Path) -> None
     timed = report.rows.dropna(subset=["ratio"])
     assert len(timed) == len(baseline.table) and timed["ratio"].tolist() == pytest.approx([1.0] * len(timed))
     assert set(report.rows["measure"]) == {"steady time / same-run bound (1 / efficiency)"}  # every row has a bound
+
+
+def test_a_run_that_compared_nothing_exits_1_and_says_so(tmp_path: Path) -> None:
+    # A run interrupted before its first scenario (a table with no row) exited 0 against every baseline: "0
+    # regressions ... 79 missing" read as a pass in CI.
+    base = write_folder(tmp_path / "base", make_table(BASE_TIMES), make_env())
+    empty = write_folder(tmp_path / "empty", make_table(BASE_TIMES).iloc[0:0], make_env())
+    other = write_folder(tmp_path / "other", make_table([0.05], ids=["qwen3-moe/tp1-pp1-ep2/noncolocate/raw"]), None)
+    for run in (empty, other):
+        status, md = write_report(run, base)
+        assert status == 1 and f"**Nothing compared**: the run has none of the baseline's {len(IDS)}" in md.read_text()
+    subset = write_folder(tmp_path / "subset", make_table(BASE_TIMES[:1], ids=IDS[:1]), make_env())
+    status, md = write_report(subset, base)  # a filtered run: what it ran is compared, the rest is missing
+    assert status == 0 and "Nothing compared" not in md.read_text()
+
+
+def test_a_folder_that_is_no_run_is_refused_naming_its_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "summary.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match=r"bad/summary.csv is no run's summary table \(no scenario or verdict column"):
+        load_run(bad)
+    (bad / "summary.csv").write_text("")
+    with pytest.raises(ValueError, match=r"bad/summary.csv is empty"):
+        load_run(bad)
+    with pytest.raises(FileNotFoundError, match=r"summary.csv is a file: pass a results/<run-id>/ folder"):
+        load_run(bad / "summary.csv")
+    run = write_folder(tmp_path / "run", make_table(BASE_TIMES), make_env())
+    assert main(["report", "--run", str(run), "--baseline", str(bad)]) == 2  # the error line, not a traceback
+    assert main(["report", "--run", str(run), "--baseline", str(run), "--threshold", "1"]) == 2
+    assert not (run / "report.md").exists()
