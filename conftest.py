@@ -30,6 +30,7 @@ SCENARIO_ARG = "matrix_scenario"
 MATRIX_ORDER = pytest.StashKey[list[str]]()
 REPORT_STATUS = pytest.StashKey[int]()
 RUN_FOLDER = pytest.StashKey[Path]()
+RUN_ID = pytest.StashKey[str]()  # the run id the run writes under, once checked (`harness.run_args.results_folder`)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,19 +52,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One parameter per scenario of `--matrix` (after `--scenario-filter`), id = scenario id."""
     if SCENARIO_ARG not in metafunc.fixturenames:
         return
+    from harness.run_args import ray_address_problem, results_folder
     from harness.scenario import load_matrix, select
 
     config = metafunc.config
+    address = config.getoption("--ray-address")
     try:
-        matrix = load_matrix(config.getoption("--matrix"))
+        try:
+            matrix = load_matrix(config.getoption("--matrix"))
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"--matrix: {e}") from None
+        scenarios = select(matrix, config.getoption("--scenario-filter"))
+        # as `python -m harness run` checks them, before anything starts: nothing recorded is overwritten
+        config.stash[RUN_ID] = results_folder(Path(config.getoption("--results-dir")), config.getoption("--run-id"))
+        problem = ray_address_problem(address) if address else None
     except (FileNotFoundError, ValueError) as e:
-        problem = f"--matrix: {e}"
-    else:
-        problem = None
+        problem = str(e)
     if problem:  # a collection error that says only this
         pytest.fail(problem, pytrace=False)
     config.stash[MATRIX_ORDER] = [sc.id for sc in matrix]
-    scenarios = select(matrix, config.getoption("--scenario-filter"))
     metafunc.parametrize(SCENARIO_ARG, scenarios, ids=[sc.id for sc in scenarios])
 
 
@@ -103,7 +110,7 @@ def matrix_run(request: pytest.FixtureRequest) -> Iterator[Any]:
     run = MatrixRun(
         selected,
         Path(config.getoption("--results-dir")),
-        config.getoption("--run-id"),
+        config.stash.get(RUN_ID, None) or config.getoption("--run-id"),
         config.getoption("--ray-address"),
     )
     config.stash[RUN_FOLDER] = run.out

@@ -86,3 +86,10 @@ def test_failure_message_names_group_members_the_comparison_failed() -> None:
     message = failure_message(last, [first, last])
     assert message is not None and "qwen3/a/chunk-1: " in message and "differs between" in message
     assert failure_message(last, [last]) is None
+
+
+def test_a_run_id_whose_folder_holds_an_earlier_run_is_a_collection_error(tmp_path: Path) -> None:
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "summary.csv").write_text("scenario,verdict\n")
+    proc = collect("scenarios", "--matrix", "cpu", "--results-dir", str(tmp_path), "--run-id", "r")
+    assert proc.returncode == 2 and "holds an earlier run (summary.csv): pick another" in proc.stdout, proc.stdout
