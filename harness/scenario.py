@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from reference_impl.engine import DEFAULT_ENGINE
 from reference_impl.trainer.layout import world_size_for
@@ -29,6 +29,8 @@ SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 
 AXES = ("model", "tp", "pp", "ep", "colocate", "export_mode", "chunk_bytes", "engine", "engines", "engine_tp")
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB
+# fields that count: YAML's true/false is refused there (`Scenario._no_bool`)
+WHOLE_NUMBERS = ("tp", "pp", "ep", "etp", "engines", "engine_tp", "syncs", "chunk_bytes", "seed", "engine_seed")
 
 
 class Scenario(BaseModel):
@@ -65,6 +67,14 @@ class Scenario(BaseModel):
     # that path); vLLM computes them before any sampling processor, i.e. at temperature 1.0.
     logprob_temperature: float | None = Field(default=None, gt=0)
     description: str = ""
+
+    @field_validator(*WHOLE_NUMBERS, "fault_sync", mode="before")
+    @classmethod
+    def _no_bool(cls, value: object) -> object:
+        """YAML's `true` is no count: pydantic would take it as 1 (`syncs: true` ran 1 sync)."""
+        if isinstance(value, bool):
+            raise ValueError(f"{value!r} is a yes/no, not a whole number")
+        return value
 
     @property
     def id(self) -> str:

@@ -107,6 +107,7 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
         ("- {model: qwen3, chunk_bytes: 1e6}\n", "YAML reads '1e6' as text: write 1000000"),
         ("- {modle: qwen3}\n", "entry 1: 2 validation errors for Scenario"),
         ("- {model: qwen3, deadline_s: -1}\n", "deadline_s\n  Input should be greater than 0"),
+        ("- {model: qwen3, syncs: true}\n", "syncs\n  Value error, True is a yes/no, not a whole number"),
     ],
 )
 def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path, text: str, says: str) -> None:
