@@ -138,18 +138,20 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
             of fields, a field of the wrong type, a list axis with no value, no entry at all), or two scenarios
             share an id; the message names the file and the entry, and what to change.
     """
-    path = Path(name_or_path)
-    if not path.exists():
-        path = SCENARIOS_DIR / f"{name_or_path}.yaml"
     names = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
+    named = SCENARIOS_DIR / f"{name_or_path}.yaml"
+    # a name (`cpu`) is the committed matrix, also where the working folder holds a folder of that name
+    path = named if name_or_path in names else Path(name_or_path)
     if not path.exists():
         raise FileNotFoundError(f"no matrix {name_or_path!r}: use one of {names} or a path to a YAML file")
-    if not path.is_file():
+    if path.is_dir():
         raise ValueError(f"matrix {str(path)!r} is a folder: pass a YAML file in it, or one of {names}")
     try:
         entries = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from None
     if not entries:
         raise ValueError(f"{path}: no entries; {MATRIX_SHAPE}")
     if not isinstance(entries, list):
@@ -171,6 +173,15 @@ def _expand_entry(path: Path, index: int, entry: object) -> list[Scenario]:
     where = f"{path}, entry {index}"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: {entry!r} is not a mapping of fields; {MATRIX_SHAPE}")
+    odd = [k for k in entry if not isinstance(k, str)]
+    if odd:  # YAML reads `on:`, `yes:` or `2:` as a bool or a number
+        raise ValueError(f"{where}: {odd[0]!r} is no field name (YAML read it as a {type(odd[0]).__name__}): quote it")
+    listed = [k for k, v in entry.items() if isinstance(v, list) and k not in AXES and k != "tags"]
+    if listed:
+        raise ValueError(
+            f"{where}: {listed[0]} is given a list, and only {', '.join(AXES)} expand into one scenario per value: "
+            f"give {listed[0]} one value, or write one entry per value"
+        )
     empty = [k for k in AXES if entry.get(k) == []]
     if empty:
         raise ValueError(f"{where}: {empty[0]}: [] gives no scenario: list at least one value")
@@ -194,6 +205,12 @@ def _number_hint(value: object) -> str:
     return ""
 
 
+def _is_key_value(term: str) -> bool:
+    """`tp=2`, not a regex with a `=` in it (`(?=raw)`)."""
+    key, sep, _ = term.partition("=")
+    return bool(sep) and key.isidentifier()
+
+
 def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     """Filter scenarios by an expression: space-separated terms, all must hold.
 
@@ -208,10 +225,16 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     fields = {"id", "group_key", *Scenario.model_fields}
     for term in expr.split():
         t = term.removeprefix("!")
+        if not t or t.startswith("!") or t == "tag:":
+            raise ValueError(
+                f"filter term {term!r} selects nothing or all: write tag:NAME, !tag:NAME, key=value or a regex"
+            )
         if t.startswith("tag:"):
             continue
-        if "=" in t:
+        if _is_key_value(t):
             key = t.split("=", 1)[0]
+            if key == "tags":
+                raise ValueError(f"filter term {term!r}: select by tag with tag:NAME (or !tag:NAME)")
             if key not in fields:
                 raise ValueError(f"filter term {term!r}: {key!r} is no scenario field: use one of {sorted(fields)}")
             continue
@@ -228,7 +251,7 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
             t = term[1:] if neg else term
             if t.startswith("tag:"):
                 hit = t[4:] in sc.tags
-            elif "=" in t:
+            elif _is_key_value(t):
                 k, v = t.split("=", 1)
                 hit = str(d.get(k)).lower() == v.lower()
             else:

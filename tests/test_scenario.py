@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from harness.scenario import Scenario, expand, load_matrix, select
+from harness.scenario import SCENARIOS_DIR, Scenario, expand, load_matrix, select
 from harness.validate import validate
 from reference_impl.models.registry import available_models, check_scale_down_keeps_facts, load_model
 
@@ -108,6 +108,8 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
         ("- {modle: qwen3}\n", "entry 1: 2 validation errors for Scenario"),
         ("- {model: qwen3, deadline_s: -1}\n", "deadline_s\n  Input should be greater than 0"),
         ("- {model: qwen3, syncs: true}\n", "syncs\n  Value error, True is a yes/no, not a whole number"),
+        ("- {model: qwen3, on: 1}\n", "entry 1: True is no field name (YAML read it as a bool): quote it"),
+        ("- {model: qwen3, dtype: [float32, bfloat16]}\n", "dtype is given a list, and only model, tp, pp"),
     ],
 )
 def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path, text: str, says: str) -> None:
@@ -120,18 +122,36 @@ def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path,
         load_matrix(str(tmp_path))
 
 
+def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_bytes(b"\xff\xfe- {model: qwen3}\n")
+    with pytest.raises(ValueError, match=r"m.yaml: not UTF-8 text \(invalid start byte at byte 0\): save it as UTF-8"):
+        load_matrix(str(path))
+    (tmp_path / "cpu").mkdir()  # e.g. results/baselines/cpu, where a user stands
+    monkeypatch.chdir(tmp_path)
+    assert [s.id for s in load_matrix("cpu")] == [s.id for s in load_matrix(str(SCENARIOS_DIR / "cpu.yaml"))]
+
+
 @pytest.mark.parametrize(
     ("expr", "says"),
     [
         ("modle=qwen3", "'modle' is no scenario field: use one of ['chunk_bytes'"),
         ("!modle=qwen3", "'modle' is no scenario field"),
         ("qwen3[", "is neither key=value, tag:NAME nor a regex (unterminated character set"),
+        ("!!tag:full-size", "selects nothing or all"),
+        ("tag:", "selects nothing or all"),
+        ("tags=full-size", "select by tag with tag:NAME"),
     ],
 )
 def test_a_filter_term_that_can_match_nothing_is_refused(expr: str, says: str) -> None:
     with pytest.raises(ValueError) as e:
         select(load_matrix("cpu"), expr)
     assert says in str(e.value), str(e.value)
+
+
+def test_a_regex_with_an_equals_sign_is_a_regex() -> None:
+    raw = {s.id for s in load_matrix("cpu") if s.id.endswith("/raw")}
+    assert raw and {s.id for s in select(load_matrix("cpu"), r"(?<=/)raw$")} == raw  # a lookbehind, not key=value
 
 
 def test_filters() -> None:
