@@ -66,6 +66,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         # as `python -m harness run` checks them, before anything starts: nothing recorded is overwritten
         config.stash[RUN_ID] = results_folder(Path(config.getoption("--results-dir")), config.getoption("--run-id"))
         problem = ray_address_problem(address) if address else None
+        if config.getoption("--baseline"):  # read now, not after every scenario ran
+            from harness.report import load_baseline
+
+            load_baseline(Path(config.getoption("--baseline")))
     except (FileNotFoundError, ValueError) as e:
         problem = str(e)
     if problem:  # a collection error that says only this

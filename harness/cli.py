@@ -112,10 +112,10 @@ def run_scenarios(
     from harness.matrix_run import MatrixRun, failure_message
     from harness.placement import order_for_reuse
 
-    run_id = results_folder(results_dir, run_id)  # before anything starts: bad input says what to change
-    problem = ray_address_problem(ray_address) if ray_address else None
+    problem = ray_address_problem(ray_address) if ray_address else None  # before anything starts
     if problem:
         raise ValueError(problem)
+    run_id = results_folder(results_dir, run_id, claim=True)  # made here: two runs never share one
     console = Console(stderr=True)
     run = MatrixRun(scenarios, results_dir, run_id, ray_address, after_each=after_each, after_sync=after_sync)
     t0 = time.perf_counter()
@@ -157,9 +157,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}", file=sys.stderr)
         return 2
     if args.baseline is not None:  # read now, not after the run: a folder that is no run's is refused up front
-        from harness.report import load_run
+        from harness.report import load_baseline
 
-        load_run(args.baseline)
+        load_baseline(args.baseline)
     records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address)
     status = 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
     if args.baseline is not None:
@@ -179,8 +179,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Compare a run's tables with a baseline's; write report.md / report.csv / plots/regression.png."""
     from harness.report import write_report
 
-    if not args.threshold > 1:
-        print(f"--threshold {args.threshold} flags every row: pass a time ratio above 1 (1.25)", file=sys.stderr)
+    if not 1 < args.threshold < float("inf"):
+        print(f"--threshold {args.threshold} flags every row or none: pass a ratio above 1 (1.25)", file=sys.stderr)
         return 2
     status, md = write_report(args.run, args.baseline, args.threshold)
     print(md.read_text())

@@ -196,11 +196,26 @@ def _took_sigterm(seen: socket.socket) -> bool:
     return signal.SIGTERM in taken
 
 
+def _refused_for_its_token(error: BaseException) -> bool:
+    """Whether `ray.init` failed because the cluster asked for Ray's token: Ray 2.60 raises a ConnectionError from
+    a RuntimeError whose text holds the AuthenticationError's traceback ("InvalidAuthToken")."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Start (or join, with `address`) Ray once per driver process, without the dashboard. A Ray this
     driver starts carries `RAY_TAG_VAR` in the environment of every process it starts (its node
     processes, their agents and workers, what those start), so `ray_processes` still finds them after an
-    interrupted `ray.init` or once their parent is gone and they were re-parented."""
+    interrupted `ray.init` or once their parent is gone and they were re-parented.
+
+    Raises:
+        ValueError: the cluster at `address` asks for Ray's authentication token and this driver has none
+            (`RAY_AUTH_MODE` unset: a `ray start --head` of Ray 2.60 turns token authentication on by itself)."""
     global _ray_tag
     if ray.is_initialized():
         return
@@ -209,8 +224,16 @@ def ensure_ray(address: str | None = None) -> None:
     env_vars |= {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env = {"env_vars": env_vars}
     if address:
-        with _keeping_sigterm_handler():
-            ray.init(address=address, runtime_env=env, log_to_driver=False)
+        try:
+            with _keeping_sigterm_handler():
+                ray.init(address=address, runtime_env=env, log_to_driver=False)
+        except (ray.exceptions.AuthenticationError, ConnectionError) as e:  # the fix is one variable
+            if not _refused_for_its_token(e):
+                raise
+            raise ValueError(
+                f"the Ray cluster at {address} asks for Ray's token and this driver sends none: export "
+                "RAY_AUTH_MODE=token, as for the cluster's nodes (the token in ~/.ray/auth_token)"
+            ) from None
         _note_gcs()
         return
     # Only for the length of ray.init: processes the driver starts itself later must not carry it.

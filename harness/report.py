@@ -162,8 +162,24 @@ def load_run(path: Path | str) -> RunTables:
     if missing:
         raise ValueError(f"{csv} is no run's summary table (no {' or '.join(missing)} column): pass a run's folder")
     env_path = folder / "env.json"
-    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    try:
+        env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{env_path} is no JSON ({e}): pass a run's folder, or remove that file") from None
     return RunTables(name=folder.name, path=folder, table=normalise_table(df), env=env)
+
+
+def load_baseline(path: Path | str) -> RunTables:
+    """`load_run` for a baseline: one that holds no scenario (a run interrupted before its first) would compare
+    nothing and pass every run.
+
+    Raises:
+        FileNotFoundError, ValueError: as `load_run`; ValueError also where its table has no row.
+    """
+    baseline = load_run(path)
+    if not len(baseline.table):
+        raise ValueError(f"baseline {baseline.path} holds no scenario: pass a run that ran some")
+    return baseline
 
 
 def _finite(value: Any) -> float | None:
@@ -394,12 +410,12 @@ def write_report(run_dir: Path | str, baseline_dir: Path | str, threshold: float
 
     Raises:
         FileNotFoundError: either folder has no summary.csv.
-        ValueError: either summary.csv is no run's table (`load_run`).
+        ValueError: either summary.csv is no run's table (`load_run`), or the baseline holds no scenario.
     """
     from harness.plots import plot_regression
     from harness.report_md import report_markdown
 
-    report = compare(load_run(run_dir), load_run(baseline_dir), threshold)
+    report = compare(load_run(run_dir), load_baseline(baseline_dir), threshold)
     out = Path(run_dir)
     report.rows.to_csv(out / "report.csv", index=False)
     plot = plot_regression(

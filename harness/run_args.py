@@ -13,44 +13,79 @@ from pathlib import Path
 EARLIER_RUN = ("summary.csv", "env.json", "records")  # what a run writes into its folder
 
 
-def results_folder(results_dir: Path, run_id: str | None) -> str:
+def results_folder(results_dir: Path, run_id: str | None, claim: bool = False) -> str:
     """The run id a run writes `results_dir/<run id>/` under: `run_id`, or (for none or an empty one) a timestamp
     (`20261206-182348`, then `-2`, `-3`, ... where a run of the same second is there). Nothing recorded is
     overwritten: a folder that holds an earlier run (its summary.csv, env.json or records/) is refused, not
-    mixed with the new one.
+    mixed with the new one. With `claim`, the run's folder is made here (a timestamp's atomically: two runs
+    started in the same second took the same folder when the second one looked before the first wrote).
 
     Raises:
-        ValueError: `results_dir` is a file; `run_id` is no folder name (`.`, `..`, or with a `/`: the
-            folder would land outside `results_dir`); `results_dir/run_id` holds an earlier run.
+        ValueError: `results_dir` is a file, a link to nowhere or inside a file; `run_id` is no folder name
+            (`.`, `..`, with a `/`: the folder would land outside `results_dir`, or longer than a name may be);
+            `results_dir/run_id` is a file or holds an earlier run; with `claim`, the folder cannot be made.
     """
-    if results_dir.exists() and not results_dir.is_dir():
-        raise ValueError(f"--results-dir {results_dir} is a file: pass a folder (made where missing)")
+    for folder in (results_dir, *results_dir.parents):
+        if folder.is_symlink() and not folder.exists():
+            raise ValueError(f"--results-dir: {folder} links to nothing: pass a folder (made where missing)")
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--results-dir: {folder} is a file: pass a folder (made where missing)")
     if not run_id:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         n, run_id = 1, stamp
-        while any((results_dir / run_id / name).exists() for name in EARLIER_RUN):
+        while _taken(results_dir / run_id, claim):
             n += 1
             run_id = f"{stamp}-{n}"
         return run_id
     if run_id in (".", "..") or "/" in run_id or os.sep in run_id:
         raise ValueError(f"--run-id {run_id!r} is no folder name: use one without '/' (its folder is in --results-dir)")
-    earlier = [name for name in EARLIER_RUN if (results_dir / run_id / name).exists()]
+    if len(os.fsencode(run_id)) > 255:
+        raise ValueError(f"--run-id is {len(os.fsencode(run_id))} bytes long: a folder name holds at most 255")
+    folder = results_dir / run_id
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--run-id: {folder} is a file: pick another --run-id")
+    earlier = [name for name in EARLIER_RUN if (folder / name).exists()]
     if earlier:
         raise ValueError(
-            f"{results_dir / run_id} holds an earlier run ({', '.join(earlier)}): pick another --run-id, or move that "
-            "folder away"
+            f"{folder} holds an earlier run ({', '.join(earlier)}): pick another --run-id, or move that folder away"
         )
+    if claim:
+        _make(folder, exist_ok=True)
     return run_id
+
+
+def _taken(folder: Path, claim: bool) -> bool:
+    """Whether a timestamp's folder is another run's; with `claim`, make it unless it is."""
+    if any((folder / name).exists() for name in EARLIER_RUN):
+        return True
+    if not claim:
+        return False
+    try:
+        _make(folder, exist_ok=False)
+    except FileExistsError:
+        return True
+    return False
+
+
+def _make(folder: Path, exist_ok: bool) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=exist_ok)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise ValueError(f"cannot make the run's folder {folder} ({e.strerror}): pass another --results-dir") from None
 
 
 def ray_address_problem(address: str) -> str | None:
     """None where `--ray-address` can be a Ray cluster to join: `auto`, `local`, a `ray://` client address, or a
-    host:port (a head's GCS server) at which something accepts a TCP connection within 5 s; else a sentence
-    that says what to change. Ray itself retried an address where nothing listens every 30 s, without end."""
-    if address in ("auto", "local") or "://" in address:
+    host:port (a head's GCS server; an IPv6 host in brackets) at which something accepts a TCP connection within
+    5 s; else a sentence that says what to change. Ray itself retried an address where nothing listens every
+    30 s, without end. Whether what answers is Ray's GCS server is Ray's to find out when it connects."""
+    if address in ("auto", "local") or address.startswith("ray://"):
         return None
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:6379
+    if "://" in address or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return f"--ray-address {address!r} is no host:port of a Ray head (e.g. 127.0.0.1:6379), auto or ray://host:port"
     try:
         socket.create_connection((host, int(port)), timeout=5).close()

@@ -93,3 +93,9 @@ def test_a_run_id_whose_folder_holds_an_earlier_run_is_a_collection_error(tmp_pa
     (tmp_path / "r" / "summary.csv").write_text("scenario,verdict\n")
     proc = collect("scenarios", "--matrix", "cpu", "--results-dir", str(tmp_path), "--run-id", "r")
     assert proc.returncode == 2 and "holds an earlier run (summary.csv): pick another" in proc.stdout, proc.stdout
+
+
+def test_a_baseline_that_is_no_run_is_a_collection_error(tmp_path: Path) -> None:
+    # read at collection, not at the session's end, after every scenario ran
+    proc = collect("scenarios", "--matrix", "cpu", "--results-dir", str(tmp_path), "--baseline", str(tmp_path / "no"))
+    assert proc.returncode == 2 and "no has no summary.csv: pass a results/<run-id>/ folder" in proc.stdout, proc.stdout

@@ -359,4 +359,11 @@ def test_a_folder_that_is_no_run_is_refused_naming_its_file(tmp_path: Path) -> N
     run = write_folder(tmp_path / "run", make_table(BASE_TIMES), make_env())
     assert main(["report", "--run", str(run), "--baseline", str(bad)]) == 2  # the error line, not a traceback
     assert main(["report", "--run", str(run), "--baseline", str(run), "--threshold", "1"]) == 2
+    assert main(["report", "--run", str(run), "--baseline", str(run), "--threshold", "inf"]) == 2
+    (bad / "summary.csv").write_text("scenario,verdict\n")  # a run interrupted before its first scenario
+    with pytest.raises(ValueError, match="holds no scenario: pass a run that ran some"):
+        write_report(run, bad)
+    (bad / "env.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"bad/env.json is no JSON"):
+        load_run(bad)
     assert not (run / "report.md").exists()

@@ -30,6 +30,16 @@ def test_a_run_id_names_one_new_folder_under_the_results_dir(tmp_path: Path) -> 
     (tmp_path / "afile").write_text("")
     with pytest.raises(ValueError, match="afile is a file: pass a folder"):
         results_folder(tmp_path / "afile", "r2")
+    with pytest.raises(ValueError, match="afile is a file: pass a folder"):
+        results_folder(tmp_path / "afile" / "sub", "r2")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="dangling links to nothing"):
+        results_folder(tmp_path / "dangling", "r2")
+    with pytest.raises(ValueError, match="afile is a file: pick another --run-id"):
+        results_folder(tmp_path, "afile")
+    with pytest.raises(ValueError, match="is 300 bytes long: a folder name holds at most 255"):
+        results_folder(tmp_path, "x" * 300)
+    assert results_folder(tmp_path, "r3", claim=True) == "r3" and (tmp_path / "r3").is_dir()
 
 
 def test_a_default_run_id_is_a_timestamp_that_steps_past_an_earlier_run_of_the_same_second(tmp_path: Path) -> None:
@@ -41,6 +51,9 @@ def test_a_default_run_id_is_a_timestamp_that_steps_past_an_earlier_run_of_the_s
     (tmp_path / stamp / "env.json").write_text("{}")
     second = results_folder(tmp_path, "")
     assert second in (f"{stamp}-2", time.strftime("%Y%m%d-%H%M%S")) and second != stamp
+    # two runs of one second: the first claims its folder as it picks it, so the second steps past it
+    claimed = [results_folder(tmp_path / "claims", None, claim=True) for _ in range(3)]
+    assert len(set(claimed)) == 3 and all((tmp_path / "claims" / c).is_dir() for c in claimed)
 
 
 def test_a_ray_address_where_nothing_listens_is_refused() -> None:
@@ -51,8 +64,33 @@ def test_a_ray_address_where_nothing_listens_is_refused() -> None:
         assert ray_address_problem(f"127.0.0.1:{port}") is None
     problem = ray_address_problem(f"127.0.0.1:{port}")  # closed now: Ray retried it every 30 s without end
     assert problem is not None and problem.startswith(f"nothing answers at --ray-address 127.0.0.1:{port}")
-    assert "no host:port of a Ray head" in (ray_address_problem("nonsense") or "")
+    for bad in ("nonsense", "localhost:99999", "http://127.0.0.1:6379", ":6379"):
+        assert "no host:port of a Ray head" in (ray_address_problem(bad) or ""), bad
+    with socket.socket(socket.AF_INET6) as listening:
+        listening.bind(("::1", 0))
+        listening.listen()
+        assert ray_address_problem(f"[::1]:{listening.getsockname()[1]}") is None
     assert ray_address_problem("auto") is None and ray_address_problem("ray://10.0.0.1:10001") is None
+
+
+def test_a_cluster_that_asks_for_rays_token_says_how_to_send_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from harness import driver_ray
+
+    def refused(**kwargs: object) -> None:  # as Ray 2.60 ends a ray.init whose cluster wants a token
+        try:
+            raise RuntimeError("Failed to connect to GCS. ... AuthenticationError: RPC error: InvalidAuthToken")
+        except RuntimeError as e:
+            raise ConnectionError("Failed to connect to Ray cluster at 192.0.2.2:46400") from e
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refused)
+    with pytest.raises(ValueError, match="asks for Ray's token and this driver sends none: export RAY_AUTH_MODE=token"):
+        driver_ray.ensure_ray("127.0.0.1:46400")
+    monkeypatch.setattr(ray, "init", lambda **kwargs: (_ for _ in ()).throw(ConnectionError("no GCS")))
+    with pytest.raises(ConnectionError, match="no GCS"):  # any other failure to connect stays Ray's
+        driver_ray.ensure_ray("127.0.0.1:46400")
 
 
 def test_bad_places_are_refused_before_anything_starts_and_a_config_error_says_why(tmp_path: Path) -> None:
