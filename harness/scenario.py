@@ -211,17 +211,14 @@ def _is_key_value(term: str) -> bool:
     return bool(sep) and key.isidentifier()
 
 
-def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
-    """Filter scenarios by an expression: space-separated terms, all must hold.
-
-    A term is `key=value` (scenario field, e.g. `tp=2`, `export_mode=bridge`, `model=qwen3-vl`), `tag:NAME`,
-    `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
+def _check_filter(expr: str) -> None:
+    """Refuse a filter term that can only select nothing or all: a `key=value` whose key is no scenario field
+    (`tags=` too: tags are selected with `tag:NAME`), an empty tag or term, a double `!`, a term that is no
+    regex.
 
     Raises:
-        ValueError: a `key=value` term whose key is no scenario field, or a term that is no regex.
+        ValueError: the term, and what to write instead.
     """
-    if not expr:
-        return scenarios
     fields = {"id", "group_key", *Scenario.model_fields}
     for term in expr.split():
         t = term.removeprefix("!")
@@ -242,6 +239,20 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
             re.compile(t)
         except re.error as e:
             raise ValueError(f"filter term {term!r} is neither key=value, tag:NAME nor a regex ({e})") from None
+
+
+def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
+    """Filter scenarios by an expression: space-separated terms, all must hold.
+
+    A term is `key=value` (scenario field, e.g. `tp=2`, `export_mode=bridge`, `model=qwen3-vl`), `tag:NAME`,
+    `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
+
+    Raises:
+        ValueError: a term that can only select nothing or all (`_check_filter`).
+    """
+    if not expr:
+        return scenarios
+    _check_filter(expr)
     out = []
     for sc in scenarios:
         d = sc.as_dict()
