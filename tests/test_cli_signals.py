@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+from harness_cli import sigint_not_ignored
 
 from harness import cli, interrupts
 from harness import runner as runner_module
@@ -660,7 +661,8 @@ def test_a_second_ctrl_c_as_ray_shuts_the_driver_down_is_raised_once_the_shutdow
     # a run's close left the worker's Python object behind; Ray's own excepthook used it, and Ray ended the process
     # at once with status 1 and no message (3 of 18 double Ctrl-Cs in a run's close). Now the Ctrl-C is raised
     # once the shutdown has ended, and the process ends as any interrupted run: one line, then by SIGINT.
-    out = _python(SECOND_CTRL_C_AS_THE_CORE_WORKER_SHUTS_DOWN)
+    with sigint_not_ignored():  # a Ctrl-C reaches it as from a terminal, also where this pytest ignores SIGINT
+        out = _python(SECOND_CTRL_C_AS_THE_CORE_WORKER_SHUTS_DOWN)
     assert out.returncode == -signal.SIGINT, (out.returncode, out.stdout, out.stderr[-3000:])
     assert out.stderr.endswith("interrupted by SIGINT\n"), out.stderr[-3000:]
 
