@@ -44,7 +44,7 @@ def results_folder(results_dir: Path, run_id: str | None, claim: bool = False) -
     folder = results_dir / run_id
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--run-id: {folder} is a file: pick another --run-id")
-    earlier = [name for name in EARLIER_RUN if (folder / name).exists()]
+    earlier = _earlier_run(folder)
     if earlier:
         raise ValueError(
             f"{folder} holds an earlier run ({', '.join(earlier)}): pick another --run-id, or move that folder away"
@@ -54,9 +54,14 @@ def results_folder(results_dir: Path, run_id: str | None, claim: bool = False) -
     return run_id
 
 
+def _earlier_run(folder: Path) -> list[str]:
+    """What of an earlier run `folder` holds (of `EARLIER_RUN`)."""
+    return [name for name in EARLIER_RUN if (folder / name).exists()]
+
+
 def _taken(folder: Path, claim: bool) -> bool:
     """Whether a timestamp's folder is another run's; with `claim`, make it unless it is."""
-    if any((folder / name).exists() for name in EARLIER_RUN):
+    if _earlier_run(folder):
         return True
     if not claim:
         return False

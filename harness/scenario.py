@@ -211,34 +211,40 @@ def _is_key_value(term: str) -> bool:
     return bool(sep) and key.isidentifier()
 
 
-def _check_filter(expr: str) -> None:
-    """Refuse a filter term that can only select nothing or all: a `key=value` whose key is no scenario field
-    (`tags=` too: tags are selected with `tag:NAME`), an empty tag or term, a double `!`, a term that is no
-    regex.
+def _filter_terms(expr: str) -> list[tuple[bool, str, str, str]]:
+    """The terms of a filter, each as (negated, kind, key, value): kind `tag` (value: the tag), `field` (key and
+    value) or `regex` (value: the pattern).
 
     Raises:
-        ValueError: the term, and what to write instead.
+        ValueError: a term that can only select nothing or all: a `key=value` whose key is no scenario field
+            (`tags=` too: tags are selected with `tag:NAME`), an empty tag or term, a double `!`, a term that is
+            no regex; the message says what to write instead.
     """
     fields = {"id", "group_key", *Scenario.model_fields}
+    terms = []
     for term in expr.split():
         t = term.removeprefix("!")
         if not t or t.startswith("!") or t == "tag:":
             raise ValueError(
                 f"filter term {term!r} selects nothing or all: write tag:NAME, !tag:NAME, key=value or a regex"
             )
+        neg = t != term
         if t.startswith("tag:"):
-            continue
-        if _is_key_value(t):
-            key = t.split("=", 1)[0]
+            terms.append((neg, "tag", "", t[4:]))
+        elif _is_key_value(t):
+            key, value = t.split("=", 1)
             if key == "tags":
                 raise ValueError(f"filter term {term!r}: select by tag with tag:NAME (or !tag:NAME)")
             if key not in fields:
                 raise ValueError(f"filter term {term!r}: {key!r} is no scenario field: use one of {sorted(fields)}")
-            continue
-        try:
-            re.compile(t)
-        except re.error as e:
-            raise ValueError(f"filter term {term!r} is neither key=value, tag:NAME nor a regex ({e})") from None
+            terms.append((neg, "field", key, value))
+        else:
+            try:
+                re.compile(t)
+            except re.error as e:
+                raise ValueError(f"filter term {term!r} is neither key=value, tag:NAME nor a regex ({e})") from None
+            terms.append((neg, "regex", "", t))
+    return terms
 
 
 def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
@@ -248,26 +254,18 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
 
     Raises:
-        ValueError: a term that can only select nothing or all (`_check_filter`).
+        ValueError: a term that can only select nothing or all (`_filter_terms`).
     """
     if not expr:
         return scenarios
-    _check_filter(expr)
-    out = []
-    for sc in scenarios:
-        d = sc.as_dict()
-        ok = True
-        for term in expr.split():
-            neg = term.startswith("!")
-            t = term[1:] if neg else term
-            if t.startswith("tag:"):
-                hit = t[4:] in sc.tags
-            elif _is_key_value(t):
-                k, v = t.split("=", 1)
-                hit = str(d.get(k)).lower() == v.lower()
-            else:
-                hit = re.search(t, sc.id) is not None
-            ok = ok and (hit != neg)
-        if ok:
-            out.append(sc)
-    return out
+    terms = _filter_terms(expr)
+    return [sc for sc in scenarios if all(_matches(sc, kind, key, value) != neg for neg, kind, key, value in terms)]
+
+
+def _matches(sc: Scenario, kind: str, key: str, value: str) -> bool:
+    """Whether `sc` has the tag, the field value (compared as text, in any case) or an id the regex finds."""
+    if kind == "tag":
+        return value in sc.tags
+    if kind == "field":  # a field, or the id or group key
+        return str(getattr(sc, key)).lower() == value.lower()
+    return re.search(value, sc.id) is not None

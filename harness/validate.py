@@ -59,7 +59,7 @@ def _engines_problem(sc: Scenario) -> str | None:
         ("engines", sc.engines, "the number of rollout engine replicas fed by one transfer group"),
         ("engine_tp", sc.engine_tp, "each engine's tensor parallelism (its ranks in the transfer group)"),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if value < 1:  # whole numbers already: `Scenario` refuses text, fractions and true/false
             return f"{field} must be a whole number >= 1 ({what}); got {value!r}"
     if sc.colocate and (sc.engines > 1 or sc.engine_tp > 1):
         return (
