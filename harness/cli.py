@@ -58,16 +58,22 @@ def _parser() -> argparse.ArgumentParser:
     }
     for name, text in helps.items():
         p = sub.add_parser(name, help=text)
+        scenarios_from = p.add_mutually_exclusive_group()  # list's --matrix or --faults: argparse refuses both
+        if name == "list":
+            scenarios_from.add_argument(
+                "--faults",
+                action="store_true",
+                help="list the fault scenarios (`faults` runs them) instead of a matrix",
+            )
         if name != "faults":
-            p.add_argument("--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path")
+            scenarios_from.add_argument(
+                "--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path"
+            )
         p.add_argument(
             "--filter",
             default=None,
             help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex",
         )
-    sub.choices["list"].add_argument(
-        "--faults", action="store_true", help="list the fault scenarios (`faults` runs them) instead of a matrix"
-    )
     soak = sub.add_parser("soak", help="one scenario for many syncs; resource growth per 100 syncs")
     add_soak_arguments(soak)
     for name in ("run", "faults", "soak"):
@@ -87,8 +93,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Print the selected scenario ids (of `--matrix`, or with `--faults` the fault scenarios) and whether each
-    validates."""
-    for sc in select(_fault_scenarios() if args.faults else load_matrix(args.matrix), args.filter):
+    validates; exit 1 when the filter selects none."""
+    scenarios = select(_fault_scenarios() if args.faults else load_matrix(args.matrix), args.filter)
+    if not scenarios:
+        what = "fault scenario" if args.faults else f"scenario of matrix {args.matrix!r}"
+        print(f"no {what} matches filter {args.filter!r}", file=sys.stderr)
+        return 1
+    for sc in scenarios:
         problem = validate(sc)
         print(f"{sc.id:60s} {'OK' if problem is None else 'CONFIG_ERROR: ' + problem}")
     return 0

@@ -14,13 +14,15 @@ without launching anything).
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from reference_impl.engine import DEFAULT_ENGINE
 from reference_impl.trainer.layout import world_size_for
@@ -75,6 +77,24 @@ class Scenario(BaseModel):
         if isinstance(value, bool):
             raise ValueError(f"{value!r} is a yes/no, not a whole number")
         return value
+
+    @model_validator(mode="after")
+    def _suffix_is_one_level(self) -> Scenario:
+        """The suffix, its `{field}` placeholders filled, is the id's last level: an unknown placeholder or a
+        stray brace is refused here (not as a traceback when the id is first read), and so is a `/`, which
+        would add levels to the id and folders to the results."""
+        try:
+            suffix = self.suffix.format(**self.model_dump(exclude={"suffix"}))
+        except KeyError as e:
+            fields = sorted(set(Scenario.model_fields) - {"suffix"})
+            raise ValueError(
+                f"suffix {self.suffix!r}: {{{e.args[0]}}} names no scenario field: use one of {fields}"
+            ) from None
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"suffix {self.suffix!r}: {e} (write a literal brace as {{{{ or }}}})") from None
+        if "/" in suffix:
+            raise ValueError(f"suffix {suffix!r} has a '/', which would add levels to the id: join its words with '-'")
+        return self
 
     @property
     def id(self) -> str:
@@ -188,9 +208,23 @@ def _expand_entry(path: Path, index: int, entry: object) -> list[Scenario]:
     try:
         return expand(entry)
     except ValidationError as e:
-        hints = [_number_hint(err["input"]) for err in e.errors()]
-        hint = next((h for h in hints if h), "")
-        raise ValueError(f"{where}: {e}{hint}") from None
+        raise ValueError(f"{where}: {'; '.join(_field_error(err) for err in e.errors())}") from None
+
+
+def _field_error(err: Any) -> str:
+    """One of pydantic's errors (`ValidationError.errors()`) as a phrase that names the field: an unknown field
+    with the nearest known one, a missing one, or the field, the rule and the value given."""
+    field = ".".join(str(part) for part in err["loc"])
+    if err["type"] == "extra_forbidden":
+        near = difflib.get_close_matches(field, Scenario.model_fields, n=1)
+        return f"{field} is no scenario field" + (f" (did you mean {near[0]}?)" if near else "")
+    if err["type"] == "missing":
+        return f"{field} is required"
+    msg = err["msg"].removeprefix("Value error, ")
+    if not field:  # a rule over several fields (`Scenario._suffix_is_one_level`)
+        return msg
+    given = "" if err["type"] == "value_error" else f", not {err['input']!r}"
+    return f"{field}: {msg[0].lower()}{msg[1:]}{given}{_number_hint(err['input'])}"
 
 
 def _number_hint(value: object) -> str:
@@ -201,7 +235,7 @@ def _number_hint(value: object) -> str:
         except ValueError:
             return ""
         if number.is_integer():
-            return f"\nYAML reads {value!r} as text: write {int(number)}"
+            return f" (YAML reads {value!r} as text: write {int(number)})"
     return ""
 
 
@@ -211,14 +245,14 @@ def _is_key_value(term: str) -> bool:
     return bool(sep) and key.isidentifier()
 
 
-def _filter_terms(expr: str) -> list[tuple[bool, str, str, str]]:
+def _filter_terms(expr: str) -> list[tuple[bool, str, str, object]]:
     """The terms of a filter, each as (negated, kind, key, value): kind `tag` (value: the tag), `field` (key and
-    value) or `regex` (value: the pattern).
+    the value read as the field's type, `_field_value`) or `regex` (value: the pattern).
 
     Raises:
         ValueError: a term that can only select nothing or all: a `key=value` whose key is no scenario field
             (`tags=` too: tags are selected with `tag:NAME`), an empty tag or term, a double `!`, a term that is
-            no regex; the message says what to write instead.
+            no regex, a value the field cannot take (`tp=two`); the message says what to write instead.
     """
     fields = {"id", "group_key", *Scenario.model_fields}
     terms = []
@@ -237,7 +271,7 @@ def _filter_terms(expr: str) -> list[tuple[bool, str, str, str]]:
                 raise ValueError(f"filter term {term!r}: select by tag with tag:NAME (or !tag:NAME)")
             if key not in fields:
                 raise ValueError(f"filter term {term!r}: {key!r} is no scenario field: use one of {sorted(fields)}")
-            terms.append((neg, "field", key, value))
+            terms.append((neg, "field", key, _field_value(term, key, value)))
         else:
             try:
                 re.compile(t)
@@ -245,6 +279,24 @@ def _filter_terms(expr: str) -> list[tuple[bool, str, str, str]]:
                 raise ValueError(f"filter term {term!r} is neither key=value, tag:NAME nor a regex ({e})") from None
             terms.append((neg, "regex", "", t))
     return terms
+
+
+def _field_value(term: str, key: str, value: str) -> object:
+    """`value` read as field `key` reads it in a matrix (pydantic's lax mode: `tp=02` is 2, `colocate=yes` is
+    True); `none` is None on a field that may be unset; text fields (and `id`, `group_key`) stay text.
+
+    Raises:
+        ValueError: the field cannot take `value` (`tp=two`).
+    """
+    field = Scenario.model_fields.get(key)
+    if field is None:  # id, group_key
+        return value
+    if value.lower() == "none" and type(None) in typing.get_args(field.annotation):
+        return None
+    try:
+        return TypeAdapter(field.annotation).validate_python(value)
+    except ValidationError as e:
+        raise ValueError(f"filter term {term!r}: {key}: {e.errors()[0]['msg'].lower()}") from None
 
 
 def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
@@ -262,10 +314,11 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     return [sc for sc in scenarios if all(_matches(sc, kind, key, value) != neg for neg, kind, key, value in terms)]
 
 
-def _matches(sc: Scenario, kind: str, key: str, value: str) -> bool:
-    """Whether `sc` has the tag, the field value (compared as text, in any case) or an id the regex finds."""
+def _matches(sc: Scenario, kind: str, key: str, value: object) -> bool:
+    """Whether `sc` has the tag, the field value (text in any case) or an id the regex finds."""
     if kind == "tag":
         return value in sc.tags
     if kind == "field":  # a field, or the id or group key
-        return str(getattr(sc, key)).lower() == value.lower()
+        got = getattr(sc, key)
+        return got.lower() == value.lower() if isinstance(got, str) and isinstance(value, str) else got == value
     return re.search(value, sc.id) is not None

@@ -123,11 +123,15 @@ def _layout_problem(sc: Scenario, spec: ModelSpec) -> str | None:
         return f"EP {sc.ep} does not divide {sc.model}'s {f.num_experts} experts: pick an EP that divides it"
     if sc.etp not in (1, sc.tp):
         return f"ETP {sc.etp} must be 1 or equal TP {sc.tp}"
+    heads, kv = f"{f.num_heads} attention heads", f"{f.num_kv_heads} KV heads"
     if f.num_heads % sc.tp or f.num_kv_heads % sc.tp:
-        return (
-            f"TP {sc.tp} does not divide {sc.model}'s {f.num_heads} attention heads and {f.num_kv_heads} "
-            f"KV heads: pick a TP that divides both (e.g. {_divisors_of_both(f.num_heads, f.num_kv_heads)})"
-        )
+        if f.num_heads % sc.tp and f.num_kv_heads % sc.tp:
+            what = f"TP {sc.tp} divides neither {sc.model}'s {heads} nor its {kv}"
+        elif f.num_heads % sc.tp:
+            what = f"TP {sc.tp} does not divide {sc.model}'s {heads} (it divides its {kv})"
+        else:
+            what = f"TP {sc.tp} does not divide {sc.model}'s {kv} (it divides its {heads})"
+        return f"{what}: pick a TP that divides both (e.g. {_divisors_of_both(f.num_heads, f.num_kv_heads)})"
     if f.vision_heads and f.vision_heads % sc.tp:
         return f"TP {sc.tp} does not divide {sc.model}'s {f.vision_heads} vision heads: pick a TP that divides it"
     if sc.pp > f.num_layers:

@@ -108,6 +108,6 @@ def test_bad_places_are_refused_before_anything_starts_and_a_config_error_says_w
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 1
     # the terminal says what to change, not only the verdict (also in summary.md and the record)
-    assert "TP 3 does not divide qwen3's 4 attention heads and 2 KV heads" in run.stderr, run.stderr[-2000:]
+    assert "TP 3 divides neither qwen3's 4 attention heads nor its 2 KV heads" in run.stderr, run.stderr[-2000:]
     again = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 2 and "holds an earlier run" in again.stderr, again.stderr[-2000:]

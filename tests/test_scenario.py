@@ -46,7 +46,8 @@ def test_expand_is_a_product_over_list_axes() -> None:
 @pytest.mark.parametrize(
     ("fields", "says"),
     [
-        ({"model": "qwen3", "tp": 3}, "TP 3 does not divide qwen3's 4 attention heads and 2 KV heads"),
+        ({"model": "qwen3", "tp": 3}, "TP 3 divides neither qwen3's 4 attention heads nor its 2 KV heads"),
+        ({"model": "qwen3", "tp": 4}, "TP 4 does not divide qwen3's 2 KV heads (it divides its 4 attention heads)"),
         ({"model": "qwen3", "pp": 8}, "PP 8 is larger than qwen3's 4 layers"),
         ({"model": "qwen3", "pp": 3}, "PP 3 does not divide qwen3's 4 layers"),
         ({"model": "qwen3-vl", "pp": 3}, "first stage of qwen3-vl holds 2 text layers but the vision tower feeds 3"),
@@ -105,11 +106,15 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
         ("", "no entries; a matrix is a list of entries"),
         ("- {model: qwen3}\n- {model: qwen3, tp: []}\n", "entry 2: tp: [] gives no scenario"),
         ("- {model: qwen3, chunk_bytes: 1e6}\n", "YAML reads '1e6' as text: write 1000000"),
-        ("- {modle: qwen3}\n", "entry 1: 2 validation errors for Scenario"),
-        ("- {model: qwen3, deadline_s: -1}\n", "deadline_s\n  Input should be greater than 0"),
-        ("- {model: qwen3, syncs: true}\n", "syncs\n  Value error, True is a yes/no, not a whole number"),
+        ("- {modle: qwen3}\n", "entry 1: model is required; modle is no scenario field (did you mean model?)"),
+        ("- {model: qwen3, deadline_s: -1}\n", "entry 1: deadline_s: input should be greater than 0, not -1"),
+        ("- {model: qwen3, syncs: true}\n", "entry 1: syncs: true is a yes/no, not a whole number"),
         ("- {model: qwen3, on: 1}\n", "entry 1: True is no field name (YAML read it as a bool): quote it"),
         ("- {model: qwen3, dtype: [float32, bfloat16]}\n", "dtype is given a list, and only model, tp, pp"),
+        ("- {model: qwen3, tp: two}\n", "entry 1: tp: input should be a valid integer, unable to parse string"),
+        ("- {model: qwen3, suffix: a/b}\n", "suffix 'a/b' has a '/', which would add levels to the id"),
+        ("- {model: qwen3, suffix: 'x-{tpp}'}\n", "suffix 'x-{tpp}': {tpp} names no scenario field: use one of"),
+        ("- {model: qwen3, suffix: 'x-{'}\n", "suffix 'x-{': Single '{' encountered in format string"),
     ],
 )
 def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path, text: str, says: str) -> None:
@@ -141,6 +146,8 @@ def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, 
         ("!!tag:full-size", "selects nothing or all"),
         ("tag:", "selects nothing or all"),
         ("tags=full-size", "select by tag with tag:NAME"),
+        ("tp=two", "filter term 'tp=two': tp: input should be a valid integer"),
+        ("colocate=maybe", "filter term 'colocate=maybe': colocate: input should be a valid boolean"),
     ],
 )
 def test_a_filter_term_that_can_match_nothing_is_refused(expr: str, says: str) -> None:
@@ -162,6 +169,19 @@ def test_filters() -> None:
     }
     assert all(s.export_mode == "bridge" for s in select(scenarios, "export_mode=bridge"))
     assert len(select(scenarios, "qwen3-vl/.*/raw")) == 8
+
+
+def test_a_field_term_reads_its_value_as_the_matrix_does() -> None:
+    # `tp=02` and `colocate=yes` were compared as text and selected nothing
+    scenarios = load_matrix("cpu")
+    tp2 = [s.id for s in scenarios if s.tp == 2]
+    colocated = [s.id for s in scenarios if s.colocate]
+    assert tp2 and [s.id for s in select(scenarios, "tp=02")] == tp2
+    assert colocated and [s.id for s in select(scenarios, "colocate=yes")] == colocated
+    assert [s.id for s in select(scenarios, "colocate=no")] == [s.id for s in scenarios if not s.colocate]
+    assert [s.id for s in select(scenarios, "model=QWEN3-VL")] == [s.id for s in scenarios if s.model == "qwen3-vl"]
+    unset = [s.id for s in scenarios if s.deadline_s is None]
+    assert unset and [s.id for s in select(scenarios, "deadline_s=none")] == unset
 
 
 @pytest.mark.parametrize("name", available_models())
@@ -286,6 +306,22 @@ def test_list_faults_prints_every_registered_faults_scenarios(capsys: pytest.Cap
     lines = capsys.readouterr().out.splitlines()
     names = {line.split()[0].rsplit("/fault-", 1)[1] for line in lines}
     assert names == set(FAULTS) and all(line.split()[-1] == "OK" for line in lines)
+
+
+def test_list_says_when_the_filter_selects_none_and_refuses_faults_with_a_matrix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `list --faults --matrix gpu` listed the fault scenarios and ignored the matrix; a filter that selected
+    # nothing printed nothing and exited 0
+    from harness.cli import main
+
+    assert main(["list", "--filter", "model=qwen3 tp=3"]) == 1
+    assert "no scenario of matrix 'cpu' matches filter 'model=qwen3 tp=3'" in capsys.readouterr().err
+    assert main(["list", "--faults", "--filter", "no-such-fault"]) == 1
+    assert "no fault scenario matches filter 'no-such-fault'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["list", "--faults", "--matrix", "gpu"])
+    assert e.value.code == 2 and "argument --matrix: not allowed with argument --faults" in capsys.readouterr().err
 
 
 def test_list_into_a_closed_pipe_ends_without_a_traceback() -> None:
