@@ -5,6 +5,7 @@ exits 2)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import time
@@ -82,15 +83,22 @@ def _make(folder: Path, exist_ok: bool) -> None:
 
 
 def ray_address_problem(address: str) -> str | None:
-    """None where `--ray-address` can be a Ray cluster to join: `auto`, `local`, a `ray://` client address, or a
-    host:port (a head's GCS server; an IPv6 host in brackets) at which something accepts a TCP connection within
-    5 s; else a sentence that says what to change. Ray itself retried an address where nothing listens every
-    30 s, without end. Whether what answers is Ray's GCS server is Ray's to find out when it connects."""
-    if address in ("auto", "local") or address.startswith("ray://"):
+    """None where `--ray-address` can be a Ray cluster to join: `auto`, `local`, a host:port (a head's GCS server;
+    an IPv6 host in brackets) or a `ray://host:port` client address (where Ray's client is installed), at which
+    something accepts a TCP connection within 5 s; else a sentence that says what to change. Ray itself retried
+    an address where nothing listens every 30 s, without end, and refused `ray://` without its client only once
+    the run had made its folder. Whether what answers is Ray's GCS server is Ray's to find out when it connects."""
+    if address in ("auto", "local"):
         return None
-    host, sep, port = address.rpartition(":")
+    target = address.removeprefix("ray://")
+    if target != address and importlib.util.find_spec("grpc") is None:  # Ray's client check (ray/_private/utils.py)
+        return (
+            f"--ray-address {address} needs Ray's client, which is not installed: pip install 'ray[client]', "
+            "or give the head's GCS address host:port (6379 by default), which needs no client"
+        )
+    host, sep, port = target.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")  # [::1]:6379
-    if "://" in address or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if "://" in target or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return f"--ray-address {address!r} is no host:port of a Ray head (e.g. 127.0.0.1:6379), auto or ray://host:port"
     try:
         socket.create_connection((host, int(port)), timeout=5).close()

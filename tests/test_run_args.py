@@ -70,7 +70,24 @@ def test_a_ray_address_where_nothing_listens_is_refused() -> None:
         listening.bind(("::1", 0))
         listening.listen()
         assert ray_address_problem(f"[::1]:{listening.getsockname()[1]}") is None
-    assert ray_address_problem("auto") is None and ray_address_problem("ray://10.0.0.1:10001") is None
+    assert ray_address_problem("auto") is None
+
+
+def test_a_ray_client_address_needs_rays_client_and_a_listener(monkeypatch: pytest.MonkeyPatch) -> None:
+    # without ray[client], Ray refused ray:// only after the run had made its folder
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # no grpc: ray[client] not installed
+    no_client = ray_address_problem("ray://127.0.0.1:10001") or ""
+    assert no_client.startswith("--ray-address ray://127.0.0.1:10001 needs Ray's client"), no_client
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert ray_address_problem(f"ray://127.0.0.1:{port}") is None
+    assert (ray_address_problem(f"ray://127.0.0.1:{port}") or "").startswith("nothing answers at --ray-address ray://")
+    assert "no host:port of a Ray head" in (ray_address_problem("ray://nonsense") or "")
 
 
 def test_a_cluster_that_asks_for_rays_token_says_how_to_send_it(monkeypatch: pytest.MonkeyPatch) -> None:
