@@ -82,12 +82,13 @@ def _make(folder: Path, exist_ok: bool) -> None:
         raise ValueError(f"cannot make the run's folder {folder} ({e.strerror}): pass another --results-dir") from None
 
 
-def ray_address_problem(address: str) -> str | None:
+def ray_address_problem(address: str, timeout_s: float = 5.0) -> str | None:
     """None where `--ray-address` can be a Ray cluster to join: `auto`, `local`, a host:port (a head's GCS server;
     an IPv6 host in brackets) or a `ray://host:port` client address (where Ray's client is installed), at which
-    something accepts a TCP connection within 5 s; else a sentence that says what to change. Ray itself retried
-    an address where nothing listens every 30 s, without end, and refused `ray://` without its client only once
-    the run had made its folder. Whether what answers is Ray's GCS server is Ray's to find out when it connects."""
+    a gRPC server answers within `timeout_s` (an HTTP/2 SETTINGS frame, `_answers_http2`; with `RAY_USE_TLS` set,
+    a TCP connection); else a sentence that says what to change. Ray itself retried an address where nothing or
+    something else listens every 30 s, without end, and refused `ray://` without its client only once the run
+    had made its folder. Which gRPC service answers is Ray's to find out when it connects."""
     if address in ("auto", "local"):
         return None
     target = address.removeprefix("ray://")
@@ -101,10 +102,39 @@ def ray_address_problem(address: str) -> str | None:
     if "://" in target or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return f"--ray-address {address!r} is no host:port of a Ray head (e.g. 127.0.0.1:6379), auto or ray://host:port"
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        connection = socket.create_connection((host, int(port)), timeout=timeout_s)
     except OSError as e:
         return (
             f"nothing answers at --ray-address {address} ({e.strerror or e}): start Ray there "
             f"(`ray start --head --port {port}`), or leave --ray-address out to start one"
         )
-    return None
+    with connection:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true") or _answers_http2(connection):
+            return None
+    return (
+        f"what answers at --ray-address {address} is no Ray head: it does not speak gRPC, as a head's GCS server "
+        "does (`ray start --head` prints its address; the GCS port is 6379 by default, the dashboard's 8265 is no "
+        "GCS)"
+    )
+
+
+# RFC 9113 3.4: a client opens with this preface and a SETTINGS frame; the server's first frame is a SETTINGS frame
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS_FRAME = bytes(3) + b"\x04" + bytes(5)  # length 0, type 0x4 (SETTINGS), no flags, stream 0 (RFC 9113 6.5)
+
+
+def _answers_http2(connection: socket.socket) -> bool:
+    """Whether the server on `connection` answers an HTTP/2 client preface with its SETTINGS frame within the
+    connection's timeout, as every gRPC server (Ray's GCS and client servers) does. An HTTP/1 server, one that
+    closes or one that says nothing does not."""
+    try:
+        connection.sendall(HTTP2_PREFACE + SETTINGS_FRAME)
+        header = b""
+        while len(header) < len(SETTINGS_FRAME):
+            part = connection.recv(len(SETTINGS_FRAME) - len(header))
+            if not part:
+                return False
+            header += part
+    except OSError:  # a reset, or no answer within the timeout
+        return False
+    return header[3] == SETTINGS_FRAME[3]

@@ -3,9 +3,12 @@ before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,24 +59,54 @@ def test_a_default_run_id_is_a_timestamp_that_steps_past_an_earlier_run_of_the_s
     assert len(set(claimed)) == 3 and all((tmp_path / "claims" / c).is_dir() for c in claimed)
 
 
-def test_a_ray_address_where_nothing_listens_is_refused() -> None:
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
+# what a gRPC server sends first (RFC 9113 3.4, 6.5): a SETTINGS frame, here with no settings
+SERVER_PREFACE = bytes(3) + b"\x04" + bytes(5)
+
+
+@contextlib.contextmanager
+def serving(reply: bytes | None, family: socket.AddressFamily = socket.AF_INET) -> Iterator[int]:
+    """A listener on the loopback's port (yielded) that answers each connection with `reply` once the client has
+    spoken, or with nothing (None) until the test ends."""
+    with socket.socket(family) as listening:
+        listening.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
         listening.listen()
-        port = listening.getsockname()[1]
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = listening.accept()
+                except OSError:  # closed: the test ended
+                    return
+                with conn:
+                    conn.recv(64)
+                    if reply is None:
+                        conn.recv(64)  # until the client goes
+                    else:
+                        conn.sendall(reply)
+
+        threading.Thread(target=serve, daemon=True).start()
+        yield listening.getsockname()[1]
+        listening.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_ray_address_where_no_grpc_server_listens_is_refused() -> None:
+    with serving(SERVER_PREFACE) as port:
         assert ray_address_problem(f"127.0.0.1:{port}") is None
     problem = ray_address_problem(f"127.0.0.1:{port}")  # closed now: Ray retried it every 30 s without end
     assert problem is not None and problem.startswith(f"nothing answers at --ray-address 127.0.0.1:{port}")
+    # an HTTP/1 server (e.g. the dashboard's port), and one that says nothing: Ray retried both without end too
+    for reply in (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", b"", None):
+        with serving(reply) as port:
+            problem = ray_address_problem(f"127.0.0.1:{port}", timeout_s=0.5) or ""
+        assert problem.startswith(f"what answers at --ray-address 127.0.0.1:{port} is no Ray head"), (reply, problem)
     for bad in ("nonsense", "localhost:99999", "http://127.0.0.1:6379", ":6379"):
         assert "no host:port of a Ray head" in (ray_address_problem(bad) or ""), bad
-    with socket.socket(socket.AF_INET6) as listening:
-        listening.bind(("::1", 0))
-        listening.listen()
-        assert ray_address_problem(f"[::1]:{listening.getsockname()[1]}") is None
+    with serving(SERVER_PREFACE, socket.AF_INET6) as port:
+        assert ray_address_problem(f"[::1]:{port}") is None
     assert ray_address_problem("auto") is None
 
 
-def test_a_ray_client_address_needs_rays_client_and_a_listener(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_ray_client_address_needs_rays_client_and_a_grpc_server(monkeypatch: pytest.MonkeyPatch) -> None:
     # without ray[client], Ray refused ray:// only after the run had made its folder
     import importlib.util
 
@@ -81,10 +114,7 @@ def test_a_ray_client_address_needs_rays_client_and_a_listener(monkeypatch: pyte
     no_client = ray_address_problem("ray://127.0.0.1:10001") or ""
     assert no_client.startswith("--ray-address ray://127.0.0.1:10001 needs Ray's client"), no_client
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        port = listening.getsockname()[1]
+    with serving(SERVER_PREFACE) as port:
         assert ray_address_problem(f"ray://127.0.0.1:{port}") is None
     assert (ray_address_problem(f"ray://127.0.0.1:{port}") or "").startswith("nothing answers at --ray-address ray://")
     assert "no host:port of a Ray head" in (ray_address_problem("ray://nonsense") or "")
