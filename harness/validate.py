@@ -131,7 +131,8 @@ def _layout_problem(sc: Scenario, spec: ModelSpec) -> str | None:
             what = f"TP {sc.tp} does not divide {sc.model}'s {heads} (it divides its {kv})"
         else:
             what = f"TP {sc.tp} does not divide {sc.model}'s {kv} (it divides its {heads})"
-        return f"{what}: pick a TP that divides both (e.g. {_divisors_of_both(f.num_heads, f.num_kv_heads)})"
+        fits = ", ".join(str(d) for d in _divisors_of_both(f.num_heads, f.num_kv_heads))
+        return f"{what}: pick a TP that divides both ({fits})"
     if f.vision_heads and f.vision_heads % sc.tp:
         return f"TP {sc.tp} does not divide {sc.model}'s {f.vision_heads} vision heads: pick a TP that divides it"
     if sc.pp > f.num_layers:

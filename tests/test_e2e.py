@@ -92,7 +92,7 @@ def test_impossible_scenario_is_config_error_and_launches_nothing(tmp_path: Path
     assert proc.returncode == 1, proc.stderr
     rec = json.loads((tmp_path / "bad" / "records" / "qwen3__tp3-pp1__noncolocate__raw.json").read_text())
     assert rec["verdict"] == "CONFIG_ERROR"
-    assert "TP 3 does not divide qwen3's 4 attention heads" in rec["config_error"]
+    assert "TP 3 divides neither qwen3's 4 attention heads nor its 2 KV heads" in rec["config_error"]
     assert rec["syncs"] == [] and rec["http"] == []
     assert "CONFIG_ERROR" in (tmp_path / "bad" / "summary.md").read_text()
 
