@@ -13,6 +13,7 @@ groups go first (`SLOWEST_FIRST`, with `--no-loadscope-reorder`). Each worker ha
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,20 @@ def runner(tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServerAddr
     yield r
     r.close()
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _server_temp_root_kept(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test that removed the folder where this session's engine servers keep their temp folders and exit
+    statuses (`harness.driver_ray.server_temp_root`), e.g. by closing a `MatrixRun` in this process: every later
+    stop of a live server of the session's runner then waited 16 s for a status that was never written (the
+    runner's teardown took 50 s)."""
+    driver_ray = sys.modules.get("harness.driver_ray")  # not imported: no server of this process made the folder
+    root = getattr(driver_ray, "_server_temp_root", None)
+    kept = root is not None and root.exists()
+    yield
+    if kept and not root.exists():
+        pytest.fail(f"{request.node.nodeid} removed {root}, this session's engine servers' temp root", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -239,13 +239,16 @@ def test_a_keyboard_interrupt_without_text_is_named_by_the_signal_delivered(monk
 
 def _closing_without_ray(monkeypatch: pytest.MonkeyPatch, calls: list[str] | None = None) -> None:
     """Stand-ins for what `MatrixRun`'s start and close touch outside this process: env.json's host calibration
-    and end, this process's Ray (the test session's other tests share it) and its leftovers. With `calls`, the
-    last two append their step ("ray down", "leftovers")."""
+    and end, this process's Ray (the test session's other tests share it), its leftovers and its engine servers'
+    temp root (where the session runner's live servers keep their temp folders and exit statuses: removing it
+    made every later stop of one of them wait 16 s for a status that was never written). With `calls`, the Ray
+    and leftovers stand-ins append their step ("ray down", "leftovers")."""
     note = calls.append if calls is not None else (lambda step: None)
     monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
     monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
     monkeypatch.setattr("harness.driver_ray.shutdown_ray", lambda: note("ray down"))
     monkeypatch.setattr("harness.driver_ray.end_leftovers", lambda started: note("leftovers"))
+    monkeypatch.setattr("harness.driver_ray.remove_server_temp_root", lambda: None)
 
 
 def test_a_run_closed_by_an_interrupt_writes_its_tables_and_outputs_before_its_plots(
