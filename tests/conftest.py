@@ -170,6 +170,16 @@ def _server_temp_root_kept(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def fault_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder the session's xdist workers share (the parent of each worker's base temp folder; without xdist,
+    the session's own), where `fault_runs.run_once` keeps the fault scenarios' records."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fault-records"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def shared_vllm() -> Iterator[object]:
     """vLLM servers shared by the test modules that start their own, restarted in place as fresh engines for
     each module (`tests/shared_vllm.py`); every one is stopped at the session's end."""

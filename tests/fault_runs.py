@@ -1,9 +1,14 @@
 """The fault scenarios of `tests/test_faults.py`, run once per test session:
 `tests/vllm_engine/test_through_the_runner.py` compares real vLLM's verdict for some of them (`VLLM_FAULTS`)
 with the embedded engine's, and takes the embedded engine's record of the same scenario from here instead
-of running it a second time."""
+of running it a second time: from this process, or from the folder the session's xdist workers share
+(`fault_records`, in tests/conftest.py), where test_faults.py writes each record it made (in the suite's
+order, it runs them long before the vLLM tests ask)."""
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 from harness.faults import fault_scenarios
 from harness.record import RunRecord
@@ -36,10 +41,15 @@ def fault_scenario(name: str, engine: str = "embedded") -> Scenario:
     return Scenario(**{**entry, **extra, "engine": engine})
 
 
-def run_once(runner: Runner, sc: Scenario) -> RunRecord:
-    """`runner.run_scenario(sc)`, or the record of the same scenario (every field equal) run earlier in this
-    test session."""
+def run_once(runner: Runner, sc: Scenario, shared: Path, reuse: bool = True) -> RunRecord:
+    """`runner.run_scenario(sc)`, or, with `reuse`, the record of the same scenario (every field equal) run
+    earlier in this test session: by this process, or by another xdist worker of the session, which wrote it
+    into the `shared` folder. A record made here is written there too (atomically, `RunRecord.save`)."""
     key = sc.model_dump_json()
-    if key not in _RECORDS:
+    path = shared / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    if reuse and key not in _RECORDS and path.exists():
+        _RECORDS[key] = RunRecord.load(path)
+    if not reuse or key not in _RECORDS:
         _RECORDS[key] = runner.run_scenario(sc)
+        _RECORDS[key].save(path)
     return _RECORDS[key]

@@ -177,12 +177,12 @@ def _described(names: set[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ORDER)
-def test_fault_is_caught_with_its_verdict(runner, name: str) -> None:
+def test_fault_is_caught_with_its_verdict(runner, fault_records: Path, name: str) -> None:
     sc = SCENARIOS[name]
     before = _shm_names()
     t0 = time.monotonic()
     with _OtherWorkersSegments() as theirs:
-        rec = run_once(runner, sc)
+        rec = run_once(runner, sc, fault_records, reuse=False)  # its own run: the checks below watch it
     elapsed = time.monotonic() - t0
     assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
     assert expectation_met(rec, rec.verdict), (sc.expect_note, rec.checks)  # and the note it expects, if any

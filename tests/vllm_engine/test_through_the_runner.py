@@ -71,14 +71,14 @@ def test_vllm_moe_scenario_through_the_runner(runner: Runner) -> None:
 
 
 @pytest.mark.parametrize("name", VLLM_FAULTS)
-def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, name: str) -> None:
+def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, fault_records: Path, name: str) -> None:
     from harness.faults import FAULTS
 
     _require_vllm()
     sc = fault_scenario(name, "vllm")
     assert validate(sc) is None
     rec = runner.run_scenario(sc)
-    embedded = run_once(runner, fault_scenario(name))  # the record test_faults.py made, when it ran
+    embedded = run_once(runner, fault_scenario(name), fault_records)  # the record test_faults.py made, if it ran
     assert rec.verdict == embedded.verdict == FAULTS[name].expect, (
         [c for c in rec.checks if not c["ok"]],
         [c for c in embedded.checks if not c["ok"]],
