@@ -77,7 +77,8 @@ class ForkedProcess:
     `wait`. Its exit status is what the fork server wrote to `status_path` once it reaped it; `poll` waits up to
     `STATUS_WAIT_S` for it once the process has ended, and answers None if it is still not written (a fork server
     held by a slow client). A process that ended without a status once its fork server has ended too (nobody reaps
-    it then), or `STATUS_LOST_S` after its end, reads as -SIGKILL."""
+    it then) or the status's folder is gone (nowhere to write it), or `STATUS_LOST_S` after its end, reads as
+    -SIGKILL."""
 
     def __init__(self, pid: int, status_path: Path, fork_server_pid: int) -> None:
         self.pid, self.status_path = pid, status_path
@@ -104,13 +105,19 @@ class ForkedProcess:
         self._ended_at = self._ended_at or time.monotonic()
         deadline = time.monotonic() + STATUS_WAIT_S
         while self.returncode is None and time.monotonic() < deadline:
-            if self._reaper_gone():
-                break  # nobody reaps it now
+            if self._reaper_gone() or self._status_unwritable():
+                break  # nobody reaps it now, or its status has nowhere to go
             time.sleep(0.05)
             self.returncode = self._status()
-        if self.returncode is None and (self._reaper_gone() or time.monotonic() - self._ended_at > STATUS_LOST_S):
+        lost = self._reaper_gone() or self._status_unwritable() or time.monotonic() - self._ended_at > STATUS_LOST_S
+        if self.returncode is None and lost:
             self.returncode = -signal.SIGKILL
         return self.returncode
+
+    def _status_unwritable(self) -> bool:
+        """Whether the folder its status goes to is gone (something removed the temp folder that held it): the
+        fork server cannot write it there, so waiting `STATUS_LOST_S` for it is in vain."""
+        return not self.status_path.parent.is_dir()
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the process to end; returns its exit status. Without `timeout` it sleeps until the process has

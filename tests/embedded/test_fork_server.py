@@ -27,7 +27,7 @@ import pytest
 from harness_cli import sigint_not_ignored
 
 from reference_impl.engine.embedded.launcher import EngineProcess, EngineStartError
-from reference_impl.fork_client import ForkServerAddress
+from reference_impl.fork_client import STATUS_LOST_S, ForkServerAddress
 from reference_impl.fork_server import FORKED_LINE
 from reference_impl.models.checkpoint import make_checkpoint
 from reference_impl.models.registry import load_model
@@ -169,6 +169,13 @@ def test_a_forked_server_that_fails_or_is_killed_has_the_exit_status_of_a_new_in
         assert proc.proc is not None and proc.proc.poll() is None
         os.kill(proc.proc.pid, signal.SIGKILL)
         assert proc.proc.wait(10) == -signal.SIGKILL
+    # a status whose folder was removed (the server's temp folder) cannot come: the end reads as lost at once, not
+    # after STATUS_LOST_S (15 s; a test that removed the session's server temp root made every stop wait for it)
+    with _server(checkpoint, tmp_path / "unwritable.log", fork_server) as proc:
+        assert proc.proc is not None and proc.temp_dir is not None
+        shutil.rmtree(proc.temp_dir)
+        os.kill(proc.proc.pid, signal.SIGTERM)
+        assert proc.proc.wait(STATUS_LOST_S / 3) == -signal.SIGKILL
     # a status the fork server writes late (busy with a client that has not sent its request yet) is still read;
     # launched handling SIGINT, as from a terminal (from a pytest that ignores it, the server would ignore it too)
     with (
@@ -185,7 +192,7 @@ def test_a_forked_server_that_fails_or_is_killed_has_the_exit_status_of_a_new_in
 
 LAUNCHER = """
 import sys, time
-from reference_impl.fork_client import ForkServerAddress
+from reference_impl.fork_client import STATUS_LOST_S, ForkServerAddress
 from reference_impl.engine.embedded.launcher import EngineProcess
 proc = EngineProcess(sys.argv[2], 4321, sys.argv[3], fork_server=ForkServerAddress(sys.argv[1], sys.executable))
 proc.start(120)
