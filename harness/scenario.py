@@ -19,7 +19,7 @@ import itertools
 import re
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -286,7 +286,7 @@ def _field_value(term: str, key: str, value: str) -> object:
     True); `none` is None on a field that may be unset; text fields (and `id`, `group_key`) stay text.
 
     Raises:
-        ValueError: the field cannot take `value` (`tp=two`).
+        ValueError: the field cannot take `value` (`tp=two`, `syncs=0`: no scenario could have it).
     """
     field = Scenario.model_fields.get(key)
     if field is None:  # id, group_key
@@ -294,7 +294,8 @@ def _field_value(term: str, key: str, value: str) -> object:
     if value.lower() == "none" and type(None) in typing.get_args(field.annotation):
         return None
     try:
-        return TypeAdapter(field.annotation).validate_python(value)
+        bounded = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation  # its bounds
+        return TypeAdapter(bounded).validate_python(value)
     except ValidationError as e:
         raise ValueError(f"filter term {term!r}: {key}: {e.errors()[0]['msg'].lower()}") from None
 

@@ -148,6 +148,7 @@ def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, 
         ("tags=full-size", "select by tag with tag:NAME"),
         ("tp=two", "filter term 'tp=two': tp: input should be a valid integer"),
         ("colocate=maybe", "filter term 'colocate=maybe': colocate: input should be a valid boolean"),
+        ("syncs=0", "filter term 'syncs=0': syncs: input should be greater than or equal to 1"),
     ],
 )
 def test_a_filter_term_that_can_match_nothing_is_refused(expr: str, says: str) -> None:
