@@ -71,8 +71,10 @@ def _parser() -> argparse.ArgumentParser:
             )
         p.add_argument(
             "--filter",
+            action="append",  # given twice, both hold (argparse's default kept the last alone, in silence)
             default=None,
-            help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex",
+            help="space-separated terms, all must hold: key=value, tag:NAME, !tag:NAME, or an id regex; "
+            "given more than once, the terms of all",
         )
     soak = sub.add_parser("soak", help="one scenario for many syncs; resource growth per 100 syncs")
     add_soak_arguments(soak)
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     process by SIGINT (130 in a shell), Python's exit after the KeyboardInterrupt it raises again."""
     interrupts.install()
     args = _parser().parse_args(argv)
+    if getattr(args, "filter", None) is not None:
+        args.filter = " ".join(args.filter)
     try:
         commands = {"run": cmd_run, "list": cmd_list, "faults": cmd_faults, "report": cmd_report, "soak": cmd_soak}
         return commands[args.cmd](args)

@@ -152,7 +152,7 @@ def load_run(path: Path | str) -> RunTables:
     folder = Path(path)
     csv = folder / "summary.csv"
     if not csv.is_file():
-        what = "is a file" if folder.is_file() else "has no summary.csv"
+        what = "is a file" if folder.is_file() else "has no summary.csv" if folder.is_dir() else "does not exist"
         raise FileNotFoundError(f"{folder} {what}: pass a results/<run-id>/ folder")
     try:
         df = pd.read_csv(csv)

@@ -99,10 +99,13 @@ def ray_address_problem(address: str, timeout_s: float = 5.0) -> str | None:
         )
     host, sep, port = target.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")  # [::1]:6379
-    if "://" in target or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    port_ok = port.isascii() and port.isdigit() and 0 < int(port) < 65536  # not `²` or `٦٣٩٩`, which isdigit takes
+    if "://" in target or not sep or not host or not port_ok:
         return f"--ray-address {address!r} is no host:port of a Ray head (e.g. 127.0.0.1:6379), auto or ray://host:port"
     try:
         connection = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except UnicodeError as e:  # a host name no DNS label can hold (IDNA: over 63 characters)
+        return f"--ray-address {address!r}: {host!r} is no host name ({e}): give the Ray head's host:port"
     except OSError as e:
         return (
             f"nothing answers at --ray-address {address} ({e.strerror or e}): start Ray there "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import re
+import string
 import typing
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,6 +32,8 @@ SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 
 AXES = ("model", "tp", "pp", "ep", "colocate", "export_mode", "chunk_bytes", "engine", "engines", "engine_tp")
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB
+SUFFIX_CHARS = re.compile(r"[A-Za-z0-9._+=-]+")  # what a filled suffix may hold (`Scenario._suffix_is_one_level`)
+SUFFIX_MAX = 100
 # fields that count: YAML's true/false is refused there (`Scenario._no_bool`)
 WHOLE_NUMBERS = ("tp", "pp", "ep", "etp", "engines", "engine_tp", "syncs", "chunk_bytes", "seed", "engine_seed")
 
@@ -80,21 +83,35 @@ class Scenario(BaseModel):
 
     @model_validator(mode="after")
     def _suffix_is_one_level(self) -> Scenario:
-        """The suffix, its `{field}` placeholders filled, is the id's last level: an unknown placeholder or a
-        stray brace is refused here (not as a traceback when the id is first read), and so is a `/`, which
-        would add levels to the id and folders to the results."""
+        """The suffix, its `{field}` placeholders filled (`filled_suffix`), is the id's last level and part of
+        file names: a placeholder must be a bare field name (no attribute, index, conversion or format spec), and
+        the filled suffix at most `SUFFIX_MAX` characters of `SUFFIX_CHARS`, not `.` or `..` (a `/` would add
+        levels to the id, a space would split a filter term, a very long one overflows a file name)."""
+        fields = set(Scenario.model_fields) - {"suffix"}
         try:
-            suffix = self.suffix.format(**self.model_dump(exclude={"suffix"}))
-        except KeyError as e:
-            fields = sorted(set(Scenario.model_fields) - {"suffix"})
-            raise ValueError(
-                f"suffix {self.suffix!r}: {{{e.args[0]}}} names no scenario field: use one of {fields}"
-            ) from None
-        except (ValueError, IndexError) as e:
-            raise ValueError(f"suffix {self.suffix!r}: {e} (write a literal brace as {{{{ or }}}})") from None
+            parts = list(string.Formatter().parse(self.suffix))
+        except ValueError as e:
+            raise ValueError(f"suffix {self.suffix!r}: {e}: a placeholder is {{NAME}}, a scenario field") from None
+        for _, name, spec, conversion in parts:
+            if name is not None and (name not in fields or spec or conversion):
+                raise ValueError(
+                    f"suffix {self.suffix!r}: {{{name}{'!' + conversion if conversion else ''}"
+                    f"{':' + spec if spec else ''}}} is no bare field name: write {{NAME}} with one of {sorted(fields)}"
+                )
+        suffix = self.filled_suffix
         if "/" in suffix:
             raise ValueError(f"suffix {suffix!r} has a '/', which would add levels to the id: join its words with '-'")
+        if self.suffix and (not SUFFIX_CHARS.fullmatch(suffix) or suffix in (".", "..") or len(suffix) > SUFFIX_MAX):
+            raise ValueError(
+                f"suffix {suffix!r} must be 1 to {SUFFIX_MAX} letters, digits or . _ + = - (not . or ..): it is the "
+                "id's last level and part of the records' file names"
+            )
         return self
+
+    @property
+    def filled_suffix(self) -> str:
+        """The suffix with its `{field}` placeholders filled, e.g. `chunk-65536` for `chunk-{chunk_bytes}`."""
+        return self.suffix.format(**self.model_dump(exclude={"suffix"}))
 
     @property
     def id(self) -> str:
@@ -108,7 +125,7 @@ class Scenario(BaseModel):
         if self.engine != DEFAULT_ENGINE:  # another engine leads: `vllm/qwen3/tp2-pp1/noncolocate/raw`
             parts.insert(0, self.engine)
         if self.suffix:
-            parts.append(self.suffix.format(**self.model_dump(exclude={"suffix"})))
+            parts.append(self.filled_suffix)
         return "/".join(parts)
 
     @property
@@ -167,9 +184,10 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
     if path.is_dir():
         raise ValueError(f"matrix {str(path)!r} is a folder: pass a YAML file in it, or one of {names}")
     try:
-        entries = yaml.safe_load(path.read_text())
+        entries = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+        where = str(e).replace(' in "<unicode string>",', " at")  # the file is named first
+        raise ValueError(f"{path}: not valid YAML: {' '.join(where.split())}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from None
     if not entries:
@@ -183,6 +201,22 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
     if dupes:
         raise ValueError(f"{path.name}: scenario ids appear twice, add a suffix: {dupes}")
     return scenarios
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (`{tp: 1, tp: 2}`: the last one silently
+    won, and the scenario ran at TP 2)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in one entry: keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 MATRIX_SHAPE = "a matrix is a list of entries, each a mapping of fields: `- {model: qwen3, tp: [1, 2]}`"
@@ -216,7 +250,7 @@ def _field_error(err: Any) -> str:
     with the nearest known one, a missing one, or the field, the rule and the value given."""
     field = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
-        near = difflib.get_close_matches(field, Scenario.model_fields, n=1)
+        near = difflib.get_close_matches(field.lower(), Scenario.model_fields, n=1)  # `TP:` is tp
         return f"{field} is no scenario field" + (f" (did you mean {near[0]}?)" if near else "")
     if err["type"] == "missing":
         return f"{field} is required"
@@ -245,9 +279,9 @@ def _is_key_value(term: str) -> bool:
     return bool(sep) and key.isidentifier()
 
 
-def _filter_terms(expr: str) -> list[tuple[bool, str, str, object]]:
-    """The terms of a filter, each as (negated, kind, key, value): kind `tag` (value: the tag), `field` (key and
-    the value read as the field's type, `_field_value`) or `regex` (value: the pattern).
+def _filter_terms(expr: str) -> list[tuple[str, bool, str, str, object]]:
+    """The terms of a filter, each as (term, negated, kind, key, value): kind `tag` (value: the tag), `field` (key
+    and the value read as the field's type, `_field_value`) or `regex` (value: the pattern).
 
     Raises:
         ValueError: a term that can only select nothing or all: a `key=value` whose key is no scenario field
@@ -264,35 +298,37 @@ def _filter_terms(expr: str) -> list[tuple[bool, str, str, object]]:
             )
         neg = t != term
         if t.startswith("tag:"):
-            terms.append((neg, "tag", "", t[4:]))
+            terms.append((term, neg, "tag", "", t[4:]))
         elif _is_key_value(t):
             key, value = t.split("=", 1)
             if key == "tags":
                 raise ValueError(f"filter term {term!r}: select by tag with tag:NAME (or !tag:NAME)")
             if key not in fields:
                 raise ValueError(f"filter term {term!r}: {key!r} is no scenario field: use one of {sorted(fields)}")
-            terms.append((neg, "field", key, _field_value(term, key, value)))
+            terms.append((term, neg, "field", key, _field_value(term, key, value)))
         else:
             try:
                 re.compile(t)
             except re.error as e:
                 raise ValueError(f"filter term {term!r} is neither key=value, tag:NAME nor a regex ({e})") from None
-            terms.append((neg, "regex", "", t))
+            terms.append((term, neg, "regex", "", t))
     return terms
 
 
 def _field_value(term: str, key: str, value: str) -> object:
     """`value` read as field `key` reads it in a matrix (pydantic's lax mode: `tp=02` is 2, `colocate=yes` is
-    True); `none` is None on a field that may be unset; text fields (and `id`, `group_key`) stay text.
+    True); `none` is a field's unset value (None, or "" for `group`, `suffix`, `group_key`, ...); text fields (and
+    `id`, `group_key`) stay text.
 
     Raises:
         ValueError: the field cannot take `value` (`tp=two`, `syncs=0`: no scenario could have it).
     """
     field = Scenario.model_fields.get(key)
+    unset = None if field is None else (None if type(None) in typing.get_args(field.annotation) else field.default)
+    if value.lower() == "none" and (key == "group_key" or unset in (None, "")):
+        return "" if key == "group_key" else unset  # unset: None, or "" for text (group, suffix, expect_note)
     if field is None:  # id, group_key
         return value
-    if value.lower() == "none" and type(None) in typing.get_args(field.annotation):
-        return None
     try:
         bounded = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation  # its bounds
         return TypeAdapter(bounded).validate_python(value)
@@ -307,19 +343,30 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
 
     Raises:
-        ValueError: a term that can only select nothing or all (`_filter_terms`).
+        ValueError: a term that can only select nothing or all (`_filter_terms`), or a `!` term that leaves out
+            none of `scenarios` (`!tag:fullsize` for `!tag:full-size` selected every scenario).
     """
     if not expr:
         return scenarios
     terms = _filter_terms(expr)
-    return [sc for sc in scenarios if all(_matches(sc, kind, key, value) != neg for neg, kind, key, value in terms)]
+    for term, neg, kind, key, value in terms:
+        if neg and scenarios and not any(_matches(sc, kind, key, value) for sc in scenarios):  # a typo, most likely
+            tags = sorted({t for sc in scenarios for t in sc.tags})
+            raise ValueError(
+                f"filter term {term!r} leaves out none of the {len(scenarios)} scenarios: check its spelling"
+                + ((f" (their tags: {', '.join(tags)})" if tags else " (they carry no tag)") if kind == "tag" else "")
+            )
+    return [sc for sc in scenarios if all(_matches(sc, kind, key, value) != neg for _, neg, kind, key, value in terms)]
 
 
 def _matches(sc: Scenario, kind: str, key: str, value: object) -> bool:
-    """Whether `sc` has the tag, the field value (text in any case) or an id the regex finds."""
+    """Whether `sc` has the tag, the field value (text in any case; a suffix as written or with its placeholders
+    filled) or an id the regex finds."""
     if kind == "tag":
         return value in sc.tags
-    if kind == "field":  # a field, or the id or group key
-        got = getattr(sc, key)
-        return got.lower() == value.lower() if isinstance(got, str) and isinstance(value, str) else got == value
+    if kind == "field":  # a field, or the id or group key; a suffix as written or filled (`chunk-65536`)
+        got = [sc.suffix, sc.filled_suffix] if key == "suffix" else [getattr(sc, key)]
+        return any(
+            g.lower() == value.lower() if isinstance(g, str) and isinstance(value, str) else g == value for g in got
+        )
     return re.search(value, sc.id) is not None

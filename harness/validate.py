@@ -41,8 +41,9 @@ def validate(sc: Scenario) -> str | None:
         spec = load_model(sc.model)
     except ModelEntryError as e:
         return str(e)
+    # what the scenario itself gets wrong first, then what this host lacks (a multi-GB cache of released weights)
     problem = (
-        _weights_problem(sc, spec) or _layout_problem(sc, spec) or _engine_tp_problem(sc, spec) or _fault_problem(sc)
+        _layout_problem(sc, spec) or _engine_tp_problem(sc, spec) or _fault_problem(sc) or _weights_problem(sc, spec)
     )
     if problem:
         return problem

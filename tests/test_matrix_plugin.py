@@ -98,4 +98,4 @@ def test_a_run_id_whose_folder_holds_an_earlier_run_is_a_collection_error(tmp_pa
 def test_a_baseline_that_is_no_run_is_a_collection_error(tmp_path: Path) -> None:
     # read at collection, not at the session's end, after every scenario ran
     proc = collect("scenarios", "--matrix", "cpu", "--results-dir", str(tmp_path), "--baseline", str(tmp_path / "no"))
-    assert proc.returncode == 2 and "no has no summary.csv: pass a results/<run-id>/ folder" in proc.stdout, proc.stdout
+    assert proc.returncode == 2 and "no does not exist: pass a results/<run-id>/ folder" in proc.stdout, proc.stdout

@@ -356,6 +356,11 @@ def test_a_folder_that_is_no_run_is_refused_naming_its_file(tmp_path: Path) -> N
         load_run(bad)
     with pytest.raises(FileNotFoundError, match=r"summary.csv is a file: pass a results/<run-id>/ folder"):
         load_run(bad / "summary.csv")
+    with pytest.raises(FileNotFoundError, match=r"bad/typo does not exist: pass a results/<run-id>/ folder"):
+        load_run(bad / "typo")
+    with pytest.raises(FileNotFoundError, match=r"bad has no summary.csv"):
+        (bad / "summary.csv").unlink()
+        load_run(bad)
     run = write_folder(tmp_path / "run", make_table(BASE_TIMES), make_env())
     assert main(["report", "--run", str(run), "--baseline", str(bad)]) == 2  # the error line, not a traceback
     assert main(["report", "--run", str(run), "--baseline", str(run), "--threshold", "1"]) == 2

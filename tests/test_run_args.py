@@ -99,11 +99,14 @@ def test_a_ray_address_where_no_grpc_server_listens_is_refused() -> None:
         with serving(reply) as port:
             problem = ray_address_problem(f"127.0.0.1:{port}", timeout_s=0.5) or ""
         assert problem.startswith(f"what answers at --ray-address 127.0.0.1:{port} is no Ray head"), (reply, problem)
-    for bad in ("nonsense", "localhost:99999", "http://127.0.0.1:6379", ":6379"):
+    for bad in ("nonsense", "localhost:99999", "http://127.0.0.1:6379", ":6379", "127.0.0.1:²", "127.0.0.1:٦٣٩٩"):
         assert "no host:port of a Ray head" in (ray_address_problem(bad) or ""), bad
     with serving(SERVER_PREFACE, socket.AF_INET6) as port:
         assert ray_address_problem(f"[::1]:{port}") is None
     assert ray_address_problem("auto") is None
+    long_label = "a" * 70  # IDNA refuses a label over 63 characters: a UnicodeError, not an OSError
+    problem = ray_address_problem(f"{long_label}:6379") or ""
+    assert problem.startswith(f"--ray-address '{long_label}:6379': '{long_label}' is no host name"), problem
 
 
 def test_a_ray_client_address_needs_rays_client_and_a_grpc_server(monkeypatch: pytest.MonkeyPatch) -> None:

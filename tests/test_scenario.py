@@ -48,6 +48,8 @@ def test_expand_is_a_product_over_list_axes() -> None:
     [
         ({"model": "qwen3", "tp": 3}, "TP 3 divides neither qwen3's 4 attention heads nor its 2 KV heads"),
         ({"model": "qwen3", "tp": 4}, "TP 4 does not divide qwen3's 2 KV heads (it divides its 4 attention heads)"),
+        # the layout is judged before the released weights are looked for (a multi-GB cache to set up first)
+        ({"model": "qwen3-4b", "tp": 3, "dtype": "bfloat16"}, "TP 3 divides neither qwen3-4b's 32 attention heads"),
         ({"model": "qwen3", "pp": 8}, "PP 8 is larger than qwen3's 4 layers"),
         ({"model": "qwen3", "pp": 3}, "PP 3 does not divide qwen3's 4 layers"),
         ({"model": "qwen3-vl", "pp": 3}, "first stage of qwen3-vl holds 2 text layers but the vision tower feeds 3"),
@@ -111,10 +113,19 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
         ("- {model: qwen3, syncs: true}\n", "entry 1: syncs: true is a yes/no, not a whole number"),
         ("- {model: qwen3, on: 1}\n", "entry 1: True is no field name (YAML read it as a bool): quote it"),
         ("- {model: qwen3, dtype: [float32, bfloat16]}\n", "dtype is given a list, and only model, tp, pp"),
+        ("- {model: qwen3, TP: 2}\n", "entry 1: TP is no scenario field (did you mean tp?)"),
+        ("- {model: qwen3, tp: 1, tp: 2}\n", "not valid YAML: 'tp' is given twice in one entry: keep one at line 1"),
         ("- {model: qwen3, tp: two}\n", "entry 1: tp: input should be a valid integer, unable to parse string"),
         ("- {model: qwen3, suffix: a/b}\n", "suffix 'a/b' has a '/', which would add levels to the id"),
-        ("- {model: qwen3, suffix: 'x-{tpp}'}\n", "suffix 'x-{tpp}': {tpp} names no scenario field: use one of"),
+        ("- {model: qwen3, suffix: 'x-{tpp}'}\n", "suffix 'x-{tpp}': {tpp} is no bare field name: write {NAME} with"),
         ("- {model: qwen3, suffix: 'x-{'}\n", "suffix 'x-{': Single '{' encountered in format string"),
+        # attribute, index and format spec: AttributeError, TypeError and MemoryError tracebacks
+        ("- {model: qwen3, suffix: '{tp.real}'}\n", "suffix '{tp.real}': {tp.real} is no bare field name"),
+        ("- {model: qwen3, suffix: '{model[0]}'}\n", "suffix '{model[0]}': {model[0]} is no bare field name"),
+        ("- {model: qwen3, suffix: '{tp:>999999999999}'}\n", "{tp:>999999999999} is no bare field name"),
+        ("- {model: qwen3, suffix: '{expect_note}'}\n", "suffix '' must be 1 to 100 letters, digits or . _ + = -"),
+        ("- {model: qwen3, suffix: '..'}\n", "suffix '..' must be 1 to 100 letters"),
+        ("- {model: qwen3, suffix: 'a b'}\n", "suffix 'a b' must be 1 to 100 letters"),
     ],
 )
 def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path, text: str, says: str) -> None:
@@ -149,6 +160,10 @@ def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, 
         ("tp=two", "filter term 'tp=two': tp: input should be a valid integer"),
         ("colocate=maybe", "filter term 'colocate=maybe': colocate: input should be a valid boolean"),
         ("syncs=0", "filter term 'syncs=0': syncs: input should be greater than or equal to 1"),
+        # a ! term that leaves out nothing: a typo of !tag:full-size selected every scenario, full-size rows too
+        ("!tag:fullsize", "filter term '!tag:fullsize' leaves out none of the 79 scenarios: check its spelling (their"),
+        ("!tags:full-size", "filter term '!tags:full-size' leaves out none of the 79 scenarios"),
+        ("tp=2 !model='qwen3'", "filter term \"!model='qwen3'\" leaves out none of the 79 scenarios"),
     ],
 )
 def test_a_filter_term_that_can_match_nothing_is_refused(expr: str, says: str) -> None:
@@ -183,6 +198,14 @@ def test_a_field_term_reads_its_value_as_the_matrix_does() -> None:
     assert [s.id for s in select(scenarios, "model=QWEN3-VL")] == [s.id for s in scenarios if s.model == "qwen3-vl"]
     unset = [s.id for s in scenarios if s.deadline_s is None]
     assert unset and [s.id for s in select(scenarios, "deadline_s=none")] == unset
+    ungrouped = [s.id for s in scenarios if not s.group]  # unset text: "" (none matched nothing there)
+    assert ungrouped and [s.id for s in select(scenarios, "group=none")] == ungrouped
+    assert [s.id for s in select(scenarios, "group_key=none")] == ungrouped
+    # a suffix as written or filled: chunk-{chunk_bytes} or chunk-65536
+    chunked = [s.id for s in scenarios if s.suffix == "chunk-{chunk_bytes}"]
+    assert len(chunked) > 1 and [s.id for s in select(scenarios, "suffix=chunk-{chunk_bytes}")] == chunked
+    first = next(s for s in scenarios if s.id == chunked[0])
+    assert [s.id for s in select(scenarios, f"suffix={first.filled_suffix}")] == [first.id]
 
 
 @pytest.mark.parametrize("name", available_models())
@@ -317,6 +340,12 @@ def test_list_says_when_the_filter_selects_none_and_refuses_faults_with_a_matrix
     from harness.cli import main
 
     assert main(["list", "--filter", "model=qwen3 tp=3"]) == 1
+    assert "no scenario of matrix 'cpu' matches filter 'model=qwen3 tp=3'" in capsys.readouterr().err
+    # --filter twice: the terms of both hold (argparse kept the last alone)
+    assert main(["list", "--filter", "tp=2", "--filter", "model=qwen3"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == [s.id for s in load_matrix("cpu") if s.tp == 2 and s.model == "qwen3"]
+    assert main(["list", "--filter", "model=qwen3", "--filter", "tp=3"]) == 1
     assert "no scenario of matrix 'cpu' matches filter 'model=qwen3 tp=3'" in capsys.readouterr().err
     assert main(["list", "--faults", "--filter", "no-such-fault"]) == 1
     assert "no fault scenario matches filter 'no-such-fault'" in capsys.readouterr().err
