@@ -205,11 +205,14 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (`{tp: 1, tp: 2}`: the last one silently
-    won, and the scenario ran at TP 2)."""
+    won, and the scenario ran at TP 2). A key that overrides one a merge key (`<<: *base`) brought in is no
+    repeat: that is what merging is for."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, typing.Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(

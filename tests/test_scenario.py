@@ -138,6 +138,14 @@ def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path,
         load_matrix(str(tmp_path))
 
 
+def test_a_key_a_merge_brought_in_may_be_overridden(tmp_path) -> None:
+    # YAML's merge key is no repeat: refusing repeated keys first broke `<<: *base` ("no constructor for merge")
+    path = tmp_path / "m.yaml"
+    path.write_text("- &base {model: qwen3, syncs: 2}\n- <<: *base\n  tp: 2\n- {<<: *base, colocate: true, syncs: 1}\n")
+    scenarios = load_matrix(str(path))
+    assert [(s.tp, s.colocate, s.syncs) for s in scenarios] == [(1, False, 2), (2, False, 2), (1, True, 1)]
+
+
 def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, monkeypatch) -> None:
     path = tmp_path / "m.yaml"
     path.write_bytes(b"\xff\xfe- {model: qwen3}\n")
