@@ -15,6 +15,7 @@ without launching anything).
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 import re
 import string
@@ -98,6 +99,9 @@ class Scenario(BaseModel):
                     f"suffix {self.suffix!r}: {{{name}{'!' + conversion if conversion else ''}"
                     f"{':' + spec if spec else ''}}} is no bare field name: write {{NAME}} with one of {sorted(fields)}"
                 )
+        unset = [name for _, name, _, _ in parts if name is not None and getattr(self, name) is None]
+        if unset:
+            raise ValueError(f"suffix {self.suffix!r}: {unset[0]} is unset here, so {{{unset[0]}}} would read None")
         suffix = self.filled_suffix
         if "/" in suffix:
             raise ValueError(f"suffix {suffix!r} has a '/', which would add levels to the id: join its words with '-'")
@@ -185,6 +189,8 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
         raise ValueError(f"matrix {str(path)!r} is a folder: pass a YAML file in it, or one of {names}")
     try:
         entries = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except RepeatedKeyError as e:
+        raise ValueError(f"{path}, {e}: keep one (YAML itself would keep the last in silence)") from None
     except yaml.YAMLError as e:
         where = str(e).replace(' in "<unicode string>",', " at")  # the file is named first
         raise ValueError(f"{path}: not valid YAML: {' '.join(where.split())}") from None
@@ -203,6 +209,10 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
     return scenarios
 
 
+class RepeatedKeyError(yaml.YAMLError):
+    """A key given twice in one mapping of a matrix file (`_UniqueKeyLoader`)."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (`{tp: 1, tp: 2}`: the last one silently
     won, and the scenario ran at TP 2). A key that overrides one a merge key (`<<: *base`) brought in is no
@@ -215,9 +225,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, typing.Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"{key!r} is given twice in one entry: keep one", key_node.start_mark
-                )
+                raise RepeatedKeyError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice in one mapping")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -261,6 +269,8 @@ def _field_error(err: Any) -> str:
     if not field:  # a rule over several fields (`Scenario._suffix_is_one_level`)
         return msg
     given = "" if err["type"] == "value_error" else f", not {err['input']!r}"
+    if err["type"] == "string_type":  # YAML read `1.2` or `2024-01-01` as a number or a date
+        given += " (quote it, as text)"
     return f"{field}: {msg[0].lower()}{msg[1:]}{given}{_number_hint(err['input'])}"
 
 
@@ -307,7 +317,11 @@ def _filter_terms(expr: str) -> list[tuple[str, bool, str, str, object]]:
             if key == "tags":
                 raise ValueError(f"filter term {term!r}: select by tag with tag:NAME (or !tag:NAME)")
             if key not in fields:
-                raise ValueError(f"filter term {term!r}: {key!r} is no scenario field: use one of {sorted(fields)}")
+                near = difflib.get_close_matches(key.lower(), fields, n=1)
+                hint = f"did you mean {near[0]}?" if near else f"use one of {sorted(fields)}"
+                raise ValueError(f"filter term {term!r}: {key!r} is no scenario field: {hint}")
+            if not value:
+                raise ValueError(f"filter term {term!r} gives {key} no value: write {key}=VALUE (none for unset)")
             terms.append((term, neg, "field", key, _field_value(term, key, value)))
         else:
             try:
@@ -339,6 +353,12 @@ def _field_value(term: str, key: str, value: str) -> object:
         raise ValueError(f"filter term {term!r}: {key}: {e.errors()[0]['msg'].lower()}") from None
 
 
+@functools.cache
+def committed_tags() -> frozenset[str]:
+    """Every tag of the committed matrices (`scenarios/*.yaml`)."""
+    return frozenset(t for p in SCENARIOS_DIR.glob("*.yaml") for sc in load_matrix(str(p)) for t in sc.tags)
+
+
 def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     """Filter scenarios by an expression: space-separated terms, all must hold.
 
@@ -346,18 +366,18 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
 
     Raises:
-        ValueError: a term that can only select nothing or all (`_filter_terms`), or a `!` term that leaves out
-            none of `scenarios` (`!tag:fullsize` for `!tag:full-size` selected every scenario).
+        ValueError: a term that can only select nothing or all (`_filter_terms`), or a tag that no scenario of
+            `scenarios` or of the committed matrices has (`!tag:fullsize` for `!tag:full-size` selected all).
     """
     if not expr:
         return scenarios
     terms = _filter_terms(expr)
-    for term, neg, kind, key, value in terms:
-        if neg and scenarios and not any(_matches(sc, kind, key, value) for sc in scenarios):  # a typo, most likely
-            tags = sorted({t for sc in scenarios for t in sc.tags})
+    known_tags = {t for sc in scenarios for t in sc.tags} | committed_tags()
+    for term, _, kind, _, value in terms:
+        if kind == "tag" and value not in known_tags:  # a typo: `!tag:fullsize` selected every scenario
             raise ValueError(
-                f"filter term {term!r} leaves out none of the {len(scenarios)} scenarios: check its spelling"
-                + ((f" (their tags: {', '.join(tags)})" if tags else " (they carry no tag)") if kind == "tag" else "")
+                f"filter term {term!r}: no scenario here or in scenarios/ has tag {value!r}: check its spelling "
+                f"(tags: {', '.join(sorted(known_tags))})"
             )
     return [sc for sc in scenarios if all(_matches(sc, kind, key, value) != neg for _, neg, kind, key, value in terms)]
 

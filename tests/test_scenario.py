@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from harness.faults import fault_scenarios
 from harness.scenario import SCENARIOS_DIR, Scenario, expand, load_matrix, select
 from harness.validate import validate
 from reference_impl.models.registry import available_models, check_scale_down_keeps_facts, load_model
@@ -114,7 +115,7 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
         ("- {model: qwen3, on: 1}\n", "entry 1: True is no field name (YAML read it as a bool): quote it"),
         ("- {model: qwen3, dtype: [float32, bfloat16]}\n", "dtype is given a list, and only model, tp, pp"),
         ("- {model: qwen3, TP: 2}\n", "entry 1: TP is no scenario field (did you mean tp?)"),
-        ("- {model: qwen3, tp: 1, tp: 2}\n", "not valid YAML: 'tp' is given twice in one entry: keep one at line 1"),
+        ("- {model: qwen3, tp: 1, tp: 2}\n", "m.yaml, line 1: 'tp' is given twice in one mapping: keep one"),
         ("- {model: qwen3, tp: two}\n", "entry 1: tp: input should be a valid integer, unable to parse string"),
         ("- {model: qwen3, suffix: a/b}\n", "suffix 'a/b' has a '/', which would add levels to the id"),
         ("- {model: qwen3, suffix: 'x-{tpp}'}\n", "suffix 'x-{tpp}': {tpp} is no bare field name: write {NAME} with"),
@@ -125,6 +126,8 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
         ("- {model: qwen3, suffix: '{tp:>999999999999}'}\n", "{tp:>999999999999} is no bare field name"),
         ("- {model: qwen3, suffix: '{expect_note}'}\n", "suffix '' must be 1 to 100 letters, digits or . _ + = -"),
         ("- {model: qwen3, suffix: '..'}\n", "suffix '..' must be 1 to 100 letters"),
+        ("- {model: qwen3, suffix: 'f-{fault}'}\n", "suffix 'f-{fault}': fault is unset here, so {fault} would read"),
+        ("- {model: qwen3, suffix: 1.2}\n", "suffix: input should be a valid string, not 1.2 (quote it, as text)"),
         ("- {model: qwen3, suffix: 'a b'}\n", "suffix 'a b' must be 1 to 100 letters"),
     ],
 )
@@ -159,7 +162,9 @@ def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, 
 @pytest.mark.parametrize(
     ("expr", "says"),
     [
-        ("modle=qwen3", "'modle' is no scenario field: use one of ['chunk_bytes'"),
+        ("modle=qwen3", "'modle' is no scenario field: did you mean model?"),
+        ("zzz=1", "'zzz' is no scenario field: use one of ['chunk_bytes'"),
+        ("tp=", "filter term 'tp=' gives tp no value: write tp=VALUE (none for unset)"),
         ("!modle=qwen3", "'modle' is no scenario field"),
         ("qwen3[", "is neither key=value, tag:NAME nor a regex (unterminated character set"),
         ("!!tag:full-size", "selects nothing or all"),
@@ -168,16 +173,23 @@ def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, 
         ("tp=two", "filter term 'tp=two': tp: input should be a valid integer"),
         ("colocate=maybe", "filter term 'colocate=maybe': colocate: input should be a valid boolean"),
         ("syncs=0", "filter term 'syncs=0': syncs: input should be greater than or equal to 1"),
-        # a ! term that leaves out nothing: a typo of !tag:full-size selected every scenario, full-size rows too
-        ("!tag:fullsize", "filter term '!tag:fullsize' leaves out none of the 79 scenarios: check its spelling (their"),
-        ("!tags:full-size", "filter term '!tags:full-size' leaves out none of the 79 scenarios"),
-        ("tp=2 !model='qwen3'", "filter term \"!model='qwen3'\" leaves out none of the 79 scenarios"),
+        # a tag no matrix has: a typo of !tag:full-size selected every scenario, full-size rows too
+        ("!tag:fullsize", "filter term '!tag:fullsize': no scenario here or in scenarios/ has tag 'fullsize': check"),
+        ("tp=2 tag:FULL-SIZE", "has tag 'FULL-SIZE': check its spelling (tags: engine-parallel, full-size, gpu"),
     ],
 )
 def test_a_filter_term_that_can_match_nothing_is_refused(expr: str, says: str) -> None:
     with pytest.raises(ValueError) as e:
         select(load_matrix("cpu"), expr)
     assert says in str(e.value), str(e.value)
+
+
+def test_a_tag_of_another_matrix_or_a_term_that_leaves_out_nothing_is_a_valid_filter() -> None:
+    # the filters a script applies to every matrix: a tag only the gpu matrix has, an engine a matrix lacks
+    cpu = load_matrix("cpu")
+    assert select(cpu, "!tag:gpu") == cpu and select(cpu, "!engine=vllm") == cpu and select(cpu, "!vllm") == cpu
+    faults = [s for e in fault_scenarios() for s in expand(e)]
+    assert select(faults, "!tag:full-size") == faults
 
 
 def test_a_regex_with_an_equals_sign_is_a_regex() -> None:
