@@ -298,8 +298,8 @@ def _filter_terms(expr: str) -> list[tuple[str, bool, str, str, object]]:
 
     Raises:
         ValueError: a term that can only select nothing or all: a `key=value` whose key is no scenario field
-            (`tags=` too: tags are selected with `tag:NAME`), an empty tag or term, a double `!`, a term that is
-            no regex, a value the field cannot take (`tp=two`); the message says what to write instead.
+            (`tags=` too: tags are selected with `tag:NAME`), an empty tag, term or value, a double `!`, a term
+            that is no regex, a value the field cannot take (`tp=two`); the message says what to write instead.
     """
     fields = {"id", "group_key", *Scenario.model_fields}
     terms = []
@@ -341,11 +341,12 @@ def _field_value(term: str, key: str, value: str) -> object:
         ValueError: the field cannot take `value` (`tp=two`, `syncs=0`: no scenario could have it).
     """
     field = Scenario.model_fields.get(key)
-    unset = None if field is None else (None if type(None) in typing.get_args(field.annotation) else field.default)
-    if value.lower() == "none" and (key == "group_key" or unset in (None, "")):
-        return "" if key == "group_key" else unset  # unset: None, or "" for text (group, suffix, expect_note)
-    if field is None:  # id, group_key
-        return value
+    if field is None:  # id, group_key: text ("" where there is no group)
+        return "" if key == "group_key" and value.lower() == "none" else value
+    if value.lower() == "none" and type(None) in typing.get_args(field.annotation):
+        return None
+    if value.lower() == "none" and field.default == "":  # unset text: group, suffix, expect_note
+        return ""
     try:
         bounded = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation  # its bounds
         return TypeAdapter(bounded).validate_python(value)
