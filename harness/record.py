@@ -13,6 +13,7 @@ its parameters).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -325,9 +326,9 @@ class RunRecord(BaseModel):
         )
 
     def save(self, path: Path) -> None:
-        """Write the record as JSON (atomically: temp file then rename)."""
+        """Write the record as JSON (atomically: a temp file of this process's own, then a rename)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
+        tmp = path.with_suffix(f".json.{os.getpid()}.tmp")  # two processes saving one record never share it
         tmp.write_text(self.model_dump_json(indent=1))
         tmp.replace(path)
 
