@@ -373,9 +373,11 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     if not expr:
         return scenarios
     terms = _filter_terms(expr)
-    known_tags = {t for sc in scenarios for t in sc.tags} | committed_tags()
-    for term, _, kind, _, value in terms:
-        if kind == "tag" and value not in known_tags:  # a typo: `!tag:fullsize` selected every scenario
+    tag_terms = [(term, value) for term, _, kind, _, value in terms if kind == "tag"]
+    # the committed matrices are read only for a filter that names a tag
+    known_tags = {t for sc in scenarios for t in sc.tags} | committed_tags() if tag_terms else set()
+    for term, value in tag_terms:
+        if value not in known_tags:  # a typo: `!tag:fullsize` selected every scenario
             raise ValueError(
                 f"filter term {term!r}: no scenario here or in scenarios/ has tag {value!r}: check its spelling "
                 f"(tags: {', '.join(sorted(known_tags))})"
