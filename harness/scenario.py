@@ -3,7 +3,7 @@
 A matrix file (`scenarios/<name>.yaml`) is a list of entries. An entry is one scenario, or several
 when some of its fields are lists (`tp: [1, 2]` expands to one scenario per value; the product over
 all list-valued axes). Every scenario gets a stable id that reads like a path:
-`[<engine>/]<model>/tp<T>-pp<P>[-ep<E>]/<noncolocate|colocate>[-engines<N>][-engine-tp<T>]/<raw|bridge>[/<suffix>]`
+`[<engine>/]<model>/tp<T>-pp<P>[-ep<E>][-etp<T>]/<noncolocate|colocate>[-engines<N>][-engine-tp<T>]/<raw|bridge>[/<suffix>]`
 (the engine only when it is not the embedded one, e.g. `vllm/qwen3/tp2-pp1/noncolocate/raw`; the engine
 replicas and the engine's own TP only when > 1, e.g. `qwen3/tp1-pp1/noncolocate-engines2/raw`).
 
@@ -82,6 +82,18 @@ class Scenario(BaseModel):
             raise ValueError(f"{value!r} is a yes/no, not a whole number")
         return value
 
+    @field_validator("model")
+    @classmethod
+    def _model_is_one_level(cls, value: str) -> str:
+        """The model is the id's first level (after a non-default engine): a registry name, never a path or a
+        Hugging Face repo id (`Qwen/Qwen3-0.6B` gave a CONFIG_ERROR row whose id had a level too many)."""
+        if not SUFFIX_CHARS.fullmatch(value) or value in (".", ".."):
+            raise ValueError(
+                f"{value!r} is no model name: name a model of scenarios/models/ (e.g. qwen3-0.6b), not a path or a "
+                "Hugging Face id"
+            )
+        return value
+
     @model_validator(mode="after")
     def _suffix_is_one_level(self) -> Scenario:
         """The suffix, its `{field}` placeholders filled (`filled_suffix`), is the id's last level and part of
@@ -121,6 +133,7 @@ class Scenario(BaseModel):
     def id(self) -> str:
         """Stable id, e.g. `qwen3-vl/tp2-pp2/noncolocate/bridge`."""
         layout = f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+        layout += f"-etp{self.etp}" if self.etp != 1 else ""  # entries that differ only in ETP get ids of their own
         placement = "colocate" if self.colocate else "noncolocate"
         placement += (f"-engines{self.engines}" if self.engines != 1 else "") + (
             f"-engine-tp{self.engine_tp}" if self.engine_tp != 1 else ""
@@ -299,7 +312,8 @@ def _filter_terms(expr: str) -> list[tuple[str, bool, str, str, object]]:
     Raises:
         ValueError: a term that can only select nothing or all: a `key=value` whose key is no scenario field
             (`tags=` too: tags are selected with `tag:NAME`), an empty tag, term or value, a double `!`, a term
-            that is no regex, a value the field cannot take (`tp=two`); the message says what to write instead.
+            that is no regex or a regex that begins `NAME:` (ids hold no ':'; `!tags:full-size` left out nothing), a
+            value the field cannot take (`tp=two`); the message says what to write instead.
     """
     fields = {"id", "group_key", *Scenario.model_fields}
     terms = []
@@ -328,6 +342,11 @@ def _filter_terms(expr: str) -> list[tuple[str, bool, str, str, object]]:
                 re.compile(t)
             except re.error as e:
                 raise ValueError(f"filter term {term!r} is neither key=value, tag:NAME nor a regex ({e})") from None
+            if re.match(r"[A-Za-z_][\w-]*:", t):  # `tags:full-size`, `tga:gpu`: a regex no id can match
+                raise ValueError(
+                    f"filter term {term!r} is a regex that no id can match (ids hold no ':'): select by tag with "
+                    "tag:NAME (or !tag:NAME)"
+                )
             terms.append((term, neg, "regex", "", t))
     return terms
 
@@ -364,7 +383,7 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     """Filter scenarios by an expression: space-separated terms, all must hold.
 
     A term is `key=value` (scenario field, e.g. `tp=2`, `export_mode=bridge`, `model=qwen3-vl`), `tag:NAME`,
-    `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id.
+    `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id, in any case.
 
     Raises:
         ValueError: a term that can only select nothing or all (`_filter_terms`), or a tag that no scenario of
@@ -387,7 +406,7 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
 
 def _matches(sc: Scenario, kind: str, key: str, value: object) -> bool:
     """Whether `sc` has the tag, the field value (text in any case; a suffix as written or with its placeholders
-    filled) or an id the regex finds."""
+    filled) or an id the regex finds (in any case: `Qwen3-VL` finds `qwen3-vl`)."""
     if kind == "tag":
         return value in sc.tags
     if kind == "field":  # a field, or the id or group key; a suffix as written or filled (`chunk-65536`)
@@ -395,4 +414,4 @@ def _matches(sc: Scenario, kind: str, key: str, value: object) -> bool:
         return any(
             g.lower() == value.lower() if isinstance(g, str) and isinstance(value, str) else g == value for g in got
         )
-    return re.search(value, sc.id) is not None
+    return re.search(value, sc.id, re.IGNORECASE) is not None  # in any case, as `key=value` compares text

@@ -129,6 +129,8 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
         ("- {model: qwen3, suffix: 'f-{fault}'}\n", "suffix 'f-{fault}': fault is unset here, so {fault} would read"),
         ("- {model: qwen3, suffix: 1.2}\n", "suffix: input should be a valid string, not 1.2 (quote it, as text)"),
         ("- {model: qwen3, suffix: 'a b'}\n", "suffix 'a b' must be 1 to 100 letters"),
+        # a repo id gave a CONFIG_ERROR row whose id had a level too many
+        ("- {model: Qwen/Qwen3-0.6B}\n", "entry 1: model: 'Qwen/Qwen3-0.6B' is no model name: name a model of"),
     ],
 )
 def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path, text: str, says: str) -> None:
@@ -176,6 +178,9 @@ def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, 
         # a tag no matrix has: a typo of !tag:full-size selected every scenario, full-size rows too
         ("!tag:fullsize", "filter term '!tag:fullsize': no scenario here or in scenarios/ has tag 'fullsize': check"),
         ("tp=2 tag:FULL-SIZE", "has tag 'FULL-SIZE': check its spelling (tags: engine-parallel, full-size, gpu"),
+        # a regex no id can match: `!tags:full-size` left out nothing
+        ("!tags:full-size", "filter term '!tags:full-size' is a regex that no id can match (ids hold no ':')"),
+        ("tga:gpu", "select by tag with tag:NAME"),
     ],
 )
 def test_a_filter_term_that_can_match_nothing_is_refused(expr: str, says: str) -> None:
@@ -195,6 +200,20 @@ def test_a_tag_of_another_matrix_or_a_term_that_leaves_out_nothing_is_a_valid_fi
 def test_a_regex_with_an_equals_sign_is_a_regex() -> None:
     raw = {s.id for s in load_matrix("cpu") if s.id.endswith("/raw")}
     assert raw and {s.id for s in select(load_matrix("cpu"), r"(?<=/)raw$")} == raw  # a lookbehind, not key=value
+
+
+def test_a_regex_term_is_searched_in_any_case_and_may_hold_a_colon_inside() -> None:
+    scenarios = load_matrix("cpu")
+    vl = [s.id for s in scenarios if s.model == "qwen3-vl"]
+    assert vl and [s.id for s in select(scenarios, "^Qwen3-VL/")] == vl  # key=value already compared in any case
+    raw_or_bridge = [s.id for s in scenarios if s.id.endswith(("/raw", "/bridge"))]
+    assert [s.id for s in select(scenarios, "/(?:raw|bridge)$")] == raw_or_bridge
+
+
+def test_entries_that_differ_only_in_expert_tp_get_ids_of_their_own() -> None:
+    one, two = (Scenario(model="qwen3-moe", tp=2, ep=2, etp=etp) for etp in (1, 2))
+    assert one.id == "qwen3-moe/tp2-pp1-ep2/noncolocate/raw"  # the committed ids stay as they are
+    assert two.id == "qwen3-moe/tp2-pp1-ep2-etp2/noncolocate/raw"
 
 
 def test_filters() -> None:
