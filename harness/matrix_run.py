@@ -51,10 +51,15 @@ class MatrixRun:
         argv: Sequence[str] | None = None,
         after_sync: SyncHook | None = None,
     ) -> None:
+        import ray
+
         from harness.driver_ray import descendants
         from harness.env import write_env
 
         self.before = {p.pid for p in descendants()}  # what ran before: never stopped by `close`
+        # A Ray already up in this process belongs to whoever started it (another run, a test session's runner):
+        # `close` leaves it and its engine servers' temp root alone.
+        self.owns_ray = not ray.is_initialized()
         if after_sync is None:  # every driver samples resources after each sync (RESOURCE_LEAK's record)
             from harness.soak import sample_resources
 
@@ -147,17 +152,18 @@ class MatrixRun:
         write_run_plots(df, self.out / "plots")
 
     def close(self) -> None:
-        """Stop every process the run started (engines and trainer pools, Ray, then the fork servers, whose
-        children are Ray workers that end with Ray, then whatever an interrupt in the middle of ray.init or a
-        launch left running: `harness.driver_ray.end_leftovers`), unlink the colocate segments those processes
-        made and left (`harness.shm.left_by`: a pool's kill cut short by a second signal left its sender's),
-        remove its engine servers' temp folders (`remove_server_temp_root`), write the run's end into env.json
-        (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots of every record (an
-        interrupt may have cut the last writes short). A signal meanwhile is held until all that has ended, then
-        raised (`harness.interrupts.held`); a second one raises at once, cutting short the step it lands in, and
-        every later step still runs (before, a second Ctrl-C during the close skipped the tables, so
-        `summary.md` did not say the run was interrupted, and left a segment in /dev/shm: 6 of 12 tries). The
-        first error a step raised is raised once all have run. Safe to call twice."""
+        """Stop every process the run started (engines and trainer pools, Ray unless it was up before the run, then
+        the fork servers, whose children are Ray workers that end with Ray, then whatever an interrupt in the middle
+        of ray.init or a launch left running: `harness.driver_ray.end_leftovers`), unlink the colocate segments
+        those processes made and left (`harness.shm.left_by`: a pool's kill cut short by a second signal left its
+        sender's), remove its engine servers' temp folders (`remove_server_temp_root`, again only when the run
+        started Ray: the folder is the process's, and the live servers of another run may still use it), write the
+        run's end into env.json (`harness.env.finish_env`), then the tables, `after_each`'s outputs and the plots
+        of every record (an interrupt may have cut the last writes short). A signal meanwhile is held until all
+        that has ended, then raised (`harness.interrupts.held`); a second one raises at once, cutting short the
+        step it lands in, and every later step still runs (before, a second Ctrl-C during the close skipped the
+        tables, so `summary.md` did not say the run was interrupted, and left a segment in /dev/shm: 6 of 12
+        tries). The first error a step raised is raised once all have run. Safe to call twice."""
         if self.closed:
             return
         self.closed = True
@@ -183,13 +189,14 @@ class MatrixRun:
 
         steps: list[Callable[[], object]] = [
             lambda: runner.close(fork_servers=False) if runner is not None else None,
-            shutdown_ray,
+            shutdown_ray if self.owns_ray else lambda: None,
             # the rank fork server waits for its children, Ray workers: with Ray down, idle ones end too
             lambda: runner.forks.stop() if runner is not None else None,
             lambda: end_leftovers(started),
             # what a rank ended before its pool's kill unlinked them left: all of the run's processes are gone now
             lambda: shm.unlink(shm.left_by(p.pid for p in started)),
-            remove_server_temp_root,  # what a server ended by a signal left in its temp folder
+            # what a server ended by a signal left in its temp folder; the root is the process's, kept while its Ray is
+            remove_server_temp_root if self.owns_ray else lambda: None,
             lambda: setattr(self, "env", finish_env(self.out)),
             tables_and_outputs,
         ]

@@ -237,18 +237,22 @@ def test_a_keyboard_interrupt_without_text_is_named_by_the_signal_delivered(monk
     assert "interrupted (Ctrl-C)" in named_again  # named once
 
 
-def _closing_without_ray(monkeypatch: pytest.MonkeyPatch, calls: list[str] | None = None) -> None:
+def _closing_without_ray(
+    monkeypatch: pytest.MonkeyPatch, calls: list[str] | None = None, ray_up_before: bool = False
+) -> None:
     """Stand-ins for what `MatrixRun`'s start and close touch outside this process: env.json's host calibration
-    and end, this process's Ray (the test session's other tests share it), its leftovers and its engine servers'
-    temp root (where the session runner's live servers keep their temp folders and exit statuses: removing it
-    made every later stop of one of them wait 16 s for a status that was never written). With `calls`, the Ray
-    and leftovers stand-ins append their step ("ray down", "leftovers")."""
+    and end, this process's Ray (the test session's other tests share it; `ray_up_before`: whether a run made now
+    finds it up), its leftovers and its engine servers' temp root (where the session runner's live servers keep
+    their temp folders and exit statuses: removing it made every later stop of one of them wait 16 s for a status
+    that was never written). With `calls`, the Ray, leftovers and temp-root stand-ins append their step ("ray
+    down", "leftovers", "temp root")."""
     note = calls.append if calls is not None else (lambda step: None)
     monkeypatch.setattr("harness.env.write_env", lambda *args, **kwargs: {})
     monkeypatch.setattr("harness.env.finish_env", lambda *args, **kwargs: {})
+    monkeypatch.setattr("ray.is_initialized", lambda: ray_up_before)
     monkeypatch.setattr("harness.driver_ray.shutdown_ray", lambda: note("ray down"))
     monkeypatch.setattr("harness.driver_ray.end_leftovers", lambda started: note("leftovers"))
-    monkeypatch.setattr("harness.driver_ray.remove_server_temp_root", lambda: None)
+    monkeypatch.setattr("harness.driver_ray.remove_server_temp_root", lambda: note("temp root"))
 
 
 def test_a_run_closed_by_an_interrupt_writes_its_tables_and_outputs_before_its_plots(
@@ -287,7 +291,26 @@ def test_a_run_stops_its_fork_servers_once_its_ray_is_down(monkeypatch: pytest.M
     run = MatrixRun([Scenario(model="qwen3")], tmp_path, "t")
     run.runner = runner
     run.close()
-    assert calls == ["runner (fork servers: False)", "ray down", "fork servers", "leftovers"]
+    assert calls == ["runner (fork servers: False)", "ray down", "fork servers", "leftovers", "temp root"]
+
+
+def test_a_run_leaves_a_ray_it_did_not_start_and_that_ray_s_server_temp_root(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Two runs in one process (a test session's runner and a run a test closes): the second's close shut the
+    # first's Ray down and removed the folder where its live engine servers keep their exit statuses.
+    from harness.matrix_run import MatrixRun
+
+    calls: list[str] = []
+    _closing_without_ray(monkeypatch, calls, ray_up_before=True)
+    runner = SimpleNamespace(
+        close=lambda fork_servers=True: calls.append(f"runner (fork servers: {fork_servers})"),
+        forks=SimpleNamespace(stop=lambda: calls.append("fork servers")),
+    )
+    run = MatrixRun([Scenario(model="qwen3")], tmp_path, "t")
+    run.runner = runner
+    run.close()
+    assert calls == ["runner (fork servers: False)", "fork servers", "leftovers"]  # its own processes only
 
 
 def test_a_signal_while_a_run_closes_is_held_until_it_has_closed(
@@ -311,7 +334,7 @@ def test_a_signal_while_a_run_closes_is_held_until_it_has_closed(
     monkeypatch.setattr(run, "write_plots", lambda df: calls.append("plots"))
     with pytest.raises(KeyboardInterrupt, match=r"signal 2 \(held until the cleanup ended\)"):
         run.close()
-    assert calls == ["engines and pools", "ray down", "fork servers", "leftovers", "after_each", "plots"]
+    assert calls == ["engines and pools", "ray down", "fork servers", "leftovers", "temp root", "after_each", "plots"]
     assert (tmp_path / "t" / "summary.md").exists()
 
 
@@ -364,7 +387,15 @@ def test_a_second_signal_while_a_run_closes_cuts_one_step_short_and_every_later_
         monkeypatch.setattr(run, "write_plots", lambda df: calls.append("plots"))
         with pytest.raises(KeyboardInterrupt, match=r"^signal 2$"):
             run.close()
-        assert calls == ["engines and pools", "ray down", "fork servers", "leftovers", "after_each", "plots"]
+        assert calls == [
+            "engines and pools",
+            "ray down",
+            "fork servers",
+            "leftovers",
+            "temp root",
+            "after_each",
+            "plots",
+        ]
         assert "**Interrupted by SIGINT**" in (tmp_path / "t" / "summary.md").read_text()
         assert not segment.exists()
     finally:
