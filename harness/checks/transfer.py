@@ -173,18 +173,34 @@ def _chunk_problem(sync: SyncRecord) -> str | None:
 
 def _wire_problem(record: RunRecord, sync: SyncRecord) -> str | None:
     """The sender's own account of a sync against the client's log of the calls on the wire: every chunk
-    recorded as received has one /update_weights call answered 200."""
+    recorded as received has one /update_weights call answered 200, and those calls carry the indexes of the
+    chunks recorded as received (a chunk counter never reset between syncs sent chunks 2, 3 at sync 1 while the
+    record said 0, 1). With several engines, `record` is one engine's view (`RunRecord.engine_view`)."""
     calls = [c for c in record.http if c.route == "/update_weights" and c.sync == sync.index]
     answered = sum(1 for c in calls if c.status == 200)
-    if answered == sync.chunks_received:
-        return None
-    indexes = {c.chunk for c in calls}
-    missing = next((c for c in sync.chunks if c.received and c.index not in indexes), None)
-    where = f" (first: chunk {missing.index}, {len(missing.names)} names)" if missing is not None else ""
-    return (
-        f"sync {sync.index}: the sender recorded {sync.chunks_received} chunks as received but the engine answered "
-        f"{answered} /update_weights calls with 200{where}"
-    )
+    if answered != sync.chunks_received:
+        indexes = {c.chunk for c in calls}
+        missing = next((c for c in sync.chunks if c.received and c.index not in indexes), None)
+        where = f" (first: chunk {missing.index}, {len(missing.names)} names)" if missing is not None else ""
+        return (
+            f"sync {sync.index}: the sender recorded {sync.chunks_received} chunks as received but the engine "
+            f"answered {answered} /update_weights calls with 200{where}"
+        )
+    on_wire = sorted(c.chunk for c in calls if c.status == 200 and c.chunk is not None)
+    recorded = sorted(c.index for c in sync.chunks if c.received)
+    if on_wire != recorded:
+        return (
+            f"sync {sync.index}: /update_weights calls answered 200 carry chunk indexes {_indexes(on_wire)}, but the "
+            f"sender's record has chunks {_indexes(recorded)} as received: the chunk index on the wire is not the "
+            "chunk's place in this sync's plan"
+        )
+    return None
+
+
+def _indexes(values: list[int]) -> str:
+    """`[0, 1, 2]`, or its first and last few (`[0, 1, 2, ..., 40, 41]`) when long."""
+    shown = values if len(values) <= 8 else [*values[:3], "...", *values[-2:]]
+    return "[" + ", ".join(str(v) for v in shown) + "]"
 
 
 def check_chunks(record: RunRecord) -> CheckResult:

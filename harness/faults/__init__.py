@@ -140,6 +140,14 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.wrong_dtype,
         ),
         Fault(
+            "chunk_index_not_reset",
+            "chunk indexes come from one counter never reset between syncs: the wire and the sender's record differ "
+            "from sync 1 on",
+            "CHUNK_MISMATCH",
+            {"model": "qwen3", **_SMALL},
+            trainer=trainer.chunk_index_not_reset,
+        ),
+        Fault(
             "gather_buffers_keyed_by_size",
             "the raw export's kept gather buffers are shared by parameters of one shape: each layer's gather "
             "overwrites the layer before it while its chunk still waits",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -160,6 +161,21 @@ def wrong_dtype() -> None:
         def update_info(chunk):  # type: ignore[no-untyped-def]
             info = orig(chunk)
             return dataclasses.replace(info, dtype_names=["bfloat16"] * len(info.dtype_names))
+
+        return update_info
+
+    seams.replace("update_info", make)
+
+
+def chunk_index_not_reset() -> None:
+    """The sender numbers chunks from one counter it never resets between syncs: sync 1's chunks go out as the
+    indexes after sync 0's last, while its own record numbers them from 0 (an engine that spots a sync's first or
+    last bucket by its index would misplace them)."""
+    sent = itertools.count()
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def update_info(chunk):  # type: ignore[no-untyped-def]
+            return dataclasses.replace(orig(chunk), chunk_index=next(sent))
 
         return update_info
 

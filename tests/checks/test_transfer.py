@@ -210,6 +210,22 @@ def test_chunk_recorded_as_received_without_its_call_on_the_wire_is_chunk_mismat
     )
 
 
+def test_chunk_indexes_on_the_wire_that_are_not_the_records_are_chunk_mismatch(record: RunRecord) -> None:
+    """A chunk counter never reset between syncs: sync 1 goes out as chunks 2 and 3 while the sender's record,
+    and every count, says chunks 0 and 1."""
+    calls = [c for c in record.http if c.route == "/update_weights" and c.sync == 1]
+    assert sorted(c.chunk for c in calls) == [0, 1]
+    assert verdict_of(record)[0] == "PASS"
+    for c in calls:
+        c.chunk += 2
+    verdict, message = verdict_of(record)
+    assert verdict == "CHUNK_MISMATCH"
+    assert message == (
+        "sync 1: /update_weights calls answered 200 carry chunk indexes [2, 3], but the sender's record has chunks "
+        "[0, 1] as received: the chunk index on the wire is not the chunk's place in this sync's plan"
+    )
+
+
 def test_second_transfer_group_init_names_both_ranks(record: RunRecord) -> None:
     init = next(c for c in record.http if c.route == "/init_weight_transfer_engine")
     init.rank = 0
