@@ -28,6 +28,15 @@ def test_cpu_matrix_holds_the_promised_rows() -> None:
         for placement in ("noncolocate", "colocate")
         for mode in ("raw", "bridge")
     }
+    # bfloat16 through the PP hand-off and the EP gather; the embedded engine's TP (with KV heads replicated
+    # at TP 4) and replicas: paths no other row runs
+    assert {
+        "qwen3/tp1-pp2/noncolocate/raw/bfloat16",
+        "qwen3-moe/tp1-pp2-ep2/colocate/raw/bfloat16",
+        "qwen3/tp1-pp1/noncolocate-engine-tp2/raw",
+        "qwen3/tp1-pp1/noncolocate-engine-tp4/raw",
+        "qwen3/tp1-pp1/noncolocate-engines2/raw",
+    } <= ids
     assert all(validate(s) is None for s in scenarios)
 
 
