@@ -331,11 +331,12 @@ MESSAGE_SAYS = {
     "planner_key_error": "raised KeyError",
     "second_init_from_pp_stage": "accepted 2 /init_weight_transfer_engine calls",
     "drop_last_chunk": "/update_weights calls with 200",
+    "chunk_index_not_reset": "calls answered 200 carry chunk indexes [",
     # gate, up, o_proj and down_proj of 3 of the 4 layers (q/k/v are copies the split makes; the last layer keeps)
     "gather_buffers_keyed_by_size": "12 of 46 tensors differ",
     "engine_dies_after_rejected_chunk": "the engine died after the failed sync",
     "engine_dies_in_clean_sync": "the engine died after the failed sync 2",
-    "no_prefix_cache_reset": "a cache (the prefix cache?) answered with the old weights",
+    "no_prefix_cache_reset": "so a cache (prefix or encoder) or a copy of the weights the generation",
     "encoder_cache_survives_update": "log-prob max |diff|",
     "weight_version_not_committed": "the engine reports weight version '0' after finishing version '1'",
     "duplicate_rank_offsets": "connect: /init_weight_transfer_engine in flight",
@@ -348,6 +349,8 @@ MESSAGE_SAYS = {
 # Checks a fault passes by design: what they compare agrees under it (so only the oracles that share no code
 # with the export can fail it).
 STILL_PASSES = {
+    # the weights, names and counts are all right: only the indexes on the wire are not the record's
+    "chunk_index_not_reset": ("parity_sent", "parity_expected", "coverage", "http_status", "names"),
     "gather_buffers_keyed_by_size": ("parity_sent", "parity_cross_mode"),
     # every sync then looks right: only the engine's weights before sync 0 show that sync 0 proved nothing
     "engine_starts_from_checkpoint": ("parity_sync0", "parity_expected", "coverage", "logprob_parity"),

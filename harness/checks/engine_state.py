@@ -107,7 +107,8 @@ def check_engine_caches(record: RunRecord) -> CheckResult:
                 f"tensor{'s' if len(wrong) > 1 else ''}, e.g. "
                 f"{wrong[0]!r}), so no cache is to blame for it yet"
                 if wrong
-                else "a cache (the prefix cache?) answered with the old weights"
+                else "the weights match it, so a cache (prefix or encoder) or a copy of the weights the generation "
+                "path keeps (a transposed lm_head, a fused buffer) answered with the old weights"
             )
             return failed(
                 name,
