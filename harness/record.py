@@ -180,6 +180,9 @@ class SyncRecord(SyncReport):
     # HF name -> checksum of the state every export must produce after this sync (`harness.oracles.expected`).
     expected_checksums: dict[str, str] = Field(default_factory=dict)
     perturbed: bool = True  # the trainer's weights changed since the previous sync (False: a re-sync)
+    # The harness's own clock: seconds from handing every rank its sync call to the last rank's report
+    # (`harness.session.ScenarioSession.sync`); None in records made before it was measured.
+    harness_s: float | None = None
     recovery: bool = False  # the clean sync after a failed one (`RunRecord.recovery`)
     engine_weight_version: str | None = None  # GET /weight_info after the finish (None: not asked)
     # The probe served through the engine's caches after this sync: generated token, its log-prob on the
@@ -199,6 +202,15 @@ class SyncRecord(SyncReport):
     # Several engine replicas: each one's part of this sync (the fields above are then all engines together
     # for the sender's account, and engine 0's for what the harness measured). Empty with one engine.
     engines: list[EngineSync] = Field(default_factory=list)  # type: ignore[assignment]
+
+    @property
+    def clocked_s(self) -> float:
+        """The sync's seconds on the harness's own clock (`harness_s`: the ranks' sync call, from handing it out
+        to the last report), less the hold-up of hashing what was sent for the record (`hashing_s`, which the
+        sender measures and leaves out of its own `total_s`); the trainer's `total_s` in records made before the
+        harness clocked syncs. What the summary's first and steady times are made of: a trainer timer that
+        leaves part of the sync out cannot shorten them."""
+        return self.total_s if self.harness_s is None else max(0.0, self.harness_s - self.hashing_s)
 
     def engine_view(self, engine: int) -> SyncRecord:
         """This sync as engine replica `engine` saw it: the sender's account of that engine and what the

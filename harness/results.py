@@ -1,18 +1,19 @@
 """Run records -> one pandas table -> summary.csv / summary.parquet / summary.md (env.json: `harness.env`).
 
-One row per record (scenario). Times come from the record's syncs: ``first_s`` is sync 0's wall time
-(engine starts from dummy weights), ``steady_s`` the median over the finished syncs >= 1, and each
-phase column (``gather_s`` ...) the median of that phase over the same syncs; ``steady_min_s`` and
-``steady_max_s`` are the fastest and slowest of those syncs (the run's own noise, which a regression
-report compares against). ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``. ``bound_s`` is the
-same-run bound of the last sync (``bound_gather_s + bound_wire_s``: the bare all-gathers, hand-offs and
-chunk transfers of the same bytes over the same groups, `reference_impl.transport.bound`) and
-``bound_max_s`` the same sum of the slowest repeats (the bound's own noise; NaN in records without them),
-and
-``efficiency`` is ``bound_s / steady_s`` (1.0: the reference path costs what its bare collectives cost;
-NaN where no bound was measured: vLLM, faults, failed syncs). ``phases_sum_s`` is the median over the
-same syncs of the sum of their phases: the sender exports while earlier chunks are on the wire
-(`reference_impl.transport.sync`), so ``phases_sum_s - steady_s`` is the time the overlap saved. The
+One row per record (scenario). Times come from the record's syncs, on the harness's own clock
+(`SyncRecord.clocked_s`, never the trainer's timer alone): ``first_s`` is sync 0's wall time (engine starts
+from dummy weights), ``steady_s`` the median over the finished syncs >= 1; ``steady_min_s`` and
+``steady_max_s`` are the fastest and slowest of those syncs (the run's own noise, which a regression report
+compares against), ``steady_reported_s`` the median the trainer's own timer gives (a row where it falls well
+short is named in summary.md: `harness.timers`), and each phase column (``gather_s`` ...) the median of that
+phase, as the trainer times it, over the same syncs. ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``.
+``bound_s`` is the same-run bound of the last sync (``bound_gather_s + bound_wire_s``: the bare all-gathers,
+hand-offs and chunk transfers of the same bytes over the same groups, `reference_impl.transport.bound`) and
+``bound_max_s`` the same sum of the slowest repeats (the bound's own noise; NaN in records without them), and
+``efficiency`` is ``bound_s / steady_s`` (1.0: the reference path costs what its bare collectives cost; NaN
+where no bound was measured: vLLM, faults, failed syncs). ``phases_sum_s`` is the median over the same syncs
+of the sum of their phases: the sender exports while earlier chunks are on the wire
+(`reference_impl.transport.sync`), so ``phases_sum_s - steady_s`` is about the time the overlap saved. The
 verdict is re-derived from the record by `harness.checks`.
 
 ``summary.md`` holds the table a PR author pastes (Model | TP | EP | PP | colocate | mode | first (s)
@@ -46,6 +47,7 @@ from harness.markdown import fmt_sci as _fmt_sci
 from harness.markdown import markdown_table as markdown_table
 from harness.record import PHASES, WALL_PARTS, RunRecord, SyncRecord
 from harness.side_by_side import ENGINE_COMPARISON_NOTE, engine_comparison, export_mode_lines
+from harness.timers import timer_lines
 from reference_impl.engine import DEFAULT_ENGINE
 
 PHASE_COLUMNS: tuple[str, ...] = tuple(f"{phase}_s" for phase in PHASES)
@@ -69,6 +71,7 @@ COLUMNS: tuple[str, ...] = (
     "steady_s",
     "steady_min_s",
     "steady_max_s",
+    "steady_reported_s",
     "steady_gbps",
     "bound_gather_s",
     "bound_wire_s",
@@ -177,8 +180,8 @@ def record_row(record: RunRecord) -> dict[str, Any]:
 
     steady = _steady_syncs(record)
     sync0 = next((s for s in record.syncs if s.index == 0), None)
-    first_s = sync0.total_s if sync0 is not None and sync0.finished else _NAN
-    steady_s = _median([s.total_s for s in steady])
+    first_s = sync0.clocked_s if sync0 is not None and sync0.finished else _NAN
+    steady_s = _median([s.clocked_s for s in steady])
     sized = steady or [s for s in record.syncs if s.finished] or record.syncs
     bytes_per_sync = int(statistics.median([s.bytes for s in sized])) if sized else 0
     gbps = bytes_per_sync / steady_s / 1e9 if steady_s and not math.isnan(steady_s) else _NAN
@@ -202,8 +205,9 @@ def record_row(record: RunRecord) -> dict[str, Any]:
         "chunks": int(chunks),
         "first_s": first_s,
         "steady_s": steady_s,
-        "steady_min_s": min((s.total_s for s in steady), default=_NAN),
-        "steady_max_s": max((s.total_s for s in steady), default=_NAN),
+        "steady_min_s": min((s.clocked_s for s in steady), default=_NAN),
+        "steady_max_s": max((s.clocked_s for s in steady), default=_NAN),
+        "steady_reported_s": _median([s.total_s for s in steady]),
         "steady_gbps": gbps,
         **bound_columns(record, steady_s),
     }
@@ -363,6 +367,7 @@ def summary_markdown(
         lines += ["## Engines side by side", "", ENGINE_COMPARISON_NOTE, ""]
         lines += [markdown_table(list(pairs.columns), pairs.astype(str).values.tolist()), ""]
     lines += export_mode_lines(df)
+    lines += timer_lines(df)
     lines += wall_lines(df)
     lines += ["## Not passing", ""]
     failing = df[df["verdict"] != "PASS"] if len(df) else df

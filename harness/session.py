@@ -294,9 +294,12 @@ class ScenarioSession:
             with self.checking():
                 for checker in self.checkers:
                     checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
+        t0 = time.perf_counter()
         refs = [a.sync.remote(index, index, sc.export_mode, sc.chunk_bytes) for a in self.pool.actors]
-        sync = merge_sync(index, self.get(refs, self.deadline, f"sync {index}"), self.record)
-        sync.perturbed = perturbed
+        reports = self.get(refs, self.deadline, f"sync {index}")
+        harness_s = time.perf_counter() - t0
+        sync = merge_sync(index, reports, self.record)
+        sync.perturbed, sync.harness_s = perturbed, harness_s
         self.record.syncs.append(sync)  # before the engine is asked anything more: nothing of it is lost
         with self.checking():
             # The expected state's checksums once the ranks are done, never while they sync: this process

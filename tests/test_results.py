@@ -111,6 +111,37 @@ def test_summarize_numbers_by_hand(records: list[RunRecord]) -> None:
     assert set(PHASES) == {c.removesuffix("_s") for c in COLUMNS if c.removesuffix("_s") in PHASES}
 
 
+def test_times_are_the_harness_clock_and_a_trainer_timer_that_leaves_the_export_out_is_named(
+    tmp_path: Path, records: list[RunRecord]
+) -> None:
+    # A sync timer started after the export: the trainer said 0.040 s where the harness clocked 0.097 s, and a
+    # report against a baseline called it 2.67x faster.
+    raw, bridge = records
+    for s, harness_s in zip(raw.syncs, [2.1, 0.9, 1.3, 1.0], strict=True):
+        s.harness_s, s.hashing_s = harness_s, 0.1  # the trainer's total_s: 2.0, 0.5, 0.7, 0.6
+    for s in bridge.syncs:  # a timer that covers the sync: the call's own cost apart, the same time
+        s.harness_s, s.hashing_s = s.total_s + 0.012, 0.0
+    df = summarize(records).set_index("export_mode")
+    assert df.loc["raw", "first_s"] == pytest.approx(2.0)  # 2.1 - 0.1 of hashing what was sent
+    assert df.loc["raw", "steady_s"] == pytest.approx(0.9)  # median(0.8, 1.2, 0.9)
+    assert (df.loc["raw", "steady_min_s"], df.loc["raw", "steady_max_s"]) == pytest.approx((0.8, 1.2))
+    assert df.loc["raw", "steady_reported_s"] == pytest.approx(0.6)  # median(0.5, 0.7, 0.6), the trainer's
+    assert df.loc["raw", "steady_gbps"] == pytest.approx(3.0 / 0.9)
+    assert df.loc["bridge", "steady_s"] == pytest.approx(1.262)
+    write_summary(summarize(records), tmp_path, "r", None)
+    md = (tmp_path / "summary.md").read_text()
+    section = md.split("## Trainer timers that leave part of the sync out")[1].split("##")[0]
+    assert "- `qwen3-vl/tp2-pp2/noncolocate/raw`: steady 0.900 s on the harness's clock, 0.600 s on the trainer's" in (
+        section
+    )
+    assert "bridge" not in section  # 12 ms apart: the call's own cost
+    for s in raw.syncs:  # records made before the harness clocked syncs: the trainer's time, and no section
+        s.harness_s = None
+    assert summarize(records).iloc[0]["steady_s"] == pytest.approx(0.6)
+    write_summary(summarize(records), tmp_path, "r2", None)
+    assert "Trainer timers" not in (tmp_path / "summary.md").read_text()
+
+
 def test_bound_and_efficiency_by_hand(records: list[RunRecord]) -> None:
     raw, bridge = records
     raw.bound = Bound(gather_s=0.15, wire_s=0.27, gather_repeats_s=[0.2, 0.15, 0.18], wire_repeats_s=[0.3, 0.4, 0.27])

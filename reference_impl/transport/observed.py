@@ -94,7 +94,8 @@ class SyncReport(BaseModel):
     chunks: list[ChunkRecord] = Field(default_factory=list)
     bytes: int = 0  # payload bytes sent in this sync
     phases: dict[str, float] = Field(default_factory=dict)
-    total_s: float = 0.0  # wall seconds from the first gather to the engine's finish answer
+    total_s: float = 0.0  # wall seconds from the first gather to the engine's finish answer, less `hashing_s`
+    hashing_s: float = 0.0  # seconds the hashing of what was sent held the sync up (left out of total_s)
     names_sent: list[str] = Field(default_factory=list)
     names_accepted: list[str] = Field(default_factory=list)
     names_rejected: dict[str, str] = Field(default_factory=dict)  # HF name -> engine's reason (GENERIC_REJECTION)

@@ -424,6 +424,7 @@ def run_sync(
         pass  # recorded in client.calls
     hashing = hashing_delay(done)
     res.total_s = time.perf_counter() - t_loop0 - hashing
+    res.hashing_s = hashing
     for sent in done:  # what was sent, as collected (hashed by the send thread once answered)
         if sent.entry.sent:
             res.sent_checksums.update(sent.checksums)
