@@ -28,6 +28,7 @@ from harness.driver_ray import ray_lost
 from harness.engines import EngineKey, EngineShelf, end_engines
 from harness.faults import FAULTS
 from harness.fork_servers import ForkServers
+from harness.oracles.digest import checkpoint_digests
 from harness.outcome import (
     OUT_OF_STEP_GRACE_S,
     ended_clean,
@@ -49,7 +50,7 @@ from reference_impl.engine import engine_kind
 from reference_impl.fork_client import ForkServerAddress
 from reference_impl.forward.hf import fixed_prompts
 from reference_impl.forward.prompts import probe_prompt
-from reference_impl.models.checkpoint import checkpoint_checksums, checkpoint_layout, make_checkpoint
+from reference_impl.models.checkpoint import checkpoint_layout, make_checkpoint
 from reference_impl.models.registry import load_model
 from reference_impl.transport.client import EngineClient
 from reference_impl.transport.observed import HttpCall, TensorLayout
@@ -204,7 +205,7 @@ class Runner:
         try:
             spec = load_model(sc.model)
             ckpt = make_checkpoint(spec, sc.seed, sc.dtype)
-            record.checkpoint_checksums = checkpoint_checksums(ckpt)
+            record.checkpoint_checksums = checkpoint_digests(ckpt)  # from the files' bytes
             record.checkpoint_layout = {
                 n: TensorLayout(shape=shape, dtype=dtype) for n, (shape, dtype) in checkpoint_layout(ckpt).items()
             }

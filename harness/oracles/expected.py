@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from reference_impl.checksum import tensor_checksum
+from harness.oracles.digest import tensor_digest
 from reference_impl.models.checkpoint import read_checkpoint
 from reference_impl.trainer.step import step
 
@@ -89,8 +89,8 @@ class ExpectedState:
         return self
 
     def checksums(self) -> dict[str, str]:
-        """HF name -> `tensor_checksum` of the current expected tensors."""
-        return self.kept("checksums", lambda: {name: tensor_checksum(t) for name, t in self.tensors.items()})
+        """HF name -> `harness.oracles.digest.tensor_digest` of the current expected tensors."""
+        return self.kept("checksums", lambda: {name: tensor_digest(t) for name, t in self.tensors.items()})
 
     def kept(self, what: Hashable, compute: Callable[[], T]) -> T:
         """`compute()` of this state, kept under (`key`, `what`) for the process's life (`what` must say

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from reference_impl.checksum import tensor_checksum
+from harness.oracles.digest import tensor_digest
 from reference_impl.models.checkpoint_views import checkpoint_tensors
 from reference_impl.models.families import model_family
 from reference_impl.models.hf_model import build_engine_model
@@ -21,7 +21,7 @@ from reference_impl.models.hf_model import build_engine_model
 
 @functools.lru_cache(maxsize=4)
 def fresh_engine_checksums(checkpoint: Path, seed: int) -> dict[str, str]:
-    """Checkpoint name -> `tensor_checksum` of that tensor in a fresh engine of `checkpoint` and `seed` (kept
+    """Checkpoint name -> `tensor_digest` of that tensor in a fresh engine of `checkpoint` and `seed` (kept
     for the last 4 pairs: a matrix starts every engine of one model with the same seed; a 0.6B model takes
     about 14 s to build and hash on a 2-core host).
 
@@ -32,4 +32,4 @@ def fresh_engine_checksums(checkpoint: Path, seed: int) -> dict[str, str]:
     model, model_type = build_engine_model(checkpoint, seed)
     params = dict(model.named_parameters())
     views = checkpoint_tensors(model_family(model_type).views, params)
-    return {name: tensor_checksum(ct.view(params[ct.param])) for name, ct in views.items()}
+    return {name: tensor_digest(ct.view(params[ct.param])) for name, ct in views.items()}

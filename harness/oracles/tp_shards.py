@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from reference_impl.checksum import tensor_checksum
+from harness.oracles.digest import tensor_digest
 
 PADDING = 64
 
@@ -72,5 +72,5 @@ def rank_shards(
 def expected_tp_checksums(
     tensors: Mapping[str, torch.Tensor], config: Mapping[str, object], tp: int
 ) -> dict[str, dict[str, str]]:
-    """TP rank (as a string) -> vLLM parameter name -> `tensor_checksum` of the shard that rank must hold."""
-    return {str(r): {n: tensor_checksum(t) for n, t in rank_shards(tensors, config, tp, r).items()} for r in range(tp)}
+    """TP rank (as a string) -> vLLM parameter name -> `tensor_digest` of the shard that rank must hold."""
+    return {str(r): {n: tensor_digest(t) for n, t in rank_shards(tensors, config, tp, r).items()} for r in range(tp)}

@@ -151,21 +151,6 @@ def make_checkpoint(spec: ModelSpec, seed: int, dtype: str = "float32", root: Pa
     return out
 
 
-def checkpoint_checksums(path: Path) -> dict[str, str]:
-    """HF name -> `checksum.tensor_checksum` of every tensor of a checkpoint folder, one tensor in memory
-    at a time (released 30B checkpoints do not fit twice)."""
-    from safetensors import safe_open
-
-    from reference_impl.checksum import tensor_checksum
-
-    out: dict[str, str] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():  # noqa: SIM118  (safe_open has no __iter__)
-                out[name] = tensor_checksum(fh.get_tensor(name))
-    return out
-
-
 def checkpoint_layout(path: Path) -> dict[str, tuple[list[int], str]]:
     """HF name -> (shape, dtype name) of every tensor of a checkpoint folder, read from the safetensors
     headers only (no tensor data)."""
