@@ -132,6 +132,7 @@ class EngineSync(EngineAccount):
     engine_checksums: dict[str, str] = Field(default_factory=dict)
     engine_tp_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
     engine_weight_version: str | None = None
+    served_weight_version: str | None = None
     probe: dict[str, Any] = Field(default_factory=dict)
     logprobs: dict[str, Any] = Field(default_factory=dict)
     logprobs_expected: dict[str, Any] = Field(default_factory=dict)
@@ -185,6 +186,9 @@ class SyncRecord(SyncReport):
     harness_s: float | None = None
     recovery: bool = False  # the clean sync after a failed one (`RunRecord.recovery`)
     engine_weight_version: str | None = None  # GET /weight_info after the finish (None: not asked)
+    # The weight version the engine's completion after this sync is tagged with (the probe's answer; None: the
+    # engine tags none, as vLLM, or no probe was served). Async RL drops or reweights rollouts by it.
+    served_weight_version: str | None = None
     # The probe served through the engine's caches after this sync: generated token, its log-prob on the
     # engine and under the expected state (`harness.session.ScenarioSession.measure_probe`).
     probe: dict[str, Any] = Field(default_factory=dict)
@@ -231,6 +235,7 @@ class SyncRecord(SyncReport):
                 "engine_checksums": dict(e.engine_checksums),
                 "engine_tp_checksums": {r: dict(v) for r, v in e.engine_tp_checksums.items()},
                 "engine_weight_version": e.engine_weight_version,
+                "served_weight_version": e.served_weight_version,
                 "probe": dict(e.probe),
                 "logprobs": dict(e.logprobs),
                 "logprobs_expected": dict(e.logprobs_expected),

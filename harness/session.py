@@ -54,6 +54,7 @@ ENGINE_MEASURED = (
     "engine_checksums",
     "engine_tp_checksums",
     "engine_weight_version",
+    "served_weight_version",
     "probe",
     "logprobs",
     "logprobs_expected",
@@ -381,7 +382,7 @@ class ScenarioSession:
         """Serve the probe prompt again after sync `index` (no prompt log-probs: the engine may answer from its
         prefix cache) and put its generated token's log-prob beside that token's log-prob under the
         expected state (`part.probe`): a cache that outlived the update answers with the old weights."""
-        token, engine = checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
+        token, engine, part.served_weight_version = checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
         sequence = Prompt([*self.probe, token])
         expected = self.oracle(
             "engine_caches", index, lambda: self._expected_view(PROBE_TEMPERATURE, [sequence])[0][-1]

@@ -36,6 +36,7 @@ in-place restart, which the next restart undoes):
 | `engine_validate` | the loader checks a chunk's names, dtypes and shapes before anything is loaded |
 | `engine_load` | the loader copies one validated chunk into the engine's parameters |
 | `engine_commit_version` | /finish_weight_update commits the new weight version |
+| `engine_complete` | the engine serves one completion (generated tokens, log-probs, the weight version it tags) |
 | `engine_session_start` | the loader's per-session reset at /start_weight_update |
 | `engine_tp_pieces` | which piece of a checkpoint tensor each of the engine's TP ranks keeps (vLLM's partition) |
 """
@@ -67,6 +68,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "engine_validate": ("reference_impl.engine.embedded.loader", "EngineLoader.validate"),
     "engine_load": ("reference_impl.engine.embedded.loader", "EngineLoader.load"),
     "engine_commit_version": ("reference_impl.engine.embedded.server", "EngineState.commit_version"),
+    "engine_complete": ("reference_impl.engine.embedded.completions", "CompletionEngine.complete"),
     "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),
     "engine_tp_pieces": ("reference_impl.models.vllm_tp", "pieces"),
 }

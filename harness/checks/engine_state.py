@@ -9,7 +9,9 @@ commits, and caches that must not outlive an update (PARITY_FAIL).
   that kept its weights hides, at every later sync, a tensor the update skipped.
 
 - `weight_version`: after every finished sync the engine reports (`GET /weight_info`) the version that
-  sync committed: rollouts tagged with another version are attributed to the wrong policy.
+  sync committed, and a completion it serves then is tagged with that version where the engine tags its
+  answers (the embedded engine, as SGLang's `meta_info`; vLLM's carry none): rollouts tagged with another
+  version are attributed to the wrong policy.
 - `engine_caches`: a probe prompt is served before a sync and again after it, without prompt log-probs
   (which skip vLLM's prefix cache, so they cannot see it); the generated token's log-prob after the sync
   must be what the expected state gives that token. A prefix cache that survived the update answers from
@@ -70,10 +72,12 @@ def check_engine_fresh(record: RunRecord) -> CheckResult:
 
 
 def check_weight_version(record: RunRecord) -> CheckResult:
-    """After every finished sync the engine's committed weight version is that sync's."""
+    """After every finished sync the engine's committed weight version is that sync's, and so is the version
+    its completions are tagged with, where they carry one."""
     name = "weight_version"
     read = [s for s in record.syncs if s.engine_weight_version is not None]
-    if not read:
+    served = [s for s in record.syncs if s.finished and s.served_weight_version is not None]
+    if not read and not served:
         return skipped(name, VERDICT, "the engine's weight version was not read back")
     for s in read:
         if s.engine_weight_version != str(s.weight_version):
@@ -82,6 +86,15 @@ def check_weight_version(record: RunRecord) -> CheckResult:
                 VERDICT,
                 f"sync {s.index}: the engine reports weight version {s.engine_weight_version!r} after finishing "
                 f"version {str(s.weight_version)!r}: its rollouts would be attributed to another policy",
+            )
+    for s in served:
+        if s.served_weight_version != str(s.weight_version):
+            return failed(
+                name,
+                VERDICT,
+                f"sync {s.index}: the engine's completions after finishing version {str(s.weight_version)!r} are "
+                f"tagged weight version {s.served_weight_version!r} (it reports {s.engine_weight_version!r}): "
+                "its rollouts would be attributed to another policy",
             )
     return passed(name, VERDICT)
 

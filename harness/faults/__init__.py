@@ -279,6 +279,13 @@ FAULTS: dict[str, Fault] = {
             engine=engine.weight_version_not_committed,
         ),
         Fault(
+            "completions_tagged_with_first_version",
+            "the engine commits every new version but tags its completions with the first one it served",
+            "PARITY_FAIL",
+            {"model": "qwen3", **_SMALL},
+            engine=engine.completions_tagged_with_first_version,
+        ),
+        Fault(
             "shm_segment_per_sync",
             "colocate: a new shared-memory segment per sync, the previous one closed but never unlinked",
             "RESOURCE_LEAK",

@@ -166,6 +166,23 @@ def weight_version_not_committed() -> None:
     seams.replace("engine_commit_version", lambda orig: lambda self, version: None)
 
 
+def completions_tagged_with_first_version() -> None:
+    """The engine tags every completion with the weight version of the first one it served (a tag taken once,
+    when the serving path was set up): /weight_info reports each new version, while the rollouts after an
+    update are attributed to the policy the engine started with."""
+    first: list[int] = []
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def complete(self, req, inputs, weight_version):  # type: ignore[no-untyped-def]
+            if not first:
+                first.append(weight_version)
+            return orig(self, req, inputs, first[0])
+
+        return complete
+
+    seams.replace("engine_complete", make)
+
+
 def tp_row_split_as_column() -> None:
     """The engine's TP ranks split the row-parallel layers (`o_proj`, `down_proj`) along their output rows
     instead of their input columns: each rank keeps a wrong piece, though the pieces still tile the tensor

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from wsh_vllm_plugin.auth import bearer_header
@@ -40,6 +40,15 @@ MAX_STORED_BODY = 4000  # characters of a non-200 body kept in `HttpCall.error`
 # (route, status, body, sent_names) -> what the engine refused; sent_names are the chunk's HF names for
 # /update_weights, empty otherwise. One per engine kind (`EngineKind.parse_rejections`).
 RejectionParser = Callable[[str, int, str, Sequence[str]], list[Rejection]]
+
+
+class Generated(NamedTuple):
+    """One generated token of `EngineClient.generate`: its id, its log-prob, and the weight version the
+    engine's answer is tagged with (as text; None where the answer carries none)."""
+
+    token: int
+    logprob: float
+    weight_version: str | None
 
 
 class EngineRejected(RuntimeError):
@@ -207,9 +216,11 @@ class EngineClient:
 
     def generate(
         self, prompt: list[int], temperature: float, image_url: str | None = None, sync: int | None = None
-    ) -> tuple[int, float]:
+    ) -> Generated:
         """POST /v1/completions with `max_tokens` 1 and `logprobs` 0 (no prompt log-probs, so an engine may
-        serve the prompt from its prefix cache) -> (the generated token id, its log-prob)."""
+        serve the prompt from its prefix cache) -> the generated token id, its log-prob, and the weight version
+        the answer is tagged with (None where the engine tags none: vLLM 0.34's /v1/completions answers carry
+        none; it tags spans of output tokens, `weight_versions`, on its token-in-token-out route only)."""
         body: dict[str, Any] = {
             "prompt": prompt,
             "max_tokens": 1,
@@ -220,8 +231,14 @@ class EngineClient:
         }
         if image_url is not None:
             body["multi_modal_data"] = {"image": image_url}
-        choice = self._post("/v1/completions", body, sync=sync)["choices"][0]
-        return int(choice["token_ids"][0]), float(choice["logprobs"]["token_logprobs"][0])
+        answer = self._post("/v1/completions", body, sync=sync)
+        choice = answer["choices"][0]
+        version = answer.get("weight_version")
+        return Generated(
+            int(choice["token_ids"][0]),
+            float(choice["logprobs"]["token_logprobs"][0]),
+            None if version is None else str(version),
+        )
 
     def health(self) -> int:
         """GET /health: the status code, 0 when no answer arrives (the call is not recorded as an HttpCall:

@@ -76,6 +76,7 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
     sync_records.append(resync)
     for sync in sync_records:  # what each finish committed, read back
         sync.engine_weight_version = str(sync.weight_version)
+        sync.served_weight_version = str(sync.weight_version)  # the probe's answer, tagged as the embedded engine's
     for s in range(syncs + 1):
         http += _session_calls(s)
     scenario_id = f"qwen3/tp1-pp1/noncolocate/{mode}"

@@ -67,8 +67,22 @@ def test_weight_version_not_committed_is_parity_fail(record: RunRecord) -> None:
 
 def test_weight_version_not_read_is_skipped(record: RunRecord) -> None:
     for s in record.syncs:
-        s.engine_weight_version = None
+        s.engine_weight_version = s.served_weight_version = None
     assert check_weight_version(record).skipped
+
+
+def test_completions_tagged_with_another_version_are_parity_fail(record: RunRecord) -> None:
+    # /weight_info says the new version, but the rollouts served after the update carry the first one
+    assert verdict_of(record)[0] == "PASS"
+    record.syncs[1].served_weight_version = "0"
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        "sync 1: the engine's completions after finishing version '2' are tagged weight version '0' (it reports "
+        "'2'): its rollouts would be attributed to another policy",
+    )
+    for s in record.syncs:  # an engine whose answers carry no version (vLLM's): nothing to judge there
+        s.served_weight_version = None
+    assert verdict_of(record)[0] == "PASS"
 
 
 def test_stale_prefix_cache_is_parity_fail_naming_the_probe(record: RunRecord) -> None:
