@@ -29,7 +29,7 @@ from harness.checks.base import (
     status_text,
 )
 from harness.checks.names import check_names
-from harness.record import ErrorRecord, RunRecord, SyncRecord
+from harness.record import ErrorRecord, HttpCall, RunRecord, SyncRecord
 
 
 def check_config(record: RunRecord) -> CheckResult:
@@ -105,8 +105,20 @@ def check_recovery(record: RunRecord) -> CheckResult:
         )
     if rec.clean_sync is not None and not rec.clean_sync_finished:
         why = f"{'the engines' if record.engine_count > 1 else 'the engine'} survived {after} but the clean sync "
-        return failed(name, "HTTP_ERROR", f"{why}{rec.clean_sync} did not run to its end")
+        refused = next((c for c in record.http if c.sync == rec.clean_sync and c.status != 200), None)
+        said = f": {_call_said(refused)}" if refused is not None else ""  # a bug every sync meets says what it is
+        return failed(name, "HTTP_ERROR", f"{why}{rec.clean_sync} did not run to its end{said}")
     return passed(name, "CRASH")
+
+
+def _call_said(call: HttpCall) -> str:
+    """A non-200 call in words: "sync S chunk C: /route answered status N: <its first rejection, or the stored
+    body>"."""
+    if call.rejections:
+        said = f": {describe(call.rejections[0], call.route)}{more(len(call.rejections) - 1, 'more rejected')}"
+    else:
+        said = f": {excerpt(call.error)}" if call.error else ""
+    return f"{prefix(call)}{call.route} answered {status_text(call.status)}{said}"
 
 
 def is_crash(record: RunRecord, err: ErrorRecord) -> bool:
@@ -133,13 +145,7 @@ def check_http_status(record: RunRecord) -> CheckResult:
     name, verdict = "http_status", "HTTP_ERROR"
     bad = [call for call in record.http if call.status != 200]
     if bad:
-        first = bad[0]
-        if first.rejections:
-            said = f": {describe(first.rejections[0], first.route)}{more(len(first.rejections) - 1, 'more rejected')}"
-        else:
-            said = f": {excerpt(first.error)}" if first.error else ""
-        answered = f"{first.route} answered {status_text(first.status)}"
-        return failed(name, verdict, f"{prefix(first)}{answered}{said}{more(len(bad) - 1, 'more non-200')}")
+        return failed(name, verdict, f"{_call_said(bad[0])}{more(len(bad) - 1, 'more non-200')}")
     rejected = [err for err in record.errors if err.type == ENGINE_REJECTED]
     if rejected:
         first_err = rejected[0]

@@ -259,6 +259,19 @@ def test_engine_that_survived_but_refuses_a_clean_sync_is_http_error(record: Run
     assert check_recovery(record).ok
 
 
+def test_a_clean_sync_the_engine_refused_says_what_it_refused(record: RunRecord) -> None:
+    # A bug every sync meets (an export that always sends a padded vocabulary): the recovery's message decides
+    # the HTTP_ERROR, and said only that the clean sync did not finish, not that the engine refused a shape.
+    reject_chunk(record, 1, 0, 400, [rejection(NAMES[0], "shape", "shape [504, 64] but the engine expects [503, 64]")])
+    record.recovery = RecoveryRecord(after_sync=0, health_status=200, completion_status=200, clean_sync=1)
+    verdict, message = verdict_of(record)
+    assert verdict == "HTTP_ERROR"
+    assert message == (
+        "the engine survived after the failed sync 0 but the clean sync 1 did not run to its end: sync 1 chunk 0: "
+        f"/update_weights answered status 400: shape of '{NAMES[0]}': shape [504, 64] but the engine expects [503, 64]"
+    )
+
+
 def test_rank_that_raised_because_the_engine_died_is_blamed_on_the_engine(record: RunRecord) -> None:
     """The engine dies while a chunk is on the wire: the sender's broadcast raises (gloo: "Read error") and the
     sync never returns. The session asks /health before giving up (`harness.recovery.engine_died`); the verdict
