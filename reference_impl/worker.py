@@ -113,7 +113,14 @@ class TrainerWorker:
         self.spec = load_model(setup.model)
         self.layout = init_model_parallel(setup.tp, setup.pp, setup.ep, setup.etp)
         self.model = build_model(
-            Path(setup.checkpoint), self.spec.model_type, setup.tp, setup.pp, setup.dtype, setup.ep, setup.etp
+            Path(setup.checkpoint),
+            self.spec.model_type,
+            setup.tp,
+            setup.pp,
+            setup.dtype,
+            setup.ep,
+            setup.etp,
+            pad_vocab=self.spec.pad_vocab,
         )
         self.convert_config = convert_config(self.spec, Path(setup.checkpoint))
         return {"rank": self.rank, "build_s": time.perf_counter() - t0, "layout": asdict(self.layout)}

@@ -75,6 +75,9 @@ class ModelSpec:
     scaled: bool
     changes: tuple[str, ...] = ()  # facts of the real model this entry changes on purpose
     hf_repo: str | None = None  # released weights from the local HF cache (`models.hf_cache`), not seeded
+    # The trainer pads its vocabulary as Megatron-LM does by default (`megatron_pad_vocab: true`): the export
+    # must drop the padding rows, and the trainer's log-probs must leave their columns out.
+    pad_vocab: bool = False
 
     @property
     def is_vl(self) -> bool:
@@ -158,6 +161,7 @@ def load_model(name: str, models_dir: Path = MODELS_DIR) -> ModelSpec:
         scaled=bool(rule),
         changes=tuple(entry.get("changes", ())),
         hf_repo=entry.get("hf_repo"),
+        pad_vocab=bool(entry.get("megatron_pad_vocab", False)),
     )
 
 

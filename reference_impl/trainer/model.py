@@ -54,7 +54,14 @@ def import_megatron() -> None:
 
 
 def build_model(
-    checkpoint: Path, model_type: str, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1
+    checkpoint: Path,
+    model_type: str,
+    tp: int,
+    pp: int,
+    dtype: str,
+    ep: int = 1,
+    etp: int = 1,
+    pad_vocab: bool = False,
 ) -> TrainerModel:
     """Build this rank's Megatron model shard for TP x PP (x EP x ETP) and load `checkpoint` into it.
 
@@ -84,6 +91,10 @@ def build_model(
     provider.fp16 = torch_dtype == torch.float16
     provider.sequence_parallel = False
     provider.use_cpu_initialization = not torch.cuda.is_available()
+    # Megatron-LM pads the vocabulary by default; Megatron-Bridge's provider only on request
+    # (`should_pad_vocab`): then to a multiple of `make_vocab_size_divisible_by` x TP, the rows past the
+    # checkpoint's vocabulary zero-filled at load (`ColumnParallelMapping.hf_to_megatron`, `_pad_right_dim0`).
+    provider.should_pad_vocab = pad_vocab
     for name in _FUSIONS_OFF:
         if hasattr(provider, name):
             setattr(provider, name, False)
