@@ -72,12 +72,28 @@ def test_parity_sent_skipped_on_vllm() -> None:
 
 def test_cross_mode_mismatch_is_parity_fail(record: RunRecord) -> None:
     record.cross_mode_checksums["raw"][NAMES[1]] = "gqa-wrong"
+    record.syncs[-1].expected_checksums = {}  # no expected state to settle which export is wrong
     verdict, message = verdict_of(record)
     assert verdict == "PARITY_FAIL"
     assert (
         message
         == f"raw vs bridge: '{NAMES[1]}' bridge export checksum s1-01 != raw export gqa-wrong (1 of 3 tensors differ)"
     )
+
+
+def test_a_cross_mode_mismatch_the_expected_state_puts_on_the_other_mode_is_that_modes_finding(
+    record: RunRecord,
+) -> None:
+    # The bridge export of Megatron-Bridge 0.6.2 keeps a padded vocabulary's rows: the raw scenarios' second
+    # export path then differed, and every raw row failed for the library's export.
+    assert record.scenario.export_mode == "bridge"
+    record.cross_mode_checksums["raw"][NAMES[1]] = "gqa-wrong"  # this record's bridge export equals the expected
+    result = check_parity_cross_mode(record)
+    assert result.skipped and result.reason.endswith(
+        "the bridge export equals the expected state, the raw export does not: a finding of the raw mode's scenarios"
+    )
+    record.cross_mode_checksums["bridge"][NAMES[0]] = "also-wrong"  # now this scenario's own export is wrong too
+    assert check_parity_cross_mode(record).failed
 
 
 def test_cross_mode_skipped_when_absent(record: RunRecord) -> None:
