@@ -36,7 +36,11 @@ def test_cpu_matrix_holds_the_promised_rows() -> None:
         "qwen3/tp1-pp1/noncolocate-engine-tp2/raw",
         "qwen3/tp1-pp1/noncolocate-engine-tp4/raw",
         "qwen3/tp1-pp1/noncolocate-engines2/raw",
+        "qwen3-padded-vocab/tp2-pp1/noncolocate/raw",
+        "qwen3-padded-vocab/tp2-pp1/noncolocate/bridge",
     } <= ids
+    # Megatron-Bridge 0.6.2 exports a padded vocabulary's rows: expected to fail until it trims them
+    assert next(s for s in scenarios if s.id == "qwen3-padded-vocab/tp2-pp1/noncolocate/bridge").expect == "HTTP_ERROR"
     assert all(validate(s) is None for s in scenarios)
 
 
