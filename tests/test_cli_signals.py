@@ -280,17 +280,7 @@ def test_a_run_stops_its_fork_servers_once_its_ray_is_down(monkeypatch: pytest.M
     # The rank fork server waits up to 10 s for its children, which are Ray workers; an interrupt in early
     # setup leaves an idle one that only Ray's shutdown ends, so stopping the fork servers first made such a run
     # wait the whole 10 s before Ray went down.
-    from harness.matrix_run import MatrixRun
-
-    calls: list[str] = []
-    _closing_without_ray(monkeypatch, calls)
-    runner = SimpleNamespace(
-        close=lambda fork_servers=True: calls.append(f"runner (fork servers: {fork_servers})"),
-        forks=SimpleNamespace(stop=lambda: calls.append("fork servers")),
-    )
-    run = MatrixRun([Scenario(model="qwen3")], tmp_path, "t")
-    run.runner = runner
-    run.close()
+    calls = _closed_run_steps(monkeypatch, tmp_path, ray_up_before=False)
     assert calls == ["runner (fork servers: False)", "ray down", "fork servers", "leftovers", "temp root"]
 
 
@@ -299,18 +289,23 @@ def test_a_run_leaves_a_ray_it_did_not_start_and_that_ray_s_server_temp_root(
 ) -> None:
     # Two runs in one process (a test session's runner and a run a test closes): the second's close shut the
     # first's Ray down and removed the folder where its live engine servers keep their exit statuses.
+    calls = _closed_run_steps(monkeypatch, tmp_path, ray_up_before=True)
+    assert calls == ["runner (fork servers: False)", "fork servers", "leftovers"]  # its own processes only
+
+
+def _closed_run_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ray_up_before: bool) -> list[str]:
+    """The steps a `MatrixRun`'s close took (`_closing_without_ray`'s, and its runner's and fork servers')."""
     from harness.matrix_run import MatrixRun
 
     calls: list[str] = []
-    _closing_without_ray(monkeypatch, calls, ray_up_before=True)
-    runner = SimpleNamespace(
+    _closing_without_ray(monkeypatch, calls, ray_up_before=ray_up_before)
+    run = MatrixRun([Scenario(model="qwen3")], tmp_path, "t")
+    run.runner = SimpleNamespace(
         close=lambda fork_servers=True: calls.append(f"runner (fork servers: {fork_servers})"),
         forks=SimpleNamespace(stop=lambda: calls.append("fork servers")),
     )
-    run = MatrixRun([Scenario(model="qwen3")], tmp_path, "t")
-    run.runner = runner
     run.close()
-    assert calls == ["runner (fork servers: False)", "fork servers", "leftovers"]  # its own processes only
+    return calls
 
 
 def test_a_signal_while_a_run_closes_is_held_until_it_has_closed(

@@ -79,23 +79,26 @@ def check_weight_version(record: RunRecord) -> CheckResult:
     served = [s for s in record.syncs if s.finished and s.served_weight_version is not None]
     if not read and not served:
         return skipped(name, VERDICT, "the engine's weight version was not read back")
-    for s in read:
-        if s.engine_weight_version != str(s.weight_version):
-            return failed(
-                name,
-                VERDICT,
-                f"sync {s.index}: the engine reports weight version {s.engine_weight_version!r} after finishing "
-                f"version {str(s.weight_version)!r}: its rollouts would be attributed to another policy",
-            )
-    for s in served:
-        if s.served_weight_version != str(s.weight_version):
-            return failed(
-                name,
-                VERDICT,
-                f"sync {s.index}: the engine's completions after finishing version {str(s.weight_version)!r} are "
-                f"tagged weight version {s.served_weight_version!r} (it reports {s.engine_weight_version!r}): "
-                "its rollouts would be attributed to another policy",
-            )
+    wrong = [
+        (
+            s,
+            f"the engine reports weight version {s.engine_weight_version!r} after finishing version "
+            f"{str(s.weight_version)!r}",
+        )
+        for s in read
+        if s.engine_weight_version != str(s.weight_version)
+    ] + [
+        (
+            s,
+            f"the engine's completions after finishing version {str(s.weight_version)!r} are tagged weight version "
+            f"{s.served_weight_version!r} (it reports {s.engine_weight_version!r})",
+        )
+        for s in served
+        if s.served_weight_version != str(s.weight_version)
+    ]
+    if wrong:
+        s, what = wrong[0]
+        return failed(name, VERDICT, f"sync {s.index}: {what}: its rollouts would be attributed to another policy")
     return passed(name, VERDICT)
 
 
