@@ -209,14 +209,36 @@ def _indexes(values: list[int]) -> str:
     return "[" + ", ".join(str(v) for v in shown) + "]"
 
 
+def _plan_problem(record: RunRecord, sync: SyncRecord) -> str | None:
+    """The sync's chunks as the plan makes them: indexes 0..n-1, each once (an off-by-one counter sent chunk 1
+    twice and chunk 0 never, with the record and the wire agreeing), and no chunk of several tensors over the
+    scenario's `chunk_bytes` (the plan's greedy rule: only a tensor larger than a chunk may stand alone over it;
+    a bucket over its limit is memory the receiver did not plan for)."""
+    indexes = sorted(c.index for c in sync.chunks)
+    if indexes != list(range(len(indexes))):
+        return (
+            f"sync {sync.index}: the sender's record has chunk indexes {_indexes(indexes)}, not 0 to "
+            f"{len(indexes) - 1} once each"
+        )
+    limit = record.scenario.chunk_bytes
+    over = next((c for c in sync.chunks if len(c.names) > 1 and c.bytes > limit), None)
+    if over is not None:
+        return (
+            f"sync {sync.index} chunk {over.index}: {over.bytes} bytes in {len(over.names)} tensors, over the "
+            f"scenario's chunk_bytes {limit} (only a single tensor larger than a chunk may exceed it)"
+        )
+    return None
+
+
 def check_chunks(record: RunRecord) -> CheckResult:
-    """Per sync: chunks planned == sent == received, every planned chunk is in the record, and the chunks
-    recorded as received match the /update_weights calls answered 200 on the wire."""
+    """Per sync: chunks planned == sent == received, every planned chunk is in the record, indexed 0..n-1 once
+    each and within `chunk_bytes` unless a single tensor, and the chunks recorded as received match the
+    /update_weights calls answered 200 on the wire."""
     name, verdict = "chunks", "CHUNK_MISMATCH"
     if not record.syncs:
         return skipped(name, verdict, "no sync recorded")
     for sync in record.syncs:
-        problem = _chunk_problem(sync) or _wire_problem(record, sync)
+        problem = _chunk_problem(sync) or _plan_problem(record, sync) or _wire_problem(record, sync)
         if problem:
             return failed(name, verdict, problem)
     return passed(name, verdict)

@@ -226,6 +226,39 @@ def test_chunk_indexes_on_the_wire_that_are_not_the_records_are_chunk_mismatch(r
     )
 
 
+def test_chunk_indexes_that_are_not_0_to_n_once_each_are_chunk_mismatch(record: RunRecord) -> None:
+    """An off-by-one counter: chunk 1 sent twice, chunk 0 never, the record and the wire agreeing."""
+    for c in record.syncs[1].chunks:
+        c.index = 1
+    for call in record.http:
+        if call.route == "/update_weights" and call.sync == 1:
+            call.chunk = 1
+    verdict, message = verdict_of(record)
+    assert (verdict, message) == (
+        "CHUNK_MISMATCH",
+        "sync 1: the sender's record has chunk indexes [1, 1], not 0 to 1 once each",
+    )
+
+
+def test_a_chunk_of_several_tensors_over_chunk_bytes_is_chunk_mismatch(record: RunRecord) -> None:
+    """The plan's greedy rule checked the size before adding a tensor: a bucket went over its limit."""
+    first = record.syncs[0].chunks[0]
+    assert len(first.names) > 1
+    record.scenario.chunk_bytes = first.bytes  # at the limit: fine
+    assert verdict_of(record)[0] == "PASS"
+    record.scenario.chunk_bytes = first.bytes - 1
+    assert verdict_of(record) == (
+        "CHUNK_MISMATCH",
+        f"sync 0 chunk 0: {first.bytes} bytes in {len(first.names)} tensors, over the scenario's chunk_bytes "
+        f"{first.bytes - 1} (only a single tensor larger than a chunk may exceed it)",
+    )
+    record.scenario.chunk_bytes = 1  # every chunk of several tensors is over it now; one tensor alone never is
+    for s in record.syncs:
+        for c in s.chunks:
+            c.names = c.names[:1]
+    assert verdict_of(record)[0] == "PASS"
+
+
 def test_second_transfer_group_init_names_both_ranks(record: RunRecord) -> None:
     init = next(c for c in record.http if c.route == "/init_weight_transfer_engine")
     init.rank = 0
