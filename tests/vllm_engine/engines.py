@@ -77,15 +77,19 @@ class Connected:
         )
         assert res.chunks_planned == len(plan)
         res.export_mode = "raw"
-        rec = self.record([(res, list(self.client.calls))], index)
+        rec = self.record([(res, list(self.client.calls))], index, chunk_bytes)
         if self.kind == "embedded":  # as the runner does: the embedded engine reports HF-name checksums
             rec.syncs[0].engine_checksums = self.client.checksums()
         return rec
 
-    def record(self, per_rank: list[tuple[SyncReport, list[HttpCall]]], index: int) -> RunRecord:
+    def record(
+        self, per_rank: list[tuple[SyncReport, list[HttpCall]]], index: int, chunk_bytes: int = BIG_CHUNK
+    ) -> RunRecord:
+        """The record of one sync as the runner makes it; its scenario carries the `chunk_bytes` the sync ran
+        with (the chunks check holds a chunk of several tensors to it)."""
         rec = RunRecord(
             scenario_id=f"{self.kind}/same-verdicts",
-            scenario=Scenario(model=self.model, engine=self.kind, syncs=1),
+            scenario=Scenario(model=self.model, engine=self.kind, syncs=1, chunk_bytes=chunk_bytes),
             requested_export_mode="raw",
             checkpoint_checksums={n: tensor_checksum(t) for n, t in checkpoint_tensors(self.checkpoint).items()},
             engine_capabilities=engine_kind(self.kind).capabilities,
