@@ -332,6 +332,8 @@ MESSAGE_SAYS = {
     "second_init_from_pp_stage": "accepted 2 /init_weight_transfer_engine calls",
     "drop_last_chunk": "/update_weights calls with 200",
     "chunk_index_not_reset": "calls answered 200 carry chunk indexes [",
+    "plan_skips_an_index": "the sender's record has chunk indexes [0, 1, 2, ..., 19, 21], not 0 to 20 once each",
+    "plan_overfills_a_chunk": "over the scenario's chunk_bytes 65536 (only a single tensor larger than a chunk",
     # gate, up, o_proj and down_proj of 3 of the 4 layers (q/k/v are copies the split makes; the last layer keeps)
     "gather_buffers_keyed_by_size": "12 of 46 tensors differ",
     "engine_dies_after_rejected_chunk": "the engine died after the failed sync",
@@ -352,6 +354,9 @@ MESSAGE_SAYS = {
 STILL_PASSES = {
     # the weights, names and counts are all right: only the indexes on the wire are not the record's
     "chunk_index_not_reset": ("parity_sent", "parity_expected", "coverage", "http_status", "names"),
+    # the plan's tensors all arrive: only its indexes, or one bucket's size, are not what the plan promises
+    "plan_skips_an_index": ("parity_sent", "parity_expected", "coverage", "http_status", "names"),
+    "plan_overfills_a_chunk": ("parity_sent", "parity_expected", "coverage", "http_status", "names"),
     # the weights and /weight_info are right: only the tag on what the engine serves is not
     "completions_tagged_with_first_version": ("parity_sent", "parity_expected", "logprob_parity", "engine_caches"),
     "gather_buffers_keyed_by_size": ("parity_sent", "parity_cross_mode"),

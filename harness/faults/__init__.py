@@ -150,6 +150,20 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.chunk_index_not_reset,
         ),
         Fault(
+            "plan_skips_an_index",
+            "the planner numbers the last chunk one past its place: indexes skip one, on the wire and in the record",
+            "CHUNK_MISMATCH",
+            {"model": "qwen3", "pp": 2, **_SMALL},
+            trainer=trainer.plan_skips_an_index,
+        ),
+        Fault(
+            "plan_overfills_a_chunk",
+            "the planner puts the last two chunks' tensors into one, over chunk_bytes",
+            "CHUNK_MISMATCH",
+            {"model": "qwen3", "pp": 2, **_SMALL},
+            trainer=trainer.plan_overfills_a_chunk,
+        ),
+        Fault(
             "gather_buffers_keyed_by_size",
             "the raw export's kept gather buffers are shared by parameters of one shape: each layer's gather "
             "overwrites the layer before it while its chunk still waits",

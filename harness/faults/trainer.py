@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from reference_impl import seams
+from reference_impl.transport.plan import Chunk
 
 
 def pp_barrier_in_chunk_loop() -> None:
@@ -180,6 +181,35 @@ def chunk_index_not_reset() -> None:
         return update_info
 
     seams.replace("update_info", make)
+
+
+def plan_skips_an_index() -> None:
+    """The planner numbers the last chunk one past its place (an off-by-one where it closes the plan): at PP 2
+    that chunk holds the last stage's tensors, so it comes from the plan, not from the chunks streamed while the
+    sender exported; the sync's indexes skip one and end at n, on the wire and in the record alike."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def plan_chunks(tensors, chunk_bytes):  # type: ignore[no-untyped-def]
+            chunks = orig(tensors, chunk_bytes)
+            return [*chunks[:-1], Chunk(chunks[-1].index + 1, chunks[-1].tensors)]
+
+        return plan_chunks
+
+    seams.replace("plan_chunks", make)
+
+
+def plan_overfills_a_chunk() -> None:
+    """The planner puts the last two chunks' tensors into one (a greedy rule that checked the size before adding
+    a tensor): at PP 2 both hold the last stage's tensors, and that chunk goes over `chunk_bytes`."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def plan_chunks(tensors, chunk_bytes):  # type: ignore[no-untyped-def]
+            chunks = orig(tensors, chunk_bytes)
+            return [*chunks[:-2], Chunk(chunks[-2].index, chunks[-2].tensors + chunks[-1].tensors)]
+
+        return plan_chunks
+
+    seams.replace("plan_chunks", make)
 
 
 def ipc_buffer_reused_early() -> None:
