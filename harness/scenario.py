@@ -33,8 +33,16 @@ SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 
 AXES = ("model", "tp", "pp", "ep", "colocate", "export_mode", "chunk_bytes", "engine", "engines", "engine_tp")
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB
-SUFFIX_CHARS = re.compile(r"[A-Za-z0-9._+=-]+")  # what a filled suffix may hold (`Scenario._suffix_is_one_level`)
+SUFFIX_CHARS = re.compile(r"[A-Za-z0-9._+=-]+")  # what one level of an id may hold (`one_level`)
 SUFFIX_MAX = 100
+
+
+def one_level(text: str) -> bool:
+    """Whether `text` can be one level of a scenario id and part of a file name: only `SUFFIX_CHARS`, and not
+    `.` or `..` (the model and a filled suffix are such levels)."""
+    return bool(SUFFIX_CHARS.fullmatch(text)) and text not in (".", "..")
+
+
 # fields that count: YAML's true/false is refused there (`Scenario._no_bool`)
 WHOLE_NUMBERS = ("tp", "pp", "ep", "etp", "engines", "engine_tp", "syncs", "chunk_bytes", "seed", "engine_seed")
 
@@ -87,7 +95,7 @@ class Scenario(BaseModel):
     def _model_is_one_level(cls, value: str) -> str:
         """The model is the id's first level (after a non-default engine): a registry name, never a path or a
         Hugging Face repo id (`Qwen/Qwen3-0.6B` gave a CONFIG_ERROR row whose id had a level too many)."""
-        if not SUFFIX_CHARS.fullmatch(value) or value in (".", ".."):
+        if not one_level(value):
             raise ValueError(
                 f"{value!r} is no model name: name a model of scenarios/models/ (e.g. qwen3-0.6b), not a path or a "
                 "Hugging Face id"
@@ -117,7 +125,7 @@ class Scenario(BaseModel):
         suffix = self.filled_suffix
         if "/" in suffix:
             raise ValueError(f"suffix {suffix!r} has a '/', which would add levels to the id: join its words with '-'")
-        if self.suffix and (not SUFFIX_CHARS.fullmatch(suffix) or suffix in (".", "..") or len(suffix) > SUFFIX_MAX):
+        if self.suffix and (not one_level(suffix) or len(suffix) > SUFFIX_MAX):
             raise ValueError(
                 f"suffix {suffix!r} must be 1 to {SUFFIX_MAX} letters, digits or . _ + = - (not . or ..): it is the "
                 "id's last level and part of the records' file names"
