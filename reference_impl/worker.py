@@ -163,6 +163,7 @@ class TrainerWorker:
                 call_log=self.trace_dir / f"rank{self.rank}.calls.jsonl" if self.trace_dir else None,
                 engine=i,
                 token=token,
+                pauses_generation=not kind.capabilities.refuses_completions_in_session,
             )
             for i, url in enumerate(urls)
         ]

@@ -28,6 +28,7 @@ class Client:
 
     session_open = False
     session_closed_by = ""
+    pauses_generation = False
 
     def start(self, sync: int, weight_version: int | None = None) -> Any:
         self.session_open = True
@@ -172,6 +173,61 @@ def test_chunks_queued_from_an_export_that_fails_are_not_sent() -> None:
     with pytest.raises(KeyError):
         one_rank_sync(export(), channel)
     assert [i for i, _, _ in channel.sent] == [0]
+
+
+class PausingClient(Client):
+    """A client of an engine that serves between chunks (vLLM): records the routes in the order called."""
+
+    pauses_generation = True
+
+    def __init__(self) -> None:
+        self.routes: list[str] = []
+
+    def pause(self, sync: int | None = None) -> Any:
+        self.routes.append("/pause")
+        return {}
+
+    def resume(self, sync: int | None = None) -> Any:
+        self.routes.append("/resume")
+        return {}
+
+    def start(self, sync: int, weight_version: int | None = None) -> Any:
+        self.routes.append("/start_weight_update")
+        return super().start(sync, weight_version)
+
+    def finish(self, sync: int, weight_version: int) -> Any:
+        self.routes.append("/finish_weight_update")
+        return super().finish(sync, weight_version)
+
+    def reset_prefix_cache(self, sync: int | None = None) -> Any:
+        self.routes.append("/reset_prefix_cache")
+        return {}
+
+
+def test_an_engine_that_serves_between_chunks_is_paused_around_the_whole_update() -> None:
+    client = PausingClient()
+    channel = Channel([], delay_s=0.0)
+    one_rank_sync(iter(tensors()), channel, client=client)
+    assert client.routes == [
+        "/pause",
+        "/start_weight_update",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
+    assert [i for i, _, _ in channel.sent] == [0, 1, 2, 3]  # 12 tensors of 1 KiB, 3 to a 3 KiB chunk
+
+
+def test_an_update_that_raised_still_resumes_the_engine() -> None:
+    client = PausingClient()
+
+    def export() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from tensors()[:2]
+        raise KeyError("model.layers.2.mlp.down_proj.weight")
+
+    with pytest.raises(KeyError):
+        one_rank_sync(export(), Channel([], delay_s=0.0), client=client)
+    assert client.routes == ["/pause", "/start_weight_update", "/resume"]
 
 
 def test_a_finished_send_thread_leaves_no_progress_line(tmp_path) -> None:  # type: ignore[no-untyped-def]

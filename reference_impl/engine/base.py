@@ -43,6 +43,11 @@ class Capabilities(BaseModel):
         tensor_parallel: can run with TP > 1 on the engine side.
         replicas: several engines of this kind can be fed by one transfer group.
         fault_hooks: loads a fault hook (`--fault MODULE:FUNCTION`) at start, for mutation tests.
+        refuses_completions_in_session: answers a completion with a refusal (409) while an update session is
+            open, never from half-updated weights (the embedded engine); the harness then asks for one
+            mid-session (`harness.mid_session`). vLLM 0.32 has no such refusal: it schedules requests between
+            chunks (one killed its engine core: layers not yet reloaded are on the meta device), so the sender
+            pauses its generation around every update (`EngineClient.pauses_generation`).
         restart_in_place: its server process can become a fresh engine of another checkpoint and seed
             without a new process (`ServerProcess.restart`), so a harness may reuse it across scenarios
             (on the placements `EngineKind.restartable` says; of the same model where the kind's
@@ -60,6 +65,7 @@ class Capabilities(BaseModel):
     replicas: bool = False
     fault_hooks: bool = False
     restart_in_place: bool = False
+    refuses_completions_in_session: bool = False
 
 
 WIRE_HARNESS = "harness"  # the harness's own protocol and wire format (wsh_vllm_plugin/protocol.py)

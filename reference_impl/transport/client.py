@@ -85,12 +85,16 @@ class EngineClient:
         engine: int = 0,
         token: str | None = None,
         image_prompts_via_chat: bool = False,
+        pauses_generation: bool = False,
     ) -> None:
         """`session_ends_on_error`: the engine closes its update session when a chunk fails (vLLM).
         `parse_rejections`: the engine kind's answer parser (`EngineKind.parse_rejections`). `engine`: which
         engine replica this client calls (recorded on every call). `token`: the run's bearer token, sent as
         `Authorization: Bearer <token>` on every call (`wsh_vllm_plugin.auth`); None sends none.
-        `image_prompts_via_chat`: image prompts go to the chat route (`Capabilities.image_prompts_via_chat`)."""
+        `image_prompts_via_chat`: image prompts go to the chat route (`Capabilities.image_prompts_via_chat`).
+        `pauses_generation`: the sender pauses the engine's generation around every update (`pause`,
+        `resume`): an engine that serves requests between chunks (`Capabilities.refuses_completions_in_session`
+        false) would otherwise serve them from half-updated weights."""
         self.base_url, self.timeout_s = base_url, timeout_s
         self.rank = rank  # the trainer rank making the calls (None: the harness itself)
         self.engine = engine
@@ -102,11 +106,29 @@ class EngineClient:
             self.call_log.parent.mkdir(parents=True, exist_ok=True)
         self.session_ends_on_error = session_ends_on_error
         self.image_prompts_via_chat = image_prompts_via_chat
+        self.pauses_generation = pauses_generation
         self.parse_rejections = parse_rejections
         self.http = self._new_http()
         self.calls: list[HttpCall] = []
         self.session_open = False
         self.session_closed_by = ""  # why the last session ended early (for the record)
+        self._token = token
+
+    def twin(self) -> EngineClient:
+        """A client of the same engine, with the same token, parser and options, that keeps its own calls (no
+        call log): for asks whose refusal is the answer sought, which must not land in the run's HTTP log
+        (`harness.mid_session`)."""
+        return EngineClient(
+            self.base_url,
+            self.timeout_s,
+            self.session_ends_on_error,
+            parse_rejections=self.parse_rejections,
+            rank=self.rank,
+            engine=self.engine,
+            token=self._token,
+            image_prompts_via_chat=self.image_prompts_via_chat,
+            pauses_generation=self.pauses_generation,
+        )
 
     def _post(
         self,
@@ -115,15 +137,20 @@ class EngineClient:
         sync: int | None = None,
         chunk: int | None = None,
         sent_names: Sequence[str] = (),
+        params: dict[str, str] | None = None,
     ) -> Any:
-        """POST `body` to `route` (GET when `body` is None); every call is recorded (`calls`, `call_log`).
+        """POST `body` to `route` (GET when `body` is None), with query `params`; every call is recorded
+        (`calls`, `call_log`; the route without its query).
 
         Raises:
             EngineRejected: a non-200 answer, or none (status 0).
         """
         t_sent, t0 = time.time(), time.perf_counter()
         try:
-            resp = self.http.get(route) if body is None else self.http.post(route, json=body)
+            if body is None:
+                resp = self.http.get(route, params=params)
+            else:
+                resp = self.http.post(route, json=body, params=params)
             status, text = resp.status_code, resp.text
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"
@@ -198,6 +225,32 @@ class EngineClient:
         self.session_open, self.session_closed_by = False, ""
         return self._post("/finish_weight_update", {"weight_version": str(weight_version)}, sync=sync)
 
+    def pause(self, sync: int | None = None) -> Any:
+        """POST /pause?mode=wait&clear_cache=false (vLLM's RL route, `entrypoints/rl/online/api_router.py`): the
+        engine schedules no new request until `resume` (they wait), after its requests in flight ended (mode
+        "wait"; "abort" would drop them); its caches are left to the resets after the finish.
+
+        Raises:
+            EngineRejected: a non-200 answer.
+        """
+        return self._post("/pause", {}, sync=sync, params={"mode": "wait", "clear_cache": "false"})
+
+    def resume(self, sync: int | None = None) -> Any:
+        """POST /resume (vLLM's RL route): the engine schedules requests again.
+
+        Raises:
+            EngineRejected: a non-200 answer.
+        """
+        return self._post("/resume", {}, sync=sync)
+
+    def is_paused(self, sync: int | None = None) -> bool:
+        """GET /is_paused (vLLM's RL route) -> whether the engine's generation is paused.
+
+        Raises:
+            EngineRejected: a non-200 answer.
+        """
+        return bool(self._post("/is_paused", None, sync=sync)["is_paused"])
+
     def reset_prefix_cache(self, sync: int | None = None) -> Any:
         """POST /reset_prefix_cache (vLLM's dev route): the engine drops its cached prompt prefixes."""
         return self._post("/reset_prefix_cache", {}, sync=sync)
@@ -219,7 +272,7 @@ class EngineClient:
     ) -> Generated:
         """POST /v1/completions with `max_tokens` 1 and `logprobs` 0 (no prompt log-probs, so an engine may
         serve the prompt from its prefix cache) -> the generated token id, its log-prob, and the weight version
-        the answer is tagged with (None where the engine tags none: vLLM 0.34's /v1/completions answers carry
+        the answer is tagged with (None where the engine tags none: vLLM 0.32's /v1/completions answers carry
         none; it tags spans of output tokens, `weight_versions`, on its token-in-token-out route only)."""
         body: dict[str, Any] = {
             "prompt": prompt,

@@ -4,8 +4,8 @@ An RL trainer with several rollout engines (replicas of one kind, each with its 
 transfer group holding all of them (`transport.group`) and sends every chunk once: each engine's
 /update_weights call is in flight at the same time, every engine worker joins the same broadcast, and
 the chunk counts as received only when every engine answered 200. `ReplicaClient` is that fan-out with
-the interface of one `EngineClient` (what the sync loop and the channels call: `start`, `update`,
-`finish`, the cache resets, `session_open`, `calls`), so the chunk loop is the same for one engine and
+the interface of one `EngineClient` (what the sync loop and the channels call: `pause`, `start`, `update`,
+`finish`, the cache resets, `resume`, `session_open`, `calls`), so the chunk loop is the same for one engine and
 for many.
 
 Sessions: a broadcast must be taken by every rank of the group, so the sender may broadcast only while
@@ -168,6 +168,27 @@ class ReplicaClient:
         version = self._versions.get(sync)
         outcomes = self._each_of(open_, lambda c: c.finish(sync, version if version is not None else sync))
         self._account_finishes(sync, outcomes, [c.engine for c in open_])
+
+    @property
+    def pauses_generation(self) -> bool:
+        """Whether the sender pauses these engines' generation around an update (one kind: engine 0's)."""
+        return self.clients[0].pauses_generation
+
+    def pause(self, sync: int | None = None) -> Any:
+        """POST /pause to every engine (`EngineClient.pause`).
+
+        Raises:
+            ReplicasRejected: some engine refused.
+        """
+        return self._all(lambda c: c.pause(sync))[0]
+
+    def resume(self, sync: int | None = None) -> Any:
+        """POST /resume to every engine, those that refused the pause too.
+
+        Raises:
+            ReplicasRejected: some engine refused.
+        """
+        return self._all(lambda c: c.resume(sync))[0]
 
     def reset_prefix_cache(self, sync: int | None = None) -> Any:
         """POST /reset_prefix_cache to every engine.

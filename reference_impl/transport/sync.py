@@ -14,6 +14,8 @@ On every trainer rank, while its export runs (`export.stream.export` produces te
    deadlock); the sender queues the chunk to its send thread, which hands it to the channel; the channel
    packs it, makes the engine take it (`/update_weights`) and returns the engine's answer;
 4. once the last answer is in, the sender closes the session (`/finish_weight_update`).
+Where the engine serves requests between chunks (vLLM), the sender pauses its generation before the
+session and resumes it after (`generation_paused`).
 A rejected chunk is recorded and the loop goes on (every rank keeps the same schedule). While the
 engine holds no open session (its start was refused, or it ended the session when a chunk failed, as
 vLLM does) the sender still collects each chunk from its owners but does not send it: nobody would
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -316,7 +318,78 @@ def _stream_own_chunks(
     return own, by_name, streamed
 
 
+def pause_generation(client: EngineClient, sync: int) -> None:
+    """Before the update session opens, the sender pauses the engine's generation (`EngineClient.pause`:
+    vLLM's /pause), so no request is scheduled on half-updated weights; `run_sync` resumes it once the
+    update ended, however it ended. Only for engines that serve requests between chunks
+    (`EngineClient.pauses_generation`): on vLLM 0.32 a completion scheduled mid-session killed the engine
+    core, the layers not yet reloaded being on the meta device ("Cannot copy out of meta tensor"). A seam
+    (`reference_impl.seams`).
+
+    Raises:
+        EngineRejected: the engine refused.
+    """
+    client.pause(sync)
+
+
+@contextlib.contextmanager
+def generation_paused(client: EngineClient | None, sync: int, progress: Progress) -> Iterator[list[float]]:
+    """Around one sync on the sender: `pause_generation` before, `/resume` after, also after an exception;
+    nothing for a client that does not pause (or no client: other ranks). Yields a one-item list that holds,
+    once the block ended, the seconds the two calls took. A refused pause or resume is recorded in the
+    client's calls and does not stop the sync."""
+    took = [0.0]
+    if client is None or not client.pauses_generation:
+        yield took
+        return
+    t0 = time.perf_counter()
+    progress.at(f"sync {sync}: /pause in flight (no request scheduled while the weights change)")
+    with contextlib.suppress(EngineRejected):
+        pause_generation(client, sync)
+    took[0] += time.perf_counter() - t0
+    try:
+        yield took
+    finally:
+        t0 = time.perf_counter()
+        progress.at(f"sync {sync}: /resume in flight")
+        with contextlib.suppress(EngineRejected):
+            client.resume(sync)
+        took[0] += time.perf_counter() - t0
+
+
 def run_sync(
+    *,
+    named: Iterable[tuple[str, torch.Tensor]],
+    rank: int,
+    world_size: int,
+    chunk_bytes: int,
+    sync_index: int,
+    weight_version: int,
+    client: EngineClient | None,
+    channel: Channel | None,
+    progress: Progress | None = None,
+) -> tuple[SyncReport, list[Chunk]]:
+    """`sync_loop` inside `generation_paused` on the sender: the engine's generation is paused around the
+    update where it serves between chunks, and that time counts in the report's `total_s`. Arguments,
+    return and errors are `sync_loop`'s."""
+    progress = progress or Progress(None)
+    with generation_paused(client if rank == SENDER else None, sync_index, progress) as took:
+        res, plan = sync_loop(
+            named=named,
+            rank=rank,
+            world_size=world_size,
+            chunk_bytes=chunk_bytes,
+            sync_index=sync_index,
+            weight_version=weight_version,
+            client=client,
+            channel=channel,
+            progress=progress,
+        )
+    res.total_s += took[0]
+    return res, plan
+
+
+def sync_loop(
     *,
     named: Iterable[tuple[str, torch.Tensor]],
     rank: int,

@@ -32,6 +32,7 @@ class EmbeddedEngine(EngineKind):
         replicas=True,
         fault_hooks=True,
         restart_in_place=True,
+        refuses_completions_in_session=True,
     )
     start_timeout_s = 300.0  # loads a small transformers model
     forks_from_fork_server = True

@@ -202,7 +202,13 @@ def main() -> int:
         t0 = time.perf_counter()
         url = proc.start(kind.start_timeout_s)
         report["start_s"] = round(time.perf_counter() - t0, 1)
-        client = EngineClient(url, timeout_s=900, session_ends_on_error=True, parse_rejections=kind.parse_rejections)
+        client = EngineClient(
+            url,
+            timeout_s=900,
+            session_ends_on_error=kind.capabilities.session_ends_on_error,
+            parse_rejections=kind.parse_rejections,
+            pauses_generation=not kind.capabilities.refuses_completions_in_session,  # as the trainer's sender
+        )
         spy: subprocess.Popen[bytes] | None = None
         raw = Path(tempfile.gettempdir()) / f"wsh-vllm-profile-{os.getpid()}.raw"
         try:
