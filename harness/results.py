@@ -2,7 +2,8 @@
 
 One row per record (scenario). Times come from the record's syncs, on the harness's own clock
 (`SyncRecord.clocked_s`, never the trainer's timer alone): ``first_s`` is sync 0's wall time (engine starts
-from dummy weights), ``steady_s`` the median over the finished syncs >= 1; ``steady_min_s`` and
+from dummy weights), ``steady_s`` the median over the finished syncs >= 1 but the one held mid-session
+(`harness.mid_session`: its wall time holds the harness's asks); ``steady_min_s`` and
 ``steady_max_s`` are the fastest and slowest of those syncs (the run's own noise, which a regression report
 compares against), ``steady_reported_s`` the median the trainer's own timer gives (a row where it falls well
 short is named in summary.md: `harness.timers`), and each phase column (``gather_s`` ...) the median of that
@@ -131,7 +132,7 @@ def _median(values: Sequence[float]) -> float:
 
 
 def _steady_syncs(record: RunRecord) -> list[SyncRecord]:
-    return [s for s in record.syncs if s.index >= 1 and s.finished]
+    return [s for s in record.syncs if s.index >= 1 and s.finished and not s.held]
 
 
 def _route_label(route: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from harness import recovery
+from harness import mid_session, recovery
 from harness.checks import LOGPROB_BUDGETS, check_transfer_init, logprob_parity
 from harness.faults import Fault
 from harness.oracles.expected import ExpectedState
@@ -55,6 +55,10 @@ ENGINE_MEASURED = (
     "engine_tp_checksums",
     "engine_weight_version",
     "served_weight_version",
+    "mid_session_version",
+    "mid_session_completion",
+    "mid_session_paused",
+    "mid_session_note",
     "probe",
     "logprobs",
     "logprobs_expected",
@@ -253,7 +257,7 @@ class ScenarioSession:
                         self.expected = self.oracle("parity_expected", i, functools.partial(self.expected.advance, i))
                     self.get(refs, self.deadline, f"perturb {i}")
                 armed = self._arm(i)
-                self.sync(i, perturbed=i != sc.syncs)
+                self.sync(i, perturbed=i != sc.syncs, held=i == sc.syncs > 0)
                 if armed:
                     self.on_ranks("run_in_process", RESTORE_SEAMS, what=f"disarm fault after sync {i}", timeout=60)
         except EngineRejected as e:  # the harness's own call (checksums, log-probs) got no 200: stop syncing
@@ -286,22 +290,39 @@ class ScenarioSession:
         self.record.notes.append(f"fault armed for sync {index} only: {fault.name}")
         return True
 
-    def sync(self, index: int, perturbed: bool = True) -> SyncRecord:
+    def sync(self, index: int, perturbed: bool = True, held: bool = False) -> SyncRecord:
         """One sync on every rank, merged into the record, then each engine's report, its weight version, the
         probe through its caches and its log-probs. Before the sync the probe is served once by every engine
-        (so an engine with a prefix cache holds it under the old weights)."""
+        (so an engine with a prefix cache holds it under the old weights). `held`: the sender is held after
+        its first chunk while the harness asks each engine (`harness.mid_session`)."""
         sc = self.sc
         if self.probe:
             with self.checking():
                 for checker in self.checkers:
                     checker.generate(self.probe, PROBE_TEMPERATURE, sync=index)
+        gate = mid_session.gate_dir(self.trace_dir, index) if held else None
+        if gate is not None:
+            arm = functools.partial(mid_session.arm, str(gate))
+            self.on_ranks("run_in_process", arm, what=f"hold sync {index} mid-session", timeout=60)
         t0 = time.perf_counter()
         refs = [a.sync.remote(index, index, sc.export_mode, sc.chunk_bytes) for a in self.pool.actors]
-        reports = self.get(refs, self.deadline, f"sync {index}")
+        asked = None
+        if gate is not None:
+            caps = self.kind.capabilities
+            asked = mid_session.ask_while_held(gate, refs, self.checkers, caps, self.probe, index, self.deadline)
+        left = self.deadline - (time.perf_counter() - t0) if gate is not None else self.deadline
+        reports = self.get(refs, max(left, 1.0), f"sync {index}")
         harness_s = time.perf_counter() - t0
         sync = merge_sync(index, reports, self.record)
         sync.perturbed, sync.harness_s = perturbed, harness_s
         self.record.syncs.append(sync)  # before the engine is asked anything more: nothing of it is lost
+        if gate is not None:
+            self.on_ranks("run_in_process", mid_session.disarm, what=f"release sync {index}", timeout=60)
+        if asked is not None:
+            sync.held = True
+            for part, answers in zip(self.engine_parts(sync), asked, strict=True):
+                for field_name, value in answers.items():
+                    setattr(part, field_name, value)
         with self.checking():
             # The expected state's checksums once the ranks are done, never while they sync: this process
             # shares the host's cores with them, and every timed sync would pay for the oracle's hashing.

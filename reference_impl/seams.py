@@ -21,6 +21,7 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 | `update_info` | one chunk's `update_info` body |
 | `send_chunk` | the sender hands one chunk to its channel |
 | `rank_offsets` | each engine replica's rank offset in the transfer group |
+| `pause_generation` | before the update session, the sender pauses an engine that serves between chunks (vLLM) |
 | `reset_engine_caches` | after a finished update, the sender resets the engine's prefix and encoder caches |
 | `hand_off` / `collect` | non-sender ranks hand their tensors to the sender / the sender collects them |
 | `colocate_pack` | the colocate producer packs a chunk into its shared buffer |
@@ -38,6 +39,8 @@ in-place restart, which the next restart undoes):
 | `engine_commit_version` | /finish_weight_update commits the new weight version |
 | `engine_complete` | the engine serves one completion (generated tokens, log-probs, the weight version it tags) |
 | `engine_session_start` | the loader's per-session reset at /start_weight_update |
+| `engine_open_session` | /start_weight_update opens the update session (the version is committed only at finish) |
+| `engine_serving_refusal` | why the engine refuses a completion now (an open update session, a pause), or None |
 | `engine_tp_pieces` | which piece of a checkpoint tensor each of the engine's TP ranks keeps (vLLM's partition) |
 """
 
@@ -57,6 +60,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "plan_chunks": ("reference_impl.transport.sync", "plan_chunks"),
     "update_info": ("reference_impl.transport.sync", "update_info"),
     "send_chunk": ("reference_impl.transport.sync", "send_chunk"),
+    "pause_generation": ("reference_impl.transport.sync", "pause_generation"),
     "reset_engine_caches": ("reference_impl.transport.sync", "reset_engine_caches"),
     "rank_offsets": ("reference_impl.transport.group", "rank_offsets"),
     "hand_off": ("reference_impl.transport.sync", "hand_off"),
@@ -70,6 +74,8 @@ SEAMS: dict[str, tuple[str, str]] = {
     "engine_commit_version": ("reference_impl.engine.embedded.server", "EngineState.commit_version"),
     "engine_complete": ("reference_impl.engine.embedded.completions", "CompletionEngine.complete"),
     "engine_session_start": ("reference_impl.engine.embedded.loader", "EngineLoader.reset_counts"),
+    "engine_open_session": ("reference_impl.engine.embedded.server", "EngineState.open_session"),
+    "engine_serving_refusal": ("reference_impl.engine.embedded.server", "EngineState.serving_refusal"),
     "engine_tp_pieces": ("reference_impl.models.vllm_tp", "pieces"),
 }
 # The seams of each side (the tables above; engine seams are named engine_*): what a trainer rank process,
@@ -116,6 +122,19 @@ def replace(seam: str, make: Callable[[Callable[..., Any]], Callable[..., Any]])
     _ORIGINALS.setdefault(seam, previous)
     setattr(owner, attr, make(previous))
     return previous
+
+
+def put_back(seam: str, previous: Callable[..., Any]) -> None:
+    """Undo one `replace` of `seam` whose return was `previous` (what ran there before it): the seam runs
+    `previous` again, and once that is the original, `restore_all` no longer lists the seam.
+
+    Raises:
+        KeyError: an unknown or moved seam.
+    """
+    owner, attr = _owner(seam)
+    setattr(owner, attr, previous)
+    if _ORIGINALS.get(seam) is previous:
+        del _ORIGINALS[seam]
 
 
 def restore_all() -> list[str]:

@@ -342,6 +342,10 @@ MESSAGE_SAYS = {
     "encoder_cache_survives_update": "log-prob max |diff|",
     "weight_version_not_committed": "the engine reports weight version '0' after finishing version '1'",
     "completions_tagged_with_first_version": "version '1' are tagged weight version '0' (it reports '1')",
+    "version_committed_at_start": "sync 2: while its update session was open (its first chunk loaded, the "
+    "finish not yet sent) the engine reported weight version '2', not '1'",
+    "completions_served_during_session": "sync 2: the engine served a completion while the update session was open",
+    "generation_not_paused": "sync 2: the engine's generation was not paused while the update session was open",
     "duplicate_rank_offsets": "connect: /init_weight_transfer_engine in flight",
     "tp_row_split_as_column": "TP rank 0: 'model.layers.0.",
     "engine_starts_from_checkpoint": "before sync 0 the engine already held the checkpoint's bytes in 46 of 46",
@@ -360,6 +364,10 @@ STILL_PASSES = {
     # the weights and /weight_info are right: only the tag on what the engine serves is not
     "completions_tagged_with_first_version": ("parity_sent", "parity_expected", "logprob_parity", "engine_caches"),
     "gather_buffers_keyed_by_size": ("parity_sent", "parity_cross_mode"),
+    # every finished sync is right: only what the engine answers while a session is open is not
+    "version_committed_at_start": ("parity_sent", "parity_expected", "logprob_parity", "completions_in_session"),
+    "completions_served_during_session": ("parity_sent", "parity_expected", "logprob_parity", "weight_version"),
+    "generation_not_paused": ("parity_sent", "logprob_parity", "weight_version", "http_status"),
     # every sync then looks right: only the engine's weights before sync 0 show that sync 0 proved nothing
     "engine_starts_from_checkpoint": ("parity_sync0", "parity_expected", "coverage", "logprob_parity"),
     "engine_starts_from_other_weights": ("parity_sync0", "parity_expected", "coverage", "logprob_parity"),

@@ -6,14 +6,20 @@ by the update client with the engine kind's parser (`EngineKind.parse_rejections
 answers one question and, when it fails, says which sync / chunk / tensor / route was the *first* to go
 wrong and by how much. By concern: `transfer` (config, deadlock, crash, HTTP status, chunks, syncs ran),
 `names` (names, coverage), `parity` (checksums, export modes, groups), `logprobs` (log-prob parity and
-re-sync), `engine_state` (weight version, caches), `engine_tp` (each engine TP rank's shards), `verdict`
-(the order of verdicts and `judge`); `base` holds `CheckResult` and message words.
+re-sync), `engine_state` (weight version, completions during a session, caches), `engine_tp` (each engine
+TP rank's shards), `verdict` (the order of verdicts and `judge`); `base` holds `CheckResult` and message
+words.
 """
 
 from __future__ import annotations
 
 from harness.checks.base import CheckResult
-from harness.checks.engine_state import check_engine_caches, check_engine_fresh, check_weight_version
+from harness.checks.engine_state import (
+    check_completions_in_session,
+    check_engine_caches,
+    check_engine_fresh,
+    check_weight_version,
+)
 from harness.checks.engine_tp import check_engine_tp_shards
 from harness.checks.logprobs import (
     LOGPROB_BUDGETS,
@@ -61,6 +67,7 @@ __all__ = [
     "PRIORITY",
     "CheckResult",
     "check_chunks",
+    "check_completions_in_session",
     "check_config",
     "check_coverage",
     "check_crash",

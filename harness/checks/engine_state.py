@@ -11,7 +11,11 @@ commits, and caches that must not outlive an update (PARITY_FAIL).
 - `weight_version`: after every finished sync the engine reports (`GET /weight_info`) the version that
   sync committed, and a completion it serves then is tagged with that version where the engine tags its
   answers (the embedded engine, as SGLang's `meta_info`; vLLM's carry none): rollouts tagged with another
-  version are attributed to the wrong policy.
+  version are attributed to the wrong policy. While the held sync's session is open (`harness.mid_session`),
+  the engine still reports the version committed before it: only a finish commits one.
+- `completions_in_session`: nothing is served from half-updated weights while an update session is open:
+  an engine whose kind refuses completions then (the embedded engine's 409) refused the one asked of it,
+  and one that serves between chunks (vLLM) had its generation paused by the sender (`/is_paused`).
 - `engine_caches`: a probe prompt is served before a sync and again after it, without prompt log-probs
   (which skip vLLM's prefix cache, so they cannot see it); the generated token's log-prob after the sync
   must be what the expected state gives that token. A prefix cache that survived the update answers from
@@ -23,9 +27,10 @@ commits, and caches that must not outlive an update (PARITY_FAIL).
 from __future__ import annotations
 
 from harness.checks.base import CheckResult, engine_reports_tensors, failed, oracle_failure, passed, skipped
-from harness.record import RunRecord
+from harness.record import RunRecord, SyncRecord
 
 VERDICT = "PARITY_FAIL"
+REFUSALS = (409, 503)  # statuses that refuse a request for now: conflict (an open session), unavailable
 
 
 def check_engine_fresh(record: RunRecord) -> CheckResult:
@@ -71,13 +76,24 @@ def check_engine_fresh(record: RunRecord) -> CheckResult:
     return passed(name, VERDICT)
 
 
+def committed_before(record: RunRecord, sync: SyncRecord) -> str | None:
+    """The weight version the engine should report before `sync` finishes: the last earlier finished sync's,
+    else the one it reported before sync 0 (None when neither is known)."""
+    earlier = [s for s in record.syncs if s.index < sync.index and s.finished]
+    if earlier:
+        return str(earlier[-1].weight_version)
+    return record.engine_start_versions[0] if record.engine_start_versions else None
+
+
 def check_weight_version(record: RunRecord) -> CheckResult:
     """After every finished sync the engine's committed weight version is that sync's, and so is the version
-    its completions are tagged with, where they carry one."""
+    its completions are tagged with, where they carry one; while a sync's session is open (`mid_session`),
+    the engine still reports the version committed before it."""
     name = "weight_version"
     read = [s for s in record.syncs if s.engine_weight_version is not None]
     served = [s for s in record.syncs if s.finished and s.served_weight_version is not None]
-    if not read and not served:
+    during = [(s, committed_before(record, s)) for s in record.syncs if s.mid_session_version is not None]
+    if not read and not served and not during:
         return skipped(name, VERDICT, "the engine's weight version was not read back")
     wrong = [
         (
@@ -95,6 +111,16 @@ def check_weight_version(record: RunRecord) -> CheckResult:
         )
         for s in served
         if s.served_weight_version != str(s.weight_version)
+    ]
+    wrong += [
+        (
+            s,
+            f"while its update session was open (its first chunk loaded, the finish not yet sent) the engine "
+            f"reported weight version {s.mid_session_version!r}, not {before!r}, the version committed before it: "
+            "a version committed before the update finished claims weights that are not loaded yet",
+        )
+        for s, before in during
+        if before is not None and s.mid_session_version != before
     ]
     if wrong:
         s, what = wrong[0]
@@ -132,5 +158,44 @@ def check_engine_caches(record: RunRecord) -> CheckResult:
                 f"sync {s.index}: the probe prompt served again after the sync generated token {p['token']} with "
                 f"log-prob {p['engine']:.6f} on the engine but {p['expected']:.6f} under the expected state "
                 f"(|diff| {diff:.3g} > {budget:.3g}): {cause}",
+            )
+    return passed(name, VERDICT)
+
+
+def check_completions_in_session(record: RunRecord) -> CheckResult:
+    """While a sync's update session was open (`mid_session`: the sender held after its first chunk), no
+    request could be served from half-updated weights: an engine whose kind refuses completions then
+    (`Capabilities.refuses_completions_in_session`) refused the one the harness asked for (409, or 503), and
+    an engine that serves between chunks (vLLM) had its generation paused (`GET /is_paused` true)."""
+    name = "completions_in_session"
+    asked = [s for s in record.syncs if s.mid_session_completion is not None or s.mid_session_paused is not None]
+    if not asked:
+        return skipped(name, VERDICT, "no completion or pause was asked while an update session was open")
+    for s in asked:
+        status = s.mid_session_completion
+        if s.mid_session_paused is False:
+            return failed(
+                name,
+                VERDICT,
+                f"sync {s.index}: the engine's generation was not paused while the update session was open (its "
+                "first chunk loaded, the finish not yet sent), and this engine serves requests between chunks: "
+                "a rollout then runs on half-updated weights (on vLLM 0.32 it killed the engine core, its layers "
+                "not yet reloaded being on the meta device); POST /pause before /start_weight_update and "
+                "/resume after the finish",
+            )
+        if status == 200:
+            return failed(
+                name,
+                VERDICT,
+                f"sync {s.index}: the engine served a completion while the update session was open (its first "
+                "chunk loaded, the finish not yet sent): a rollout from half-updated weights, tagged with a "
+                "version it was not made by",
+            )
+        if status is not None and status not in REFUSALS:
+            return failed(
+                name,
+                VERDICT,
+                f"sync {s.index}: a completion asked while the update session was open got {status} "
+                f"({s.mid_session_note or 'no answer'}), not a refusal ({' or '.join(map(str, REFUSALS))})",
             )
     return passed(name, VERDICT)

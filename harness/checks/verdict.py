@@ -20,7 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from harness.checks.base import CheckResult
-from harness.checks.engine_state import check_engine_caches, check_engine_fresh, check_weight_version
+from harness.checks.engine_state import (
+    check_completions_in_session,
+    check_engine_caches,
+    check_engine_fresh,
+    check_weight_version,
+)
 from harness.checks.engine_tp import check_engine_tp_shards
 from harness.checks.logprobs import check_logprobs, check_logprobs_expected, check_resync_unchanged
 from harness.checks.names import check_coverage, check_names
@@ -83,6 +88,7 @@ CHECKS: tuple[Callable[[RunRecord], CheckResult], ...] = (
     check_logprobs_expected,
     check_resync_unchanged,
     check_weight_version,
+    check_completions_in_session,
     check_engine_caches,
     check_engine_tp_shards,
     check_resources,

@@ -302,6 +302,30 @@ FAULTS: dict[str, Fault] = {
             engine=engine.completions_tagged_with_first_version,
         ),
         Fault(
+            "version_committed_at_start",
+            "/start_weight_update commits the version it names at once: /weight_info claims it while the "
+            "update's chunks are still arriving (right again once finished)",
+            "PARITY_FAIL",
+            {"model": "qwen3", **_SMALL},
+            engine=engine.version_committed_at_start,
+        ),
+        Fault(
+            "completions_served_during_session",
+            "the engine serves completions while an update session is open (its refusal checks only a "
+            "pause): a rollout between two chunks runs on half-updated weights",
+            "PARITY_FAIL",
+            {"model": "qwen3", **_SMALL},
+            engine=engine.completions_served_during_session,
+        ),
+        Fault(
+            "generation_not_paused",
+            "the sender opens the update session without pausing vLLM's generation, which serves requests "
+            "between chunks",
+            "PARITY_FAIL",
+            {"model": "qwen3", "engine": "vllm", "logprob_temperature": 1.0, **_SMALL},
+            trainer=trainer.generation_not_paused,
+        ),
+        Fault(
             "shm_segment_per_sync",
             "colocate: a new shared-memory segment per sync, the previous one closed but never unlinked",
             "RESOURCE_LEAK",

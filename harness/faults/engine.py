@@ -183,6 +183,35 @@ def completions_tagged_with_first_version() -> None:
     seams.replace("engine_complete", make)
 
 
+def version_committed_at_start() -> None:
+    """/start_weight_update commits the weight version it names at once instead of leaving that to the finish:
+    while the update's chunks are still arriving, /weight_info (and the completions' tags) claim weights that
+    are not loaded yet. Once the sync finished, the version is right again."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def open_session(self, version):  # type: ignore[no-untyped-def]
+            orig(self, version)
+            if version is not None:
+                self.commit_version(version)
+
+        return open_session
+
+    seams.replace("engine_open_session", make)
+
+
+def completions_served_during_session() -> None:
+    """The engine's refusal of completions checks only a pause, not an open update session: a completion
+    between two chunks is served from half-updated weights (and tagged with the version before)."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def serving_refusal(self):  # type: ignore[no-untyped-def]
+            return "the engine is paused" if self.paused else None
+
+        return serving_refusal
+
+    seams.replace("engine_serving_refusal", make)
+
+
 def tp_row_split_as_column() -> None:
     """The engine's TP ranks split the row-parallel layers (`o_proj`, `down_proj`) along their output rows
     instead of their input columns: each rank keeps a wrong piece, though the pieces still tile the tensor

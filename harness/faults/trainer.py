@@ -350,6 +350,13 @@ def second_init_from_pp_stage() -> None:
     seams.replace("talks_to_engine", make)
 
 
+def generation_not_paused() -> None:
+    """The sender opens the update session without pausing the engine's generation (a trainer written against
+    an engine that refuses requests during an update): vLLM then schedules requests between chunks, on layers
+    not yet reloaded."""
+    seams.replace("pause_generation", lambda orig: lambda client, sync: None)
+
+
 def no_prefix_cache_reset() -> None:
     """After an update the sender resets the engine's encoder cache but not its prefix cache: a prompt
     seen before the update is answered from keys/values of the old weights."""

@@ -73,6 +73,10 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
     sync_records = [_sync(s, checkpoint, mode) for s in range(syncs)]
     resync = sync_records[-1].model_copy(deep=True, update={"index": syncs, "weight_version": syncs + 1})
     resync.perturbed = False
+    # held after its first chunk (`harness.mid_session`): the engine still reported the version before, and
+    # refused a completion, as the embedded engine does
+    resync.held, resync.mid_session_version = True, str(syncs)
+    resync.mid_session_completion, resync.mid_session_note = 409, "/v1/completions -> 409: an update session is open"
     sync_records.append(resync)
     for sync in sync_records:  # what each finish committed, read back
         sync.engine_weight_version = str(sync.weight_version)
@@ -105,6 +109,9 @@ def vllm_record() -> RunRecord:
     rec.scenario.engine = "vllm"
     rec.engine_capabilities = engine_kind("vllm").capabilities
     rec.engine_shards = []
+    # vLLM is asked whether it is paused, not for a completion
+    rec.syncs[-1].mid_session_completion, rec.syncs[-1].mid_session_paused = None, True
+    rec.syncs[-1].mid_session_note = ""
     for s in rec.syncs:
         s.engine_checksums = {}
         s.engine_update_counts = {}

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from harness.checks import check_engine_caches, check_engine_fresh, check_weight_version
+from harness.checks import (
+    check_completions_in_session,
+    check_engine_caches,
+    check_engine_fresh,
+    check_weight_version,
+)
+from harness.checks.engine_state import committed_before
 from harness.record import OracleFailure, RunRecord
 
 from .records import verdict_of, vllm_record
@@ -67,7 +73,7 @@ def test_weight_version_not_committed_is_parity_fail(record: RunRecord) -> None:
 
 def test_weight_version_not_read_is_skipped(record: RunRecord) -> None:
     for s in record.syncs:
-        s.engine_weight_version = s.served_weight_version = None
+        s.engine_weight_version = s.served_weight_version = s.mid_session_version = None
     assert check_weight_version(record).skipped
 
 
@@ -83,6 +89,64 @@ def test_completions_tagged_with_another_version_are_parity_fail(record: RunReco
     for s in record.syncs:  # an engine whose answers carry no version (vLLM's): nothing to judge there
         s.served_weight_version = None
     assert verdict_of(record)[0] == "PASS"
+
+
+def test_a_version_committed_at_the_start_of_a_session_is_parity_fail(record: RunRecord) -> None:
+    # the held re-sync (version 3): /weight_info said 3 while its chunks were still arriving, then 3 again
+    held = record.syncs[-1]
+    assert held.held and held.mid_session_version == "2" and verdict_of(record)[0] == "PASS"
+    held.mid_session_version = "3"
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        "sync 2: while its update session was open (its first chunk loaded, the finish not yet sent) the engine "
+        "reported weight version '3', not '2', the version committed before it: a version committed before the "
+        "update finished claims weights that are not loaded yet: its rollouts would be attributed to another "
+        "policy",
+    )
+
+
+def test_the_version_before_a_session_is_the_last_finished_syncs_else_the_engines_start(record: RunRecord) -> None:
+    assert committed_before(record, record.syncs[2]) == "2"
+    record.syncs[1].finished = False  # a failed sync commits nothing: the one before it is still in place
+    assert committed_before(record, record.syncs[2]) == "1"
+    assert committed_before(record, record.syncs[0]) == "0"  # read before sync 0
+    record.engine_start_versions = []
+    assert committed_before(record, record.syncs[0]) is None
+
+
+def test_a_completion_served_while_a_session_is_open_is_parity_fail(record: RunRecord) -> None:
+    record.syncs[-1].mid_session_completion = 200
+    assert verdict_of(record) == (
+        "PARITY_FAIL",
+        "sync 2: the engine served a completion while the update session was open (its first chunk loaded, the "
+        "finish not yet sent): a rollout from half-updated weights, tagged with a version it was not made by",
+    )
+
+
+def test_a_completion_asked_during_a_session_must_be_refused_not_fail_otherwise(record: RunRecord) -> None:
+    held = record.syncs[-1]
+    held.mid_session_completion, held.mid_session_note = 503, "/v1/completions -> 503: updating"
+    assert check_completions_in_session(record).ok
+    held.mid_session_completion, held.mid_session_note = 500, "/v1/completions -> 500: Traceback"
+    result = check_completions_in_session(record)
+    assert not result.ok and "got 500 (/v1/completions -> 500: Traceback), not a refusal (409 or 503)" in result.message
+    held.mid_session_completion = None  # nothing asked
+    assert check_completions_in_session(record).skipped
+
+
+def test_an_engine_that_serves_between_chunks_must_be_paused_during_a_session() -> None:
+    rec = vllm_record()  # vLLM is asked /is_paused, not a completion (one killed its engine core mid-session)
+    held = rec.syncs[-1]
+    assert held.mid_session_completion is None and held.mid_session_paused is True
+    assert check_completions_in_session(rec).ok
+    held.mid_session_paused = False
+    assert verdict_of(rec) == (
+        "PARITY_FAIL",
+        "sync 2: the engine's generation was not paused while the update session was open (its first chunk "
+        "loaded, the finish not yet sent), and this engine serves requests between chunks: a rollout then runs "
+        "on half-updated weights (on vLLM 0.32 it killed the engine core, its layers not yet reloaded being on "
+        "the meta device); POST /pause before /start_weight_update and /resume after the finish",
+    )
 
 
 def test_stale_prefix_cache_is_parity_fail_naming_the_probe(record: RunRecord) -> None:

@@ -23,7 +23,7 @@ from .records import reject_chunk, rejection
 def test_passing_record_passes(record: RunRecord) -> None:
     verdict, results = judge(record)
     assert verdict == "PASS"
-    assert len(results) == len(CHECKS) == 25
+    assert len(results) == len(CHECKS) == 26
     assert all(r.ok for r in results), [r for r in results if not r.ok]
     # no failed sync, no group, engine TP 1, no resource samples
     assert [r.name for r in results if r.skipped] == ["recovery", "group_invariance", "engine_tp_shards", "resources"]

@@ -142,6 +142,22 @@ class EngineState:
         self.group = self.ranks = None
         del self.loader, self.applier, self.completer
 
+    def open_session(self, version: int | None) -> None:
+        """What /start_weight_update does once no session is open: open one and zero its load time and update
+        counts. `version` (the start's `weight_version`, None when it named none) is read but, as in vLLM, only
+        a finish commits one: until then /weight_info and completions report the version before. A seam
+        (`reference_impl.seams`)."""
+        self.session_open = True
+        self.session_load_s = 0.0
+        self.loader.reset_counts()
+
+    def serving_refusal(self) -> str | None:
+        """Why this engine refuses to serve a completion now (None: it serves one): an open update session
+        (its weights may be half-updated) or a pause. A seam (`reference_impl.seams`)."""
+        if self.session_open:
+            return "an update session is open"
+        return "the engine is paused" if self.paused else None
+
     def commit_version(self, version: int) -> None:
         """The weights now in place are `version` (what /finish_weight_update commits, and what
         /weight_info and completions report). A seam (`reference_impl.seams`)."""
@@ -249,9 +265,7 @@ def create_app(
             if st.session_open:
                 why = "start_weight_update called while an update session is open; POST /finish_weight_update first"
                 raise bodies.http_error(400, why, {"/start_weight_update": why}, {"/start_weight_update": "session"})
-            st.session_open = True
-            st.session_load_s = 0.0
-            st.loader.reset_counts()  # a start's weight_version is read but, as in vLLM, only a finish commits one
+            st.open_session(req.weight_version if req is not None else None)
         return {"ok": True}
 
     @app.post("/update_weights")
@@ -405,8 +419,8 @@ def create_app(
         try:
             inputs = st.completer.prepare(req)  # reads no weights: outside the lock
             with st.lock:
-                if st.session_open or st.paused:
-                    why = "an update session is open" if st.session_open else "the engine is paused"
+                why = st.serving_refusal()
+                if why is not None:
                     fix = "POST /finish_weight_update" if st.session_open else "POST /resume"
                     raise CompletionError(
                         409,
