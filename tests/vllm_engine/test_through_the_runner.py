@@ -1,6 +1,7 @@
 """Whole scenarios on real vLLM through the runner (`engine: vllm`): a dense one (TP 2 x PP 2 trainer,
-bridge export), a Qwen3-VL-MoE one at EP 2, and every fault of `fault_runs.VLLM_FAULTS`, which must get
-the verdict the embedded engine got (a deadlocked vLLM's stacks and its process group included)."""
+bridge export), a Qwen3-VL-MoE one at EP 2, every fault of `fault_runs.VLLM_FAULTS`, which must get
+the verdict the embedded engine got (a deadlocked vLLM's stacks and its process group included), and the
+faults only vLLM shows (`fault_runs.VLLM_ONLY_FAULTS`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_runs import VLLM_FAULTS, fault_scenario, run_once
+from fault_runs import VLLM_FAULTS, VLLM_ONLY_FAULTS, fault_scenario, run_once
 from process_groups import alive_in_group
 from vllm_env import require_vllm as _require_vllm
 
@@ -32,6 +33,15 @@ def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
     assert not any(s.engine_checksums for s in rec.syncs)  # vLLM's checksums are not used as HF ones
     coverage = next(c for c in rec.checks if c["name"] == "coverage")
     assert coverage["ok"] and not coverage["skipped"]
+    # generation paused around every sync, and the re-sync held mid-session found it paused, at the old version
+    routes = [c.route for c in rec.http if c.rank == 0 and c.route in ("/pause", "/resume")]
+    assert routes == ["/pause", "/resume"] * len(rec.syncs), routes
+    held = rec.syncs[-1]
+    assert held.held and held.mid_session_paused is True and held.mid_session_completion is None
+    assert held.mid_session_version == str(rec.syncs[-2].weight_version)
+    for name in ("completions_in_session", "weight_version"):
+        result = next(c for c in rec.checks if c["name"] == name)
+        assert result["ok"] and not result["skipped"], result
 
 
 def test_vllm_server_is_restarted_in_place_for_the_next_scenario(runner: Runner) -> None:
@@ -91,3 +101,25 @@ def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, fault_r
         time.sleep(2)  # the server's whole process group is gone (it runs in a session of its own)
         left = alive_in_group(server)
         assert not left, left
+
+
+@pytest.mark.parametrize("name", VLLM_ONLY_FAULTS)
+def test_a_fault_only_vllm_shows_gets_its_verdict(runner: Runner, name: str) -> None:
+    """`generation_not_paused`: the sender opens the session without pausing vLLM, which would schedule a request
+    between chunks (on vLLM 0.32 one killed the engine core); only the mid-session `/is_paused` shows it, and the
+    harness asks no completion then, so the engine lives on."""
+    from harness.faults import FAULTS
+
+    _require_vllm()
+    sc = fault_scenario(name, "vllm")
+    assert validate(sc) is None
+    rec = runner.run_scenario(sc)
+    assert rec.verdict == FAULTS[name].expect, [c for c in rec.checks if not c["ok"]]
+    failing = [c["name"] for c in rec.checks if not c["ok"] and not c["skipped"]]
+    assert failing == ["completions_in_session"], failing
+    deciding = next(c for c in rec.checks if c["name"] == "completions_in_session")
+    assert (
+        f"sync {sc.syncs}: the engine's generation was not paused while the update session was open"
+        in (deciding["message"])
+    )
+    assert not [c.route for c in rec.http if c.route == "/pause"]
