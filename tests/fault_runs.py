@@ -33,7 +33,7 @@ VLLM_FAULTS = (
 
 # Faults only an engine that serves requests between chunks (real vLLM) shows: the embedded engine refuses
 # completions during an update session whatever the sender does, so they run on vLLM alone.
-VLLM_ONLY_FAULTS = ("generation_not_paused",)
+VLLM_ONLY_FAULTS = ("generation_not_paused", "generation_resumed_mid_update")
 
 _RECORDS: dict[str, RunRecord] = {}
 

@@ -15,7 +15,8 @@ commits, and caches that must not outlive an update (PARITY_FAIL).
   the engine still reports the version committed before it: only a finish commits one.
 - `completions_in_session`: nothing is served from half-updated weights while an update session is open:
   an engine whose kind refuses completions then (the embedded engine's 409) refused the one asked of it,
-  and one that serves between chunks (vLLM) had its generation paused by the sender (`/is_paused`).
+  and one that serves between chunks (vLLM) had its generation paused by the sender (`/is_paused`), whose
+  calls on the wire pause it before every start and resume it only after the finish answered.
 - `engine_caches`: a probe prompt is served before a sync and again after it, without prompt log-probs
   (which skip vLLM's prefix cache, so they cannot see it); the generated token's log-prob after the sync
   must be what the expected state gives that token. A prefix cache that survived the update answers from
@@ -27,7 +28,7 @@ commits, and caches that must not outlive an update (PARITY_FAIL).
 from __future__ import annotations
 
 from harness.checks.base import CheckResult, engine_reports_tensors, failed, oracle_failure, passed, skipped
-from harness.record import RunRecord, SyncRecord
+from harness.record import HttpCall, RunRecord, SyncRecord
 
 VERDICT = "PARITY_FAIL"
 REFUSALS = (409, 503)  # statuses that refuse a request for now: conflict (an open session), unavailable
@@ -162,12 +163,55 @@ def check_engine_caches(record: RunRecord) -> CheckResult:
     return passed(name, VERDICT)
 
 
+def pause_problem(record: RunRecord) -> str | None:
+    """Where the engine serves requests between chunks (its `Capabilities.refuses_completions_in_session` is
+    false, vLLM), what the sender's calls on the wire show of a sync run with its generation not paused: a
+    `/start_weight_update` sent before any `/pause` was answered 200 in that sync, or a `/resume` sent after
+    the start and before `/finish_weight_update` answered (a sync whose session the engine ended early has
+    no finish: its resume is not early). None when nothing is wrong or the engine refuses on its own."""
+    caps = record.engine_capabilities
+    if caps is None or caps.refuses_completions_in_session:
+        return None
+    by_sync: dict[int, list[HttpCall]] = {}
+    for call in record.http:
+        if call.rank is not None and call.sync is not None:
+            by_sync.setdefault(call.sync, []).append(call)
+    for index, calls in sorted(by_sync.items()):
+        start = next((c for c in calls if c.route == "/start_weight_update"), None)
+        if start is None:
+            continue
+        if not any(c.route == "/pause" and c.status == 200 and c.t + c.ms / 1e3 <= start.t for c in calls):
+            return f"sync {index}: /start_weight_update was sent with no /pause answered 200 before it"
+        finish = next((c for c in calls if c.route == "/finish_weight_update"), None)
+        if finish is None:
+            continue
+        end = finish.t + finish.ms / 1e3
+        early = next((c for c in calls if c.route == "/resume" and start.t < c.t < end), None)
+        if early is not None:
+            return (
+                f"sync {index}: /resume was sent {(end - early.t) * 1e3:.0f} ms before /finish_weight_update "
+                "answered, with the session still open"
+            )
+    return None
+
+
 def check_completions_in_session(record: RunRecord) -> CheckResult:
-    """While a sync's update session was open (`mid_session`: the sender held after its first chunk), no
-    request could be served from half-updated weights: an engine whose kind refuses completions then
+    """No request could be served from half-updated weights: where the engine serves between chunks (vLLM),
+    every sync's calls on the wire pause its generation before the start and resume it only once the finish
+    answered (`pause_problem`); and while the held sync's session was open (`mid_session`: the sender held
+    after its first chunk), an engine whose kind refuses completions then
     (`Capabilities.refuses_completions_in_session`) refused the one the harness asked for (409, or 503), and
-    an engine that serves between chunks (vLLM) had its generation paused (`GET /is_paused` true)."""
+    one that serves between chunks had its generation paused (`GET /is_paused` true)."""
     name = "completions_in_session"
+    problem = pause_problem(record)
+    if problem is not None:
+        return failed(
+            name,
+            VERDICT,
+            f"{problem}: this engine serves requests between chunks, so a rollout could run on half-updated "
+            "weights (on vLLM 0.32 one killed the engine core); pause generation before /start_weight_update "
+            "and resume it after the finish",
+        )
     asked = [s for s in record.syncs if s.mid_session_completion is not None or s.mid_session_paused is not None]
     if not asked:
         return skipped(name, VERDICT, "no completion or pause was asked while an update session was open")

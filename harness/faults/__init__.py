@@ -326,6 +326,13 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.generation_not_paused,
         ),
         Fault(
+            "generation_resumed_mid_update",
+            "the sender resumes vLLM's generation once the update's second chunk is answered, the session still open",
+            "PARITY_FAIL",
+            {"model": "qwen3", "engine": "vllm", "logprob_temperature": 1.0, **_SMALL},
+            trainer=trainer.generation_resumed_mid_update,
+        ),
+        Fault(
             "shm_segment_per_sync",
             "colocate: a new shared-memory segment per sync, the previous one closed but never unlinked",
             "RESOURCE_LEAK",

@@ -357,6 +357,23 @@ def generation_not_paused() -> None:
     seams.replace("pause_generation", lambda orig: lambda client, sync: None)
 
 
+def generation_resumed_mid_update() -> None:
+    """The sender resumes the engine's generation once the update's second chunk is answered (to overlap
+    rollouts with the rest of the update): vLLM then schedules requests between the later chunks, on
+    half-updated weights. Paused while the first chunk loads, as it should be."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def send_chunk(channel, client, tensors, info, sync):  # type: ignore[no-untyped-def]
+            answer = orig(channel, client, tensors, info, sync)
+            if info.chunk_index == 1:
+                client.resume(sync)
+            return answer
+
+        return send_chunk
+
+    seams.replace("send_chunk", make)
+
+
 def no_prefix_cache_reset() -> None:
     """After an update the sender resets the engine's encoder cache but not its prefix cache: a prompt
     seen before the update is answered from keys/values of the old weights."""

@@ -65,6 +65,17 @@ def _session_calls(s: int) -> list[HttpCall]:
     ]
 
 
+def paused_session_calls(s: int) -> list[HttpCall]:
+    """The sender's calls of sync `s` to an engine that serves between chunks (vLLM), on the wire in this order,
+    each answered before the next is sent: /pause, the session's calls, /resume (unix seconds from 1000 + 10 s)."""
+    routes = ["/pause", *(c.route for c in _session_calls(s)), "/resume"]
+    chunks = [None, None, 0, 1, None, None]
+    return [
+        HttpCall(route=r, status=200, t=1000.0 + 10 * s + 0.01 * i, ms=5.0, sync=s, chunk=c, rank=0)
+        for i, (r, c) in enumerate(zip(routes, chunks, strict=True))
+    ]
+
+
 def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
     """A small record that passes every check: `syncs` syncs of 2 chunks over 3 names, then a re-sync of
     unchanged weights (same checksums, same engine log-probs)."""
@@ -112,6 +123,7 @@ def vllm_record() -> RunRecord:
     # vLLM is asked whether it is paused, not for a completion
     rec.syncs[-1].mid_session_completion, rec.syncs[-1].mid_session_paused = None, True
     rec.syncs[-1].mid_session_note = ""
+    rec.http = [rec.http[0], *(c for s in rec.syncs for c in paused_session_calls(s.index))]
     for s in rec.syncs:
         s.engine_checksums = {}
         s.engine_update_counts = {}

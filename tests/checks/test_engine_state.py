@@ -8,8 +8,9 @@ from harness.checks import (
     check_engine_fresh,
     check_weight_version,
 )
-from harness.checks.engine_state import committed_before
+from harness.checks.engine_state import committed_before, pause_problem
 from harness.record import OracleFailure, RunRecord
+from reference_impl.engine import engine_kind
 
 from .records import verdict_of, vllm_record
 
@@ -180,3 +181,36 @@ def test_probe_within_budget_passes_and_its_oracle_failure_is_a_note(record: Run
     record.oracle_failures.append(OracleFailure(check="engine_caches", sync=1, reason="RuntimeError: no view"))
     result = check_engine_caches(record)
     assert result.skipped and result.reason == "oracle could not run after sync 1: RuntimeError: no view"
+
+
+def test_a_sync_started_before_vllm_was_paused_is_parity_fail() -> None:
+    rec = vllm_record()
+    assert check_completions_in_session(rec).ok
+    rec.http = [c for c in rec.http if not (c.sync == 1 and c.route == "/pause")]
+    result = check_completions_in_session(rec)
+    assert not result.ok and result.message.startswith(
+        "sync 1: /start_weight_update was sent with no /pause answered 200 before it: this engine serves requests "
+        "between chunks"
+    )
+    for c in rec.http:  # a pause refused is no pause
+        if c.route == "/pause" and c.sync == 1:
+            c.status = 500
+    assert "sync 1: /start_weight_update was sent with no /pause" in check_completions_in_session(rec).message
+
+
+def test_vllm_resumed_before_the_finish_answered_is_parity_fail() -> None:
+    rec = vllm_record()
+    finish = next(c for c in rec.http if c.sync == 0 and c.route == "/finish_weight_update")  # sent at +40 ms
+    resume = next(c for c in rec.http if c.sync == 0 and c.route == "/resume")
+    resume.t = finish.t - 0.015  # after the last chunk, before the finish
+    result = check_completions_in_session(rec)
+    assert not result.ok and result.message.startswith(
+        "sync 0: /resume was sent 20 ms before /finish_weight_update answered, with the session still open"
+    )
+    rec.http = [c for c in rec.http if not (c.sync == 0 and c.route == "/finish_weight_update")]
+    assert pause_problem(rec) is None  # a session the engine ended (no finish): resuming then is not early
+
+
+def test_the_embedded_engine_is_not_asked_to_pause(record: RunRecord) -> None:
+    record.engine_capabilities = engine_kind("embedded").capabilities  # refuses completions in a session
+    assert not [c for c in record.http if c.route == "/pause"] and pause_problem(record) is None
