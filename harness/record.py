@@ -31,6 +31,7 @@ __all__ = [
     "EngineSync",
     "ErrorRecord",
     "HttpCall",
+    "MidSessionAsk",
     "OracleFailure",
     "ProcessSample",
     "RecoveryRecord",
@@ -124,6 +125,17 @@ class TransferGroupRecord(BaseModel):
     token_required: bool = False  # every engine route asked for the run's bearer token
 
 
+class MidSessionAsk(BaseModel):
+    """What one engine answered while the sender was held at `point` of an open update session
+    (`harness.mid_session`)."""
+
+    point: str  # "after_first_chunk" (its answer in) | "before_finish" (every chunk answered, no finish sent)
+    weight_version: str | None = None  # GET /weight_info (None: no answer)
+    completion: int | None = None  # the status of a completion asked then (None: not asked; 0: no answer)
+    paused: bool | None = None  # GET /is_paused, asked where no completion is (None: not asked or no answer)
+    note: str = ""  # what the engine refused or what went wrong asking
+
+
 class EngineSync(EngineAccount):
     """One engine replica in one sync (records with several engines): the sender's account of it
     (`observed.EngineAccount`) and what the harness measured on it after the sync, field for field as
@@ -133,10 +145,7 @@ class EngineSync(EngineAccount):
     engine_tp_checksums: dict[str, dict[str, str]] = Field(default_factory=dict)
     engine_weight_version: str | None = None
     served_weight_version: str | None = None
-    mid_session_version: str | None = None
-    mid_session_completion: int | None = None
-    mid_session_paused: bool | None = None
-    mid_session_note: str = ""
+    mid_session: list[MidSessionAsk] = Field(default_factory=list)
     probe: dict[str, Any] = Field(default_factory=dict)
     logprobs: dict[str, Any] = Field(default_factory=dict)
     logprobs_expected: dict[str, Any] = Field(default_factory=dict)
@@ -193,16 +202,11 @@ class SyncRecord(SyncReport):
     # The weight version the engine's completion after this sync is tagged with (the probe's answer; None: the
     # engine tags none, as vLLM, or no probe was served). Async RL drops or reweights rollouts by it.
     served_weight_version: str | None = None
-    # The sender was held after this sync's first chunk was answered, with the update session open, while the
-    # harness asked the engine (`harness.mid_session`): judged like every sync, not timed (its wall time holds
-    # the asks). What the engine answered then: /weight_info's version (None: not asked or no answer), the
-    # status of a completion asked then (None: not asked; 0: no answer), /is_paused where no completion is
-    # asked (an engine that serves between chunks; None: not asked or no answer), and what went wrong.
+    # The sender was held with the update session open while the harness asked the engine (`harness.mid_session`:
+    # after the first chunk was answered, and before the finish): judged like every sync, not timed (its wall
+    # time holds the asks). What the engine answered at each point it was held.
     held: bool = False
-    mid_session_version: str | None = None
-    mid_session_completion: int | None = None
-    mid_session_paused: bool | None = None
-    mid_session_note: str = ""
+    mid_session: list[MidSessionAsk] = Field(default_factory=list)
     # The probe served through the engine's caches after this sync: generated token, its log-prob on the
     # engine and under the expected state (`harness.session.ScenarioSession.measure_probe`).
     probe: dict[str, Any] = Field(default_factory=dict)
@@ -250,10 +254,7 @@ class SyncRecord(SyncReport):
                 "engine_tp_checksums": {r: dict(v) for r, v in e.engine_tp_checksums.items()},
                 "engine_weight_version": e.engine_weight_version,
                 "served_weight_version": e.served_weight_version,
-                "mid_session_version": e.mid_session_version,
-                "mid_session_completion": e.mid_session_completion,
-                "mid_session_paused": e.mid_session_paused,
-                "mid_session_note": e.mid_session_note,
+                "mid_session": [a.model_copy() for a in e.mid_session],
                 "probe": dict(e.probe),
                 "logprobs": dict(e.logprobs),
                 "logprobs_expected": dict(e.logprobs_expected),

@@ -55,10 +55,7 @@ ENGINE_MEASURED = (
     "engine_tp_checksums",
     "engine_weight_version",
     "served_weight_version",
-    "mid_session_version",
-    "mid_session_completion",
-    "mid_session_paused",
-    "mid_session_note",
+    "mid_session",
     "probe",
     "logprobs",
     "logprobs_expected",
@@ -294,7 +291,7 @@ class ScenarioSession:
         """One sync on every rank, merged into the record, then each engine's report, its weight version, the
         probe through its caches and its log-probs. Before the sync the probe is served once by every engine
         (so an engine with a prefix cache holds it under the old weights). `held`: the sender is held after
-        its first chunk while the harness asks each engine (`harness.mid_session`)."""
+        its first chunk and before its finish while the harness asks each engine (`harness.mid_session`)."""
         sc = self.sc
         if self.probe:
             with self.checking():
@@ -320,9 +317,8 @@ class ScenarioSession:
             self.on_ranks("run_in_process", mid_session.disarm, what=f"release sync {index}", timeout=60)
         if asked is not None:
             sync.held = True
-            for part, answers in zip(self.engine_parts(sync), asked, strict=True):
-                for field_name, value in answers.items():
-                    setattr(part, field_name, value)
+            for part, asks in zip(self.engine_parts(sync), asked, strict=True):
+                part.mid_session = asks
         with self.checking():
             # The expected state's checksums once the ranks are done, never while they sync: this process
             # shares the host's cores with them, and every timed sync would pay for the oracle's hashing.

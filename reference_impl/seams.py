@@ -22,6 +22,7 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 | `send_chunk` | the sender hands one chunk to its channel |
 | `rank_offsets` | each engine replica's rank offset in the transfer group |
 | `pause_generation` | before the update session, the sender pauses an engine that serves between chunks (vLLM) |
+| `finish_update` | once every chunk was answered, the sender closes the update session (/finish_weight_update) |
 | `reset_engine_caches` | after a finished update, the sender resets the engine's prefix and encoder caches |
 | `hand_off` / `collect` | non-sender ranks hand their tensors to the sender / the sender collects them |
 | `colocate_pack` | the colocate producer packs a chunk into its shared buffer |
@@ -61,6 +62,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "update_info": ("reference_impl.transport.sync", "update_info"),
     "send_chunk": ("reference_impl.transport.sync", "send_chunk"),
     "pause_generation": ("reference_impl.transport.sync", "pause_generation"),
+    "finish_update": ("reference_impl.transport.sync", "finish_update"),
     "reset_engine_caches": ("reference_impl.transport.sync", "reset_engine_caches"),
     "rank_offsets": ("reference_impl.transport.group", "rank_offsets"),
     "hand_off": ("reference_impl.transport.sync", "hand_off"),

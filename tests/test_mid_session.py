@@ -1,6 +1,7 @@
-"""The sender held mid-session (`harness.mid_session`): it stops after its first answered chunk until the
-harness releases it, once, and `disarm` leaves the seam as it was. What the engines answer then is judged in
-tests/checks/test_engine_state.py; the e2e runs (tests/test_e2e.py, tests/test_faults.py) ask real engines."""
+"""The sender held mid-session (`harness.mid_session`): it stops after its first answered chunk and before its
+finish, each once, until the harness releases it, and `disarm` leaves the seams as they were. What the engines
+answer then is judged in tests/checks/test_engine_state.py; the e2e runs (tests/test_e2e.py,
+tests/test_faults.py, tests/vllm_engine/) ask real engines."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from harness import mid_session
+from harness.mid_session import AFTER_FIRST_CHUNK, BEFORE_FINISH, HELD, RELEASE
 from reference_impl import seams
 from reference_impl.transport import sync
 
@@ -25,26 +27,50 @@ class _Channel:
         return {"ok": True, "chunk": len(self.sent) - 1}
 
 
-def test_the_sender_holds_once_after_its_first_answered_chunk_until_released(tmp_path: Path) -> None:
+class _Client:
+    def __init__(self) -> None:
+        self.finished: list[int] = []
+
+    def finish(self, sync_index: int, weight_version: int) -> dict[str, Any]:
+        self.finished.append(weight_version)
+        return {"weight_version": weight_version}
+
+
+def _wait_for(path: Path) -> bool:
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return path.exists()
+
+
+def _held_until_released(gate: Path, point: str, call: Any) -> Any:
+    """Run `call()` in a thread; it must hold at `point` until its release is written. Returns its result."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(call()))
+    thread.start()
+    assert _wait_for(gate / f"{point}{HELD}")
+    time.sleep(0.2)
+    assert thread.is_alive() and out == []  # not before the release
+    (gate / f"{point}{RELEASE}").write_text("")
+    thread.join(10)
+    return out[0]
+
+
+def test_the_sender_holds_once_after_its_first_answered_chunk_and_once_before_its_finish(tmp_path: Path) -> None:
     gate = mid_session.gate_dir(tmp_path, 5)
     unarmed = seams.snapshot()
-    channel, answers = _Channel(), []
+    channel, client = _Channel(), _Client()
     mid_session.arm(str(gate))
     try:
-        first = threading.Thread(target=lambda: answers.append(sync.send_chunk(channel, None, [], None, 5)))
-        first.start()
-        deadline = time.monotonic() + 10
-        while not (gate / mid_session.HELD).exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert (gate / mid_session.HELD).exists() and channel.sent == [5]  # the chunk went out, then it held
-        time.sleep(0.2)
-        assert first.is_alive() and answers == []  # not before the release
-        (gate / mid_session.RELEASE).write_text("")
-        first.join(10)
-        assert answers == [{"ok": True, "chunk": 0}]
-        (gate / mid_session.HELD).unlink()
+        answer = _held_until_released(gate, AFTER_FIRST_CHUNK, lambda: sync.send_chunk(channel, None, [], None, 5))
+        assert answer == {"ok": True, "chunk": 0} and channel.sent == [5]  # the chunk went out, then it held
         assert sync.send_chunk(channel, None, [], None, 5) == {"ok": True, "chunk": 1}  # once only
-        assert not (gate / mid_session.HELD).exists()
+        assert client.finished == []
+        answer = _held_until_released(gate, BEFORE_FINISH, lambda: sync.finish_update(client, 5, 5))
+        assert answer == {"weight_version": 5} and client.finished == [5]  # sent only once released
+        (gate / f"{BEFORE_FINISH}{HELD}").unlink()
+        sync.finish_update(client, 6, 6)
+        assert not (gate / f"{BEFORE_FINISH}{HELD}").exists()  # once only
     finally:
         mid_session.disarm()
     assert seams.replaced_since(unarmed) == [] and seams.restore_all() == []
@@ -60,19 +86,20 @@ def test_a_refused_chunk_does_not_hold_the_sender(tmp_path: Path) -> None:
     try:
         with pytest.raises(RuntimeError, match="refused"):
             sync.send_chunk(Refusing(), None, [], None, 1)
-        assert not (gate / mid_session.HELD).exists()
+        assert not (gate / f"{AFTER_FIRST_CHUNK}{HELD}").exists()
     finally:
         mid_session.disarm()
 
 
 def test_a_gate_left_by_an_earlier_run_is_cleared(tmp_path: Path) -> None:
     gate = mid_session.gate_dir(tmp_path, 2)
-    (gate / mid_session.HELD).write_text("")
-    (gate / mid_session.RELEASE).write_text("")
+    for point in mid_session.POINTS:
+        (gate / f"{point}{HELD}").write_text("")
+        (gate / f"{point}{RELEASE}").write_text("")
     assert mid_session.gate_dir(tmp_path, 2) == gate and list(gate.iterdir()) == []
 
 
-def test_put_back_over_a_fault_leaves_the_fault() -> None:
+def test_disarm_over_a_fault_leaves_the_fault() -> None:
     """Held while a fault replaced the same seam: `disarm` puts back the fault, which `restore_all` undoes."""
     original = sync.send_chunk
     seams.replace("send_chunk", lambda orig: lambda *args: orig(*args))

@@ -11,8 +11,9 @@ commits, and caches that must not outlive an update (PARITY_FAIL).
 - `weight_version`: after every finished sync the engine reports (`GET /weight_info`) the version that
   sync committed, and a completion it serves then is tagged with that version where the engine tags its
   answers (the embedded engine, as SGLang's `meta_info`; vLLM's carry none): rollouts tagged with another
-  version are attributed to the wrong policy. While the held sync's session is open (`harness.mid_session`),
-  the engine still reports the version committed before it: only a finish commits one.
+  version are attributed to the wrong policy. While the held sync's session is open (`harness.mid_session`:
+  after its first chunk, and before its finish), the engine still reports the version committed before it:
+  only a finish commits one.
 - `completions_in_session`: nothing is served from half-updated weights while an update session is open:
   an engine whose kind refuses completions then (the embedded engine's 409) refused the one asked of it,
   and one that serves between chunks (vLLM) had its generation paused by the sender (`/is_paused`), whose
@@ -31,6 +32,11 @@ from harness.checks.base import CheckResult, engine_reports_tensors, failed, ora
 from harness.record import HttpCall, RunRecord, SyncRecord
 
 VERDICT = "PARITY_FAIL"
+# Where the sender was held in an open session (`harness.mid_session.POINTS`), as a message says it.
+WHEN = {
+    "after_first_chunk": "its first chunk answered",
+    "before_finish": "every chunk answered, the finish not yet sent",
+}
 REFUSALS = (409, 503)  # statuses that refuse a request for now: conflict (an open session), unavailable
 
 
@@ -93,7 +99,9 @@ def check_weight_version(record: RunRecord) -> CheckResult:
     name = "weight_version"
     read = [s for s in record.syncs if s.engine_weight_version is not None]
     served = [s for s in record.syncs if s.finished and s.served_weight_version is not None]
-    during = [(s, committed_before(record, s)) for s in record.syncs if s.mid_session_version is not None]
+    during = [
+        (s, a, committed_before(record, s)) for s in record.syncs for a in s.mid_session if a.weight_version is not None
+    ]
     if not read and not served and not during:
         return skipped(name, VERDICT, "the engine's weight version was not read back")
     wrong = [
@@ -116,12 +124,12 @@ def check_weight_version(record: RunRecord) -> CheckResult:
     wrong += [
         (
             s,
-            f"while its update session was open (its first chunk loaded, the finish not yet sent) the engine "
-            f"reported weight version {s.mid_session_version!r}, not {before!r}, the version committed before it: "
-            "a version committed before the update finished claims weights that are not loaded yet",
+            f"while its update session was open ({WHEN[a.point]}) the engine reported weight version "
+            f"{a.weight_version!r}, not {before!r}, the version committed before it: a version committed before the "
+            "update finished claims weights that are not all loaded, or not finished loading",
         )
-        for s, before in during
-        if before is not None and s.mid_session_version != before
+        for s, a, before in during
+        if before is not None and a.weight_version != before
     ]
     if wrong:
         s, what = wrong[0]
@@ -212,34 +220,32 @@ def check_completions_in_session(record: RunRecord) -> CheckResult:
             "weights (on vLLM 0.32 one killed the engine core); pause generation before /start_weight_update "
             "and resume it after the finish",
         )
-    asked = [s for s in record.syncs if s.mid_session_completion is not None or s.mid_session_paused is not None]
+    asked = [(s, a) for s in record.syncs for a in s.mid_session if a.completion is not None or a.paused is not None]
     if not asked:
         return skipped(name, VERDICT, "no completion or pause was asked while an update session was open")
-    for s in asked:
-        status = s.mid_session_completion
-        if s.mid_session_paused is False:
+    for s, a in asked:
+        when = WHEN[a.point]
+        if a.paused is False:
             return failed(
                 name,
                 VERDICT,
-                f"sync {s.index}: the engine's generation was not paused while the update session was open (its "
-                "first chunk loaded, the finish not yet sent), and this engine serves requests between chunks: "
-                "a rollout then runs on half-updated weights (on vLLM 0.32 it killed the engine core, its layers "
-                "not yet reloaded being on the meta device); POST /pause before /start_weight_update and "
-                "/resume after the finish",
+                f"sync {s.index}: the engine's generation was not paused while the update session was open "
+                f"({when}), and this engine serves requests between chunks: a rollout then runs on half-updated "
+                "weights (on vLLM 0.32 it killed the engine core, its layers not yet reloaded being on the meta "
+                "device); POST /pause before /start_weight_update and /resume after the finish",
             )
-        if status == 200:
+        if a.completion == 200:
             return failed(
                 name,
                 VERDICT,
-                f"sync {s.index}: the engine served a completion while the update session was open (its first "
-                "chunk loaded, the finish not yet sent): a rollout from half-updated weights, tagged with a "
-                "version it was not made by",
+                f"sync {s.index}: the engine served a completion while the update session was open ({when}): a "
+                "rollout from half-updated weights, tagged with a version it was not made by",
             )
-        if status is not None and status not in REFUSALS:
+        if a.completion is not None and a.completion not in REFUSALS:
             return failed(
                 name,
                 VERDICT,
-                f"sync {s.index}: a completion asked while the update session was open got {status} "
-                f"({s.mid_session_note or 'no answer'}), not a refusal ({' or '.join(map(str, REFUSALS))})",
+                f"sync {s.index}: a completion asked while the update session was open ({when}) got {a.completion} "
+                f"({a.note or 'no answer'}), not a refusal ({' or '.join(map(str, REFUSALS))})",
             )
     return passed(name, VERDICT)

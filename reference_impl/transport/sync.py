@@ -120,6 +120,17 @@ def send_chunk(channel: Channel, client: EngineClient, tensors: list[torch.Tenso
     return channel.send(client, tensors, info, sync)
 
 
+def finish_update(client: EngineClient, sync: int, weight_version: int) -> Any:
+    """Once every chunk of the sync was answered, the sender closes the update session
+    (`/finish_weight_update`, which commits `weight_version`) and returns the engine's answer. A seam
+    (`reference_impl.seams`).
+
+    Raises:
+        EngineRejected: the engine answered non-200.
+    """
+    return client.finish(sync, weight_version)
+
+
 def reset_engine_caches(client: EngineClient, sync: int) -> None:
     """After a finished update, what RL trainers do before the next rollouts: drop the engine's prefix
     cache and its vision-encoder cache (vLLM's /reset_prefix_cache and /reset_encoder_cache; vLLM 0.32's
@@ -488,7 +499,7 @@ def sync_loop(
     try:
         if client.session_open:  # else the engine already ended it: nothing to finish (not finished)
             progress.at(f"{where}: /finish_weight_update in flight (load)")
-            answer = client.finish(sync_index, weight_version)
+            answer = finish_update(client, sync_index, weight_version)
             res.finished = True
             res.engine_update_counts = {k: int(v) for k, v in answer.get("update_counts", {}).items()}
             progress.at(f"{where}: resetting the engine's caches")

@@ -10,7 +10,7 @@ and `names_rejected` as `transport.sync.names_rejected` fills it.
 from __future__ import annotations
 
 from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
-from harness.record import ChunkRecord, HttpCall, RunRecord, SyncRecord, TensorLayout
+from harness.record import ChunkRecord, HttpCall, MidSessionAsk, RunRecord, SyncRecord, TensorLayout
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
 from reference_impl.transport.client import EngineRejected
@@ -84,10 +84,13 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
     sync_records = [_sync(s, checkpoint, mode) for s in range(syncs)]
     resync = sync_records[-1].model_copy(deep=True, update={"index": syncs, "weight_version": syncs + 1})
     resync.perturbed = False
-    # held after its first chunk (`harness.mid_session`): the engine still reported the version before, and
-    # refused a completion, as the embedded engine does
-    resync.held, resync.mid_session_version = True, str(syncs)
-    resync.mid_session_completion, resync.mid_session_note = 409, "/v1/completions -> 409: an update session is open"
+    # held after its first chunk and before its finish (`harness.mid_session`): the engine still reported the
+    # version before, and refused a completion, as the embedded engine does
+    resync.held = True
+    resync.mid_session = [
+        MidSessionAsk(point=p, weight_version=str(syncs), completion=409, note="/v1/completions -> 409: a session")
+        for p in ("after_first_chunk", "before_finish")
+    ]
     sync_records.append(resync)
     for sync in sync_records:  # what each finish committed, read back
         sync.engine_weight_version = str(sync.weight_version)
@@ -120,9 +123,8 @@ def vllm_record() -> RunRecord:
     rec.scenario.engine = "vllm"
     rec.engine_capabilities = engine_kind("vllm").capabilities
     rec.engine_shards = []
-    # vLLM is asked whether it is paused, not for a completion
-    rec.syncs[-1].mid_session_completion, rec.syncs[-1].mid_session_paused = None, True
-    rec.syncs[-1].mid_session_note = ""
+    for ask in rec.syncs[-1].mid_session:  # vLLM is asked whether it is paused, not for a completion
+        ask.completion, ask.paused, ask.note = None, True, ""
     rec.http = [rec.http[0], *(c for s in rec.syncs for c in paused_session_calls(s.index))]
     for s in rec.syncs:
         s.engine_checksums = {}

@@ -74,7 +74,9 @@ def test_weight_version_not_committed_is_parity_fail(record: RunRecord) -> None:
 
 def test_weight_version_not_read_is_skipped(record: RunRecord) -> None:
     for s in record.syncs:
-        s.engine_weight_version = s.served_weight_version = s.mid_session_version = None
+        s.engine_weight_version = s.served_weight_version = None
+        for ask in s.mid_session:
+            ask.weight_version = None
     assert check_weight_version(record).skipped
 
 
@@ -94,15 +96,25 @@ def test_completions_tagged_with_another_version_are_parity_fail(record: RunReco
 
 def test_a_version_committed_at_the_start_of_a_session_is_parity_fail(record: RunRecord) -> None:
     # the held re-sync (version 3): /weight_info said 3 while its chunks were still arriving, then 3 again
-    held = record.syncs[-1]
-    assert held.held and held.mid_session_version == "2" and verdict_of(record)[0] == "PASS"
-    held.mid_session_version = "3"
+    first, last = record.syncs[-1].mid_session
+    assert (first.point, last.point) == ("after_first_chunk", "before_finish") and verdict_of(record)[0] == "PASS"
+    first.weight_version = last.weight_version = "3"
     assert verdict_of(record) == (
         "PARITY_FAIL",
-        "sync 2: while its update session was open (its first chunk loaded, the finish not yet sent) the engine "
-        "reported weight version '3', not '2', the version committed before it: a version committed before the "
-        "update finished claims weights that are not loaded yet: its rollouts would be attributed to another "
+        "sync 2: while its update session was open (its first chunk answered) the engine reported weight version "
+        "'3', not '2', the version committed before it: a version committed before the update finished claims "
+        "weights that are not all loaded, or not finished loading: its rollouts would be attributed to another "
         "policy",
+    )
+
+
+def test_a_version_adopted_once_every_chunk_arrived_is_parity_fail(record: RunRecord) -> None:
+    # right after the first chunk, wrong before the finish: only the second point sees it
+    record.syncs[-1].mid_session[1].weight_version = "3"
+    result = check_weight_version(record)
+    assert not result.ok and result.message.startswith(
+        "sync 2: while its update session was open (every chunk answered, the finish not yet sent) the engine "
+        "reported weight version '3', not '2'"
     )
 
 
@@ -116,37 +128,40 @@ def test_the_version_before_a_session_is_the_last_finished_syncs_else_the_engine
 
 
 def test_a_completion_served_while_a_session_is_open_is_parity_fail(record: RunRecord) -> None:
-    record.syncs[-1].mid_session_completion = 200
+    record.syncs[-1].mid_session[0].completion = 200
     assert verdict_of(record) == (
         "PARITY_FAIL",
-        "sync 2: the engine served a completion while the update session was open (its first chunk loaded, the "
-        "finish not yet sent): a rollout from half-updated weights, tagged with a version it was not made by",
+        "sync 2: the engine served a completion while the update session was open (its first chunk answered): a "
+        "rollout from half-updated weights, tagged with a version it was not made by",
     )
 
 
 def test_a_completion_asked_during_a_session_must_be_refused_not_fail_otherwise(record: RunRecord) -> None:
-    held = record.syncs[-1]
-    held.mid_session_completion, held.mid_session_note = 503, "/v1/completions -> 503: updating"
+    ask = record.syncs[-1].mid_session[1]
+    ask.completion, ask.note = 503, "/v1/completions -> 503: updating"
     assert check_completions_in_session(record).ok
-    held.mid_session_completion, held.mid_session_note = 500, "/v1/completions -> 500: Traceback"
+    ask.completion, ask.note = 500, "/v1/completions -> 500: Traceback"
     result = check_completions_in_session(record)
-    assert not result.ok and "got 500 (/v1/completions -> 500: Traceback), not a refusal (409 or 503)" in result.message
-    held.mid_session_completion = None  # nothing asked
+    assert not result.ok and result.message == (
+        "sync 2: a completion asked while the update session was open (every chunk answered, the finish not yet "
+        "sent) got 500 (/v1/completions -> 500: Traceback), not a refusal (409 or 503)"
+    )
+    record.syncs[-1].mid_session = []  # nothing asked
     assert check_completions_in_session(record).skipped
 
 
 def test_an_engine_that_serves_between_chunks_must_be_paused_during_a_session() -> None:
     rec = vllm_record()  # vLLM is asked /is_paused, not a completion (one killed its engine core mid-session)
-    held = rec.syncs[-1]
-    assert held.mid_session_completion is None and held.mid_session_paused is True
+    asks = rec.syncs[-1].mid_session
+    assert [(a.completion, a.paused) for a in asks] == [(None, True), (None, True)]
     assert check_completions_in_session(rec).ok
-    held.mid_session_paused = False
+    asks[1].paused = False
     assert verdict_of(rec) == (
         "PARITY_FAIL",
-        "sync 2: the engine's generation was not paused while the update session was open (its first chunk "
-        "loaded, the finish not yet sent), and this engine serves requests between chunks: a rollout then runs "
-        "on half-updated weights (on vLLM 0.32 it killed the engine core, its layers not yet reloaded being on "
-        "the meta device); POST /pause before /start_weight_update and /resume after the finish",
+        "sync 2: the engine's generation was not paused while the update session was open (every chunk answered, "
+        "the finish not yet sent), and this engine serves requests between chunks: a rollout then runs on "
+        "half-updated weights (on vLLM 0.32 it killed the engine core, its layers not yet reloaded being on the "
+        "meta device); POST /pause before /start_weight_update and /resume after the finish",
     )
 
 

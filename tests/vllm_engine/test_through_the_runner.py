@@ -37,8 +37,9 @@ def test_vllm_scenario_through_the_runner(runner: Runner) -> None:
     routes = [c.route for c in rec.http if c.rank == 0 and c.route in ("/pause", "/resume")]
     assert routes == ["/pause", "/resume"] * len(rec.syncs), routes
     held = rec.syncs[-1]
-    assert held.held and held.mid_session_paused is True and held.mid_session_completion is None
-    assert held.mid_session_version == str(rec.syncs[-2].weight_version)
+    assert held.held and [a.point for a in held.mid_session] == ["after_first_chunk", "before_finish"]
+    assert all(a.paused is True and a.completion is None for a in held.mid_session), held.mid_session
+    assert {a.weight_version for a in held.mid_session} == {str(rec.syncs[-2].weight_version)}
     for name in ("completions_in_session", "weight_version"):
         result = next(c for c in rec.checks if c["name"] == name)
         assert result["ok"] and not result["skipped"], result
@@ -107,7 +108,7 @@ def test_fault_on_vllm_gets_the_embedded_engines_verdict(runner: Runner, fault_r
 VLLM_ONLY_SAYS = {
     # no pause at all: the sender's calls on the wire show it at sync 0 (and the held re-sync finds it unpaused)
     "generation_not_paused": "sync 0: /start_weight_update was sent with no /pause answered 200 before it",
-    # paused while the first chunk loads, when the re-sync is held: only the calls' order shows it
+    # paused while the first chunk loads, resumed before the finish: the calls' order at sync 0
     "generation_resumed_mid_update": "sync 0: /resume was sent ",
 }
 
@@ -128,5 +129,6 @@ def test_a_fault_only_vllm_shows_gets_its_verdict(runner: Runner, name: str) -> 
     assert failing == ["completions_in_session"], failing
     deciding = next(c for c in rec.checks if c["name"] == "completions_in_session")
     assert deciding["message"].startswith(VLLM_ONLY_SAYS[name]), deciding["message"]
-    held = rec.syncs[-1]
-    assert held.held and held.mid_session_paused is (name == "generation_resumed_mid_update")
+    held = rec.syncs[-1]  # after the first chunk, paused only where the fault resumes after the second one
+    assert held.held and held.mid_session[0].paused is (name == "generation_resumed_mid_update")
+    assert held.mid_session[1].paused is False  # before the finish: no longer paused under either fault
