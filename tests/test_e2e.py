@@ -68,6 +68,12 @@ def test_scenario_passes_and_engine_matches_independent_truth(runner, sc: Scenar
         assert s.engine_checksums == s.sent_checksums
         assert s.engine_checksums != truth  # the perturbation moved every sync after #0
     assert rec.syncs[-1].engine_checksums == rec.syncs[-2].engine_checksums  # the re-sync changed nothing
+    # the re-sync held after its first chunk and before its finish: the old version, a completion refused (409)
+    held = rec.syncs[-1]
+    assert held.held and not any(s.held for s in rec.syncs[:-1])
+    asks = [(a.point, a.weight_version, a.completion, a.paused) for a in held.mid_session]
+    before = str(rec.syncs[-2].weight_version)
+    assert asks == [("after_first_chunk", before, 409, None), ("before_finish", before, 409, None)], asks
     assert rec.cross_mode_checksums["raw"] == rec.cross_mode_checksums["bridge"]
     assert {c.route for c in rec.http} >= {
         "/init_weight_transfer_engine",

@@ -49,6 +49,9 @@ class Fault:
 
 
 _SMALL = {"syncs": 2, "chunk_bytes": 65536}
+# Real vLLM, for the sender's bugs that only an engine serving between chunks shows (at temperature 1.0: vLLM's
+# prompt log-probs do not honour another).
+_VLLM_SMALL = {"model": "qwen3", "engine": "vllm", "logprob_temperature": 1.0, **_SMALL}
 # Long enough for the resource check to fit a slope after its warm-up half (`checks.resources`).
 _SOAK = {"syncs": 12, "chunk_bytes": 65536}
 # A leak of a copy per sync must stand out of a process's allocator noise (its RSS moved 10-16 MB between two
@@ -322,14 +325,14 @@ FAULTS: dict[str, Fault] = {
             "the sender opens the update session without pausing vLLM's generation, which serves requests "
             "between chunks",
             "PARITY_FAIL",
-            {"model": "qwen3", "engine": "vllm", "logprob_temperature": 1.0, **_SMALL},
+            _VLLM_SMALL,
             trainer=trainer.generation_not_paused,
         ),
         Fault(
             "generation_resumed_mid_update",
             "the sender resumes vLLM's generation once the update's second chunk is answered, the session still open",
             "PARITY_FAIL",
-            {"model": "qwen3", "engine": "vllm", "logprob_temperature": 1.0, **_SMALL},
+            _VLLM_SMALL,
             trainer=trainer.generation_resumed_mid_update,
         ),
         Fault(

@@ -369,33 +369,14 @@ def generation_paused(client: EngineClient | None, sync: int, progress: Progress
 
 
 def run_sync(
-    *,
-    named: Iterable[tuple[str, torch.Tensor]],
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    sync_index: int,
-    weight_version: int,
-    client: EngineClient | None,
-    channel: Channel | None,
-    progress: Progress | None = None,
+    *, rank: int, sync_index: int, client: EngineClient | None, progress: Progress | None = None, **loop: Any
 ) -> tuple[SyncReport, list[Chunk]]:
-    """`sync_loop` inside `generation_paused` on the sender: the engine's generation is paused around the
-    update where it serves between chunks, and that time counts in the report's `total_s`. Arguments,
-    return and errors are `sync_loop`'s."""
+    """`sync_loop` (`loop`: its other keyword arguments) inside `generation_paused` on the sender: the engine's
+    generation is paused around the update where it serves between chunks, and that time counts in the
+    report's `total_s`. Return and errors are `sync_loop`'s."""
     progress = progress or Progress(None)
     with generation_paused(client if rank == SENDER else None, sync_index, progress) as took:
-        res, plan = sync_loop(
-            named=named,
-            rank=rank,
-            world_size=world_size,
-            chunk_bytes=chunk_bytes,
-            sync_index=sync_index,
-            weight_version=weight_version,
-            client=client,
-            channel=channel,
-            progress=progress,
-        )
+        res, plan = sync_loop(rank=rank, sync_index=sync_index, client=client, progress=progress, **loop)
     res.total_s += took[0]
     return res, plan
 
