@@ -343,8 +343,8 @@ MESSAGE_SAYS = {
     "encoder_cache_survives_update": "log-prob max |diff|",
     "weight_version_not_committed": "the engine reports weight version '0' after finishing version '1'",
     "completions_tagged_with_first_version": "version '1' are tagged weight version '0' (it reports '1')",
-    "version_committed_at_start": "sync 2: while its update session was open (its first chunk loaded, the "
-    "finish not yet sent) the engine reported weight version '2', not '1'",
+    "version_committed_at_start": "sync 2: while its update session was open (its first chunk answered) the engine "
+    "reported weight version '2', not '1'",
     "completions_served_during_session": "sync 2: the engine served a completion while the update session was open",
     "duplicate_rank_offsets": "connect: /init_weight_transfer_engine in flight",
     "tp_row_split_as_column": "TP rank 0: 'model.layers.0.",

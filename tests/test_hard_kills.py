@@ -260,10 +260,12 @@ def test_rank_killed_mid_gather_ends_as_crash_or_deadlock(runner, seed: int) -> 
 
     rec, killer = _run_with_kill(runner, sc, lambda trace, pids: Killer(trace, reached, pids, "rank1", victim))
     # The stop lands in the chosen sync, or, on a loaded host where stage 1's hand-off (a few milliseconds) ended
-    # before the stop did, later: in a later sync, or in the trainer step before one (the sender waits there
-    # for the stopped stage's step to return); never after the last sync.
-    landed = re.match(r"(sync|step) (\d+): (?!finished|checksums of what was sent)", killer.in_flight)
+    # before the stop did, later: in a later sync, in the trainer step before one (the sender waits there for the
+    # stopped stage's step to return), or between a sync and the next (the ranks wait there for the harness: its
+    # reads of the engine, arming the re-sync's mid-session hold); never after the last sync.
+    landed = re.match(r"(sync|step) (\d+): (finished|checksums of what was sent)?", killer.in_flight)
     assert landed and sync <= int(landed.group(2)) <= sc.syncs, killer.in_flight  # syncs 0..sc.syncs, steps 1..
+    assert not (landed.group(3) and int(landed.group(2)) == sc.syncs), killer.in_flight  # not after the last
     assert rec.verdict in ("CRASH", "DEADLOCK"), [c for c in rec.checks if not c["ok"]]
     deciding = next(c for c in rec.checks if not c["ok"] and not c["skipped"] and c["verdict_on_fail"] == rec.verdict)
     if rec.verdict == "CRASH":
