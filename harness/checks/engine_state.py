@@ -207,7 +207,7 @@ def check_completions_in_session(record: RunRecord) -> CheckResult:
     """No request could be served from half-updated weights: where the engine serves between chunks (vLLM),
     every sync's calls on the wire pause its generation before the start and resume it only once the finish
     answered (`pause_problem`); and while the held sync's session was open (`mid_session`: the sender held
-    after its first chunk), an engine whose kind refuses completions then
+    after its first chunk and before its finish), an engine whose kind refuses completions then
     (`Capabilities.refuses_completions_in_session`) refused the one the harness asked for (409, or 503), and
     one that serves between chunks had its generation paused (`GET /is_paused` true)."""
     name = "completions_in_session"
