@@ -44,6 +44,7 @@ import ray
 from harness.record import MidSessionAsk
 from reference_impl import seams
 from reference_impl.engine.base import Capabilities
+from reference_impl.engine.exception_text import excerpt
 from reference_impl.transport.client import EngineClient, EngineRejected
 
 AFTER_FIRST_CHUNK, BEFORE_FINISH = "after_first_chunk", "before_finish"
@@ -52,6 +53,7 @@ HELD, RELEASE = ".held", ".release"  # a point's gate files: f"{point}{HELD}", f
 HOLD_S = 120.0  # seconds the sender waits for a release at most, then goes on (the harness never came)
 POLL_S = 0.002  # seconds between looks at the gate's files, on either side
 ASK_TEMPERATURE = 1.0
+NOTE_CHARS = 250  # what an ask's note keeps of a refusal: its route, status and the body's start
 
 _previous: dict[str, Callable[..., Any]] = {}  # what ran at each seam before `arm` (in a trainer rank)
 
@@ -160,7 +162,7 @@ def ask_engine(
     try:
         ask.weight_version = client.weight_version(sync=sync)
     except EngineRejected as e:
-        notes.append(f"/weight_info -> {e.status}: {' '.join(e.body.split())[:200]}")
+        notes.append(excerpt(str(e), NOTE_CHARS))  # "<route> -> <status>: <body>"
     if capabilities.refuses_completions_in_session:
         if prompt:
             try:
@@ -168,11 +170,11 @@ def ask_engine(
                 ask.completion = 200
             except EngineRejected as e:
                 ask.completion = e.status
-                notes.append(f"/v1/completions -> {e.status}: {' '.join(e.body.split())[:200]}")
+                notes.append(excerpt(str(e), NOTE_CHARS))
     else:
         try:
             ask.paused = client.is_paused(sync=sync)
         except EngineRejected as e:
-            notes.append(f"/is_paused -> {e.status}: {' '.join(e.body.split())[:200]}")
+            notes.append(excerpt(str(e), NOTE_CHARS))
     ask.note = "; ".join(notes)
     return ask

@@ -202,10 +202,8 @@ class SyncRecord(SyncReport):
     # The weight version the engine's completion after this sync is tagged with (the probe's answer; None: the
     # engine tags none, as vLLM, or no probe was served). Async RL drops or reweights rollouts by it.
     served_weight_version: str | None = None
-    # The sender was held with the update session open while the harness asked the engine (`harness.mid_session`:
-    # after the first chunk was answered, and before the finish): judged like every sync, not timed (its wall
-    # time holds the asks). What the engine answered at each point it was held.
-    held: bool = False
+    # What the engine answered at each point the sender was held with the update session open while the harness
+    # asked it (`harness.mid_session`: after the first chunk was answered, and before the finish); see `held`.
     mid_session: list[MidSessionAsk] = Field(default_factory=list)
     # The probe served through the engine's caches after this sync: generated token, its log-prob on the
     # engine and under the expected state (`harness.session.ScenarioSession.measure_probe`).
@@ -224,6 +222,12 @@ class SyncRecord(SyncReport):
     # Several engine replicas: each one's part of this sync (the fields above are then all engines together
     # for the sender's account, and engine 0's for what the harness measured). Empty with one engine.
     engines: list[EngineSync] = Field(default_factory=list)  # type: ignore[assignment]
+
+    @property
+    def held(self) -> bool:
+        """The sender was held mid-session while the harness asked the engine (`mid_session`): the sync is judged
+        like every other, not timed (its wall time holds the asks)."""
+        return bool(self.mid_session)
 
     @property
     def clocked_s(self) -> float:

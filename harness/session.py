@@ -316,9 +316,9 @@ class ScenarioSession:
         if gate is not None:
             self.on_ranks("run_in_process", mid_session.disarm, what=f"release sync {index}", timeout=60)
         if asked is not None:
-            sync.held = True
             for part, asks in zip(self.engine_parts(sync), asked, strict=True):
                 part.mid_session = asks
+            sync.mid_session = asked[0]  # engine 0's, where one engine's measurements go (`held` reads it)
         with self.checking():
             # The expected state's checksums once the ranks are done, never while they sync: this process
             # shares the host's cores with them, and every timed sync would pay for the oracle's hashing.

@@ -86,7 +86,6 @@ def make_record(syncs: int = 2, mode: str = "bridge") -> RunRecord:
     resync.perturbed = False
     # held after its first chunk and before its finish (`harness.mid_session`): the engine still reported the
     # version before, and refused a completion, as the embedded engine does
-    resync.held = True
     resync.mid_session = [
         MidSessionAsk(point=p, weight_version=str(syncs), completion=409, note="/v1/completions -> 409: a session")
         for p in ("after_first_chunk", "before_finish")
