@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from harness.faults import fault_scenarios
+from harness.faults import FAULTS, fault_scenarios
 from harness.record import RunRecord
 from harness.runner import Runner
 from harness.scenario import Scenario
@@ -31,9 +31,9 @@ VLLM_FAULTS = (
     "pp_barrier_in_chunk_loop",
 )
 
-# Faults only an engine that serves requests between chunks (real vLLM) shows: the embedded engine refuses
-# completions during an update session whatever the sender does, so they run on vLLM alone.
-VLLM_ONLY_FAULTS = ("generation_not_paused", "generation_resumed_mid_update")
+# Faults only an engine that serves requests between chunks (real vLLM) shows, which the registry runs on vLLM:
+# the embedded engine refuses completions during an update session whatever the sender does.
+VLLM_ONLY_FAULTS = tuple(f.name for f in FAULTS.values() if f.scenario.get("engine") == "vllm")
 
 _RECORDS: dict[str, RunRecord] = {}
 
