@@ -58,14 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     }
     for name, text in helps.items():
         p = sub.add_parser(name, help=text)
-        scenarios_from = p.add_mutually_exclusive_group()  # list's --matrix or --faults: argparse refuses both
-        if name == "list":
-            scenarios_from.add_argument(
-                "--faults",
-                action="store_true",
-                help="list the fault scenarios (`faults` runs them) instead of a matrix",
-            )
-        if name != "faults":
+        if name != "faults":  # `faults` takes no matrix; an empty group would make argparse's --help raise
+            scenarios_from = p.add_mutually_exclusive_group()  # list's --matrix or --faults: argparse refuses both
+            if name == "list":
+                scenarios_from.add_argument(
+                    "--faults",
+                    action="store_true",
+                    help="list the fault scenarios (`faults` runs them) instead of a matrix",
+                )
             scenarios_from.add_argument(
                 "--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path"
             )

@@ -161,3 +161,16 @@ def test_bad_places_are_refused_before_anything_starts_and_a_config_error_says_w
     assert "TP 3 divides neither qwen3's 4 attention heads nor its 2 KV heads" in run.stderr, run.stderr[-2000:]
     again = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 2 and "holds an earlier run" in again.stderr, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", ["run", "list", "faults", "soak", "report"])
+def test_every_command_answers_help_with_its_own_options(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import _parser
+
+    with pytest.raises(SystemExit) as done:  # `faults` has no --matrix: its help once raised "empty group"
+        _parser().parse_args([command, "--help"])
+    assert done.value.code == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith(f"usage: python -m harness {command}")
+    own = {"run": "--matrix", "list": "--faults", "faults": "--filter", "soak": "--syncs", "report": "--baseline"}
+    assert own[command] in usage and ("--matrix" in usage) == (command in ("run", "list", "soak"))
