@@ -127,16 +127,21 @@ def ask_while_held(
 ) -> list[list[MidSessionAsk]] | None:
     """Wait (at most `timeout` seconds in all) for the sender to hold at each of `POINTS` in turn, or for
     every ref of the ranks' sync calls to be done; at each point reached, ask every engine of `clients`
-    (`ask_engine`) and release it. Returns each engine's asks, in engine order and point order (None when
+    (`ask_engine`) and release it. A point the sender passed without holding (it holds at a later one first:
+    no chunk was answered) is not asked. Returns each engine's asks, in engine order and point order (None when
     the sender never held). Always writes every point's release before returning."""
     end = time.monotonic() + timeout
     asks: list[list[MidSessionAsk]] = [[] for _ in clients]
     try:
-        for point in POINTS:
-            while not (gate / f"{point}{HELD}").exists():
+        for i, point in enumerate(POINTS):
+            # a later point held first: the sender never reached this one (every chunk refused), so it is
+            # not asked here (waiting for it kept the sender at the later point until `HOLD_S` ran out)
+            while not any((gate / f"{later}{HELD}").exists() for later in POINTS[i:]):
                 done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=POLL_S)
                 if len(done) == len(refs) or time.monotonic() > end:
                     return asks if asks[0] else None
+            if not (gate / f"{point}{HELD}").exists():
+                continue
             for mine, client in zip(asks, clients, strict=True):
                 twin = client.twin()
                 try:

@@ -112,3 +112,37 @@ def test_disarm_over_a_fault_leaves_the_fault() -> None:
     finally:
         assert seams.restore_all() == ["send_chunk"]
     assert sync.send_chunk is original
+
+
+def test_a_sender_that_holds_first_before_its_finish_is_asked_there_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every chunk refused (as under fault `wrong_dtype`): the sender never holds after a first answered chunk
+    and next holds before its finish. The harness asks there and releases it, instead of waiting for the first
+    point while the sender waits at the second until `HOLD_S` runs out (120 s of each such fault run)."""
+
+    class Twin:
+        def twin(self) -> Twin:
+            return self
+
+        def close(self) -> None:
+            pass
+
+    class RanksNotDone:  # the sync calls of the ranks, all still running
+        @staticmethod
+        def wait(refs: list[Any], num_returns: int, timeout: float) -> tuple[list[Any], list[Any]]:
+            time.sleep(timeout)
+            return [], refs
+
+    asked: list[str] = []
+    monkeypatch.setattr(mid_session, "ray", RanksNotDone)
+    monkeypatch.setattr(
+        mid_session, "ask_engine", lambda client, caps, prompt, sync, point: asked.append(point) or point
+    )
+    gate = mid_session.gate_dir(tmp_path, 3)
+    sender = threading.Thread(target=mid_session.hold, args=(gate, BEFORE_FINISH))
+    sender.start()
+    asks = mid_session.ask_while_held(gate, ["rank0"], [Twin()], None, [1, 2], 3, timeout=30)  # type: ignore[arg-type]
+    sender.join(10)
+    assert not sender.is_alive() and asked == [BEFORE_FINISH] and asks == [[BEFORE_FINISH]]
+    assert all((gate / f"{point}{RELEASE}").exists() for point in mid_session.POINTS)
