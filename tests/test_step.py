@@ -74,3 +74,8 @@ def test_step_moves_every_nonzero_element_within_its_bounds(dtype: torch.dtype) 
     half_ulp = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     assert rel.min() >= 2.0**-7 - half_ulp and rel.max() <= 2.0**-6 + half_ulp
     assert not torch.equal(step(x, 3, 5), step(x, 4, 5)) and not torch.equal(step(x, 3, 5), step(x, 3, 6))
+
+
+def test_step_refuses_a_dtype_it_is_not_defined_for() -> None:
+    with pytest.raises(TypeError, match=r"float32, bfloat16 and float16 tensors, not torch\.float64"):
+        step(torch.zeros(3, dtype=torch.float64), 1, 1)

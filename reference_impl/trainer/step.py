@@ -16,7 +16,8 @@ a float16 one (below 6.1e-5 in magnitude) may keep its value; fp32 and bf16 subn
 do not occur in the checkpoints here (tests/test_step.py checks all of this against a second
 implementation). The arithmetic is int32 hashing and fp32 math,
 rounded to the tensor's dtype, elementwise on CPU: reproducible bit for bit in any process. It walks
-the tensor in blocks of 64 Ki elements (about 8 ms per million elements on one core here).
+the tensor in blocks of 256 Ki elements, each block's temporaries made once and updated in place (about
+3-5 ms per million elements here, against 5-10 ms for the same ops each making a new tensor).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 EPS_LOG2 = -6
 EPS = 2.0**EPS_LOG2
-BLOCK = 1 << 16  # elements per block: the block's temporaries stay in cache
+BLOCK = 1 << 18  # elements per block: its temporaries (about 1 MiB each) stay in cache
 _BITS_DTYPE = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _GOLDEN = -1640531535  # 0x9E3779B1 as a signed int32 (Fibonacci hashing)
 _MIX = 0x2C1B3C6D  # a murmur-style int32 finaliser constant
@@ -38,27 +39,16 @@ def _key(k: int, seed: int) -> int:
     return (seed * 1_000_003 + k * 7_919 + 0x5851F42D) & 0x7FFFFFFF
 
 
-def _hash(bits: torch.Tensor, key: int) -> torch.Tensor:
-    """int32 hash of int32 bit patterns (wrapping arithmetic, deterministic)."""
-    z = bits * _GOLDEN + key
-    z = z ^ (z >> 15)
-    z = z * _MIX
-    return z ^ (z >> 12)
-
-
-def noise(x: torch.Tensor, k: int, seed: int) -> torch.Tensor:
-    """h_k(x): fp32 tensor of x's shape, values in +-[0.5, 1), a function of each element's bits only.
-
-    The magnitude comes from the hash's low 24 bits, the sign from its top bit.
-
-    Raises:
-        TypeError: a dtype other than float32 / bfloat16 / float16.
-    """
-    if x.dtype not in _BITS_DTYPE:
-        raise TypeError(f"the trainer step is defined for float32, bfloat16 and float16 tensors, not {x.dtype}")
-    z = _hash(x.detach().contiguous().view(_BITS_DTYPE[x.dtype]).to(torch.int32), _key(k, seed))
+def noise_(bits: torch.Tensor, key: int) -> torch.Tensor:
+    """h(x) for one block: fp32 values in +-[0.5, 1), from `bits`, the block's int32 bit patterns (a new
+    tensor: it is hashed in place), keyed by `_key(k, seed)`. The magnitude comes from the int32 hash's low 24
+    bits, the sign from its top bit."""
+    z = bits.mul_(_GOLDEN).add_(key)  # wrapping int32 arithmetic
+    z.bitwise_xor_(z >> 15)
+    z.mul_(_MIX)
+    z.bitwise_xor_(z >> 12)
     h = (z & 0xFFFFFF).to(torch.float32).mul_(2.0**-25).add_(0.5)
-    return torch.where(z < 0, -h, h)
+    return h.copysign_(z.to(torch.float32))  # negative where z < 0 (z == 0 gives +0.0: positive)
 
 
 def step(x: torch.Tensor, k: int, seed: int) -> torch.Tensor:
@@ -67,12 +57,20 @@ def step(x: torch.Tensor, k: int, seed: int) -> torch.Tensor:
     Raises:
         TypeError: a dtype other than float32 / bfloat16 / float16.
     """
+    if x.dtype not in _BITS_DTYPE:
+        raise TypeError(f"the trainer step is defined for float32, bfloat16 and float16 tensors, not {x.dtype}")
     src = x.detach().contiguous().reshape(-1)
+    bits = src.view(_BITS_DTYPE[x.dtype])
     out = torch.empty_like(src)
+    key, wide = _key(k, seed), x.dtype == torch.float32
     for i in range(0, src.numel(), BLOCK):
-        block = src[i : i + BLOCK]
-        factor = noise(block, k, seed).mul_(EPS).add_(1.0)
-        out[i : i + BLOCK] = (block.float() * factor).to(x.dtype)
+        j = i + BLOCK
+        # each block's temporaries are its own (the source's bits are copied before they are hashed in place)
+        factor = noise_(bits[i:j].to(torch.int32, copy=True), key).mul_(EPS).add_(1.0)
+        if wide:
+            torch.mul(src[i:j], factor, out=out[i:j])
+        else:
+            out[i:j] = factor.mul_(src[i:j])  # the fp32 product, rounded to the dtype as it is stored
     return out.reshape(x.shape)
 
 
