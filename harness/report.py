@@ -410,11 +410,18 @@ def write_report(run_dir: Path | str, baseline_dir: Path | str, threshold: float
 
     Raises:
         FileNotFoundError: either folder has no summary.csv.
-        ValueError: either summary.csv is no run's table (`load_run`), or the baseline holds no scenario.
+        ValueError: both are one folder (its own report.md, e.g. a committed baseline's, would be overwritten by
+            one that compares nothing), either summary.csv is no run's table (`load_run`), or the baseline holds
+            no scenario.
     """
     from harness.plots import plot_regression
     from harness.report_md import report_markdown
 
+    if Path(run_dir).resolve() == Path(baseline_dir).resolve():
+        raise ValueError(
+            f"--run and --baseline are one folder ({run_dir}): a run compared with itself says nothing, and its "
+            "report.md would be overwritten; pass the run to judge and a different baseline"
+        )
     report = compare(load_run(run_dir), load_baseline(baseline_dir), threshold)
     out = Path(run_dir)
     report.rows.to_csv(out / "report.csv", index=False)

@@ -377,3 +377,15 @@ def test_a_folder_that_is_no_run_is_refused_naming_its_file(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"bad/env.json is no JSON"):
         load_run(bad)
     assert not (run / "report.md").exists()
+
+
+def test_a_run_compared_with_its_own_folder_is_refused_and_its_report_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `report --run results/baselines/cpu --baseline results/baselines/cpu` overwrote the committed report.md
+    # (that baseline against the one it replaced) with one that compared the folder with itself.
+    run = write_folder(tmp_path / "run", make_table(BASE_TIMES), make_env())
+    (run / "report.md").write_text("the report this folder keeps\n")
+    assert main(["report", "--run", str(run), "--baseline", str(tmp_path / "." / "run")]) == 2
+    assert "--run and --baseline are one folder" in capsys.readouterr().err
+    assert (run / "report.md").read_text() == "the report this folder keeps\n" and not (run / "report.csv").exists()
