@@ -71,21 +71,39 @@ def _human_bytes(n: int) -> str:
     return str(n)
 
 
-def _suffix(row: dict) -> str:
-    """What follows the mode in a scenario id (``chunk-1048576`` -> ``chunk-1 MiB``), or ""."""
+def _id_parts(row: dict) -> list[str]:
+    """The scenario id's levels after the engine (model, layout, placement, mode, suffix...)."""
     parts = str(row.get("scenario") or "").split("/")
     engine = row.get("engine") or DEFAULT_ENGINE
-    if engine != DEFAULT_ENGINE and parts and parts[0] == engine:
-        parts = parts[1:]
-    suffix = "/".join(parts[4:])
+    return parts[1:] if engine != DEFAULT_ENGINE and parts and parts[0] == engine else parts
+
+
+def _suffix(row: dict) -> str:
+    """What follows the mode in a scenario id (``chunk-1048576`` -> ``chunk-1 MiB``), or ""."""
+    suffix = "/".join(_id_parts(row)[4:])
     return re.sub(r"\d{4,}", lambda m: _human_bytes(int(m.group())), suffix)
 
 
+def _engines(row: dict) -> str:
+    """The engines a placement names beyond its kind (``noncolocate-engines2`` -> ``2 engines``,
+    ``noncolocate-engine-tp2`` -> ``engine TP2``), or ""."""
+    parts = _id_parts(row)
+    extra = parts[2].partition("-")[2] if len(parts) > 2 else ""
+    extra = re.sub(r"^engines(\d+)$", r"\1 engines", extra)
+    return re.sub(r"engine-tp(\d+)", r"engine TP\1", extra)
+
+
 def layout_label(row: dict) -> str:
-    """'TP2 PP1 EP2' (EP only when > 1), then the scenario's suffix on a second line."""
-    text = f"TP{row['tp']} PP{row['pp']}" + (f" EP{row['ep']}" if int(row.get("ep") or 1) > 1 else "")
-    suffix = _suffix(row)
-    return f"{text}\n{suffix}" if suffix else text
+    """'TP2 PP1 EP2' (the id's layout level: EP and ETP where the id names them), then what sets the scenario
+    apart from others of that layout, on a second line: its engines (``2 engines``, ``engine TP2``) and its
+    suffix."""
+    parts = _id_parts(row)
+    if len(parts) > 1 and re.fullmatch(r"tp\d+-pp\d+(-ep\d+)?(-etp\d+)?", parts[1]):
+        text = " ".join(level.upper() for level in parts[1].split("-"))
+    else:  # an id of another shape: the table's columns
+        text = f"TP{row['tp']} PP{row['pp']}" + (f" EP{row['ep']}" if int(row.get("ep") or 1) > 1 else "")
+    apart = " · ".join(filter(None, (_engines(row), _suffix(row))))
+    return f"{text}\n{apart}" if apart else text
 
 
 def _prepared(df: pd.DataFrame) -> pd.DataFrame:

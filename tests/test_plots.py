@@ -14,6 +14,7 @@ from harness.plots import (
     CHANGE_COLORS,
     MAX_WIDTH_PX,
     gbps_figure,
+    layout_label,
     phases_figure,
     plot_gbps_vs_bound,
     plot_phases,
@@ -99,6 +100,10 @@ def test_steady_time_small_multiples(tmp_path: Path, table: pd.DataFrame) -> Non
     assert titles == models | {f"{m} · vllm" for m in on_vllm}  # a panel per model and engine
     labels = tick_labels(fig, "x")
     assert {"TP1 PP1", "TP2 PP2", "TP1 PP2 EP2", "TP1 PP2 EP2\nchunk-1 MiB", "TP1 PP2 EP2\nchunk-1 TiB"} <= set(labels)
+    assert {"TP1 PP1\n2 engines", "TP1 PP1\nengine TP2", "TP1 PP1\nengine TP4"} <= set(labels)
+    for ax in fig.axes:  # no two scenarios of a panel share a place (engines, engine TP, ETP once did)
+        places = [line.get_xdata()[0] for line in ax.get_lines()] + [t.get_position()[0] for t in ax.texts]
+        assert len(places) == len(set(places)), ax.get_title()
     legend = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
     assert legend == ["raw · non-colocate", "raw · colocate", "bridge · non-colocate", "bridge · colocate"]
     out = plot_steady_update_time(table, tmp_path / "steady.png")
@@ -148,3 +153,9 @@ def test_regression_plot(tmp_path: Path, table: pd.DataFrame) -> None:
     assert len(dots) == len(common) - 1  # the unfinished scenario has no steady time: "not timed"
     out = plot_regression(report.rows, tmp_path / "regression.png")
     assert png_size(out)[0] <= MAX_WIDTH_PX
+
+
+def test_a_layout_label_names_what_the_id_sets_apart() -> None:
+    row = {"scenario": "vllm/qwen3-moe/tp2-pp1-ep2-etp2/noncolocate-engine-tp2/raw/chunk-1048576", "engine": "vllm"}
+    assert layout_label({**row, "tp": 2, "pp": 1, "ep": 2}) == "TP2 PP1 EP2 ETP2\nengine TP2 · chunk-1 MiB"
+    assert layout_label({"scenario": "a run's own name", "tp": 4, "pp": 2, "ep": 1}) == "TP4 PP2"  # from columns
