@@ -381,10 +381,20 @@ def _field_value(term: str, key: str, value: str) -> object:
         raise ValueError(f"filter term {term!r}: {key}: {e.errors()[0]['msg'].lower()}") from None
 
 
+# Fields that name one of a few things (a model, an engine kind, a mode, a verdict, a fault): a filter value that no
+# scenario here or in the committed matrices has is a typo or a thing that does not exist (`engine=sglang`).
+NAMING_FIELDS = ("model", "engine", "export_mode", "dtype", "expect", "fault")
+
+
 @functools.cache
+def _committed() -> tuple[Scenario, ...]:
+    """Every scenario of the committed matrices (`scenarios/*.yaml`)."""
+    return tuple(sc for p in sorted(SCENARIOS_DIR.glob("*.yaml")) for sc in load_matrix(str(p)))
+
+
 def committed_tags() -> frozenset[str]:
     """Every tag of the committed matrices (`scenarios/*.yaml`)."""
-    return frozenset(t for p in SCENARIOS_DIR.glob("*.yaml") for sc in load_matrix(str(p)) for t in sc.tags)
+    return frozenset(t for sc in _committed() for t in sc.tags)
 
 
 def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
@@ -394,20 +404,30 @@ def select(scenarios: list[Scenario], expr: str | None) -> list[Scenario]:
     `!tag:NAME` (leave out a tag, e.g. `!tag:full-size`), or a regex searched in the id, in any case.
 
     Raises:
-        ValueError: a term that can only select nothing or all (`_filter_terms`), or a tag that no scenario of
-            `scenarios` or of the committed matrices has (`!tag:fullsize` for `!tag:full-size` selected all).
+        ValueError: a term that can only select nothing or all (`_filter_terms`), a tag that no scenario of
+            `scenarios` or of the committed matrices has (`!tag:fullsize` for `!tag:full-size` selected all), or
+            a value of a `NAMING_FIELDS` field that none of them has (`engine=sglang`, `model=qwen4`).
     """
     if not expr:
         return scenarios
     terms = _filter_terms(expr)
-    tag_terms = [(term, value) for term, _, kind, _, value in terms if kind == "tag"]
-    # the committed matrices are read only for a filter that names a tag
-    known_tags = {t for sc in scenarios for t in sc.tags} | committed_tags() if tag_terms else set()
-    for term, value in tag_terms:
-        if value not in known_tags:  # a typo: `!tag:fullsize` selected every scenario
+    named = [(term, kind, key, value) for term, _, kind, key, value in terms if kind == "tag" or key in NAMING_FIELDS]
+    # the committed matrices are read only for a filter that names a tag or a naming field's value
+    known = [*scenarios, *_committed()] if named else []
+    for term, kind, key, value in named:
+        if kind == "tag":
+            have = {t for sc in known for t in sc.tags}
+            if value not in have:  # a typo: `!tag:fullsize` selected every scenario
+                raise ValueError(
+                    f"filter term {term!r}: no scenario here or in scenarios/ has tag {value!r}: check its spelling "
+                    f"(tags: {', '.join(sorted(have))})"
+                )
+            continue
+        have = {getattr(sc, key) for sc in known} - {None, ""}
+        if isinstance(value, str) and value and value.lower() not in {h.lower() for h in have}:  # as `_matches`
             raise ValueError(
-                f"filter term {term!r}: no scenario here or in scenarios/ has tag {value!r}: check its spelling "
-                f"(tags: {', '.join(sorted(known_tags))})"
+                f"filter term {term!r}: no scenario here or in scenarios/ has {key} {value!r}: check its spelling "
+                f"({key}: {', '.join(sorted(map(str, have)))})"
             )
     return [sc for sc in scenarios if all(_matches(sc, kind, key, value) != neg for _, neg, kind, key, value in terms)]
 

@@ -194,6 +194,16 @@ def test_a_matrix_file_that_is_no_utf8_and_a_folder_named_as_a_matrix(tmp_path, 
         # a regex no id can match: `!tags:full-size` left out nothing
         ("!tags:full-size", "filter term '!tags:full-size' is a regex that no id can match (ids hold no ':')"),
         ("tga:gpu", "select by tag with tag:NAME"),
+        # a name no matrix has: "no scenario matches" (exit 1) read as if the filter were right
+        (
+            "engine=sglang",
+            "no scenario here or in scenarios/ has engine 'sglang': check its spelling (engine: embedded, vllm)",
+        ),
+        ("!model=qwen4", "has model 'qwen4': check its spelling (model: qwen3, qwen3-0.6b,"),
+        ("export_mode=foo", "has export_mode 'foo': check its spelling (export_mode: bridge, raw)"),
+        ("dtype=float16", "has dtype 'float16': check its spelling (dtype: bfloat16, float32)"),
+        ("model=Qwen/Qwen3-0.6B", "has model 'Qwen/Qwen3-0.6B'"),
+        ("expect=NOPE", "has expect 'NOPE': check its spelling (expect: "),
     ],
 )
 def test_a_filter_term_that_can_match_nothing_is_refused(expr: str, says: str) -> None:
@@ -208,6 +218,9 @@ def test_a_tag_of_another_matrix_or_a_term_that_leaves_out_nothing_is_a_valid_fi
     assert select(cpu, "!tag:gpu") == cpu and select(cpu, "!engine=vllm") == cpu and select(cpu, "!vllm") == cpu
     faults = [s for e in fault_scenarios() for s in expand(e)]
     assert select(faults, "!tag:full-size") == faults
+    # a name only another matrix, or another case, has: `_matches` compares text in any case
+    assert select(cpu, "model=qwen3-vl-4b") == [] and select(cpu, "model=QWEN3-0.6B")
+    assert [s.fault for s in select(faults, "fault=wrong_dtype")] == ["wrong_dtype"]
 
 
 def test_a_regex_with_an_equals_sign_is_a_regex() -> None:
