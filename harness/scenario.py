@@ -205,13 +205,15 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
     # a name (`cpu`) is the committed matrix, also where the working folder holds a folder of that name
     path = named if name_or_path in names else Path(name_or_path)
     if not path.exists():
+        if path.suffix in (".yaml", ".yml") or "/" in name_or_path:  # a path: say that it is missing
+            raise FileNotFoundError(f"matrix file {name_or_path} does not exist: check the path, or use one of {names}")
         raise FileNotFoundError(f"no matrix {name_or_path!r}: use one of {names} or a path to a YAML file")
     if path.is_dir():
         raise ValueError(f"matrix {str(path)!r} is a folder: pass a YAML file in it, or one of {names}")
     try:
         entries = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except RepeatedKeyError as e:
-        raise ValueError(f"{path}, {e}: keep one (YAML itself would keep the last in silence)") from None
+    except MatrixKeyError as e:
+        raise ValueError(f"{path}, {e}") from None
     except yaml.YAMLError as e:
         where = str(e).replace(' in "<unicode string>",', " at")  # the file is named first
         raise ValueError(f"{path}: not valid YAML: {' '.join(where.split())}") from None
@@ -230,14 +232,15 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
     return scenarios
 
 
-class RepeatedKeyError(yaml.YAMLError):
-    """A key given twice in one mapping of a matrix file (`_UniqueKeyLoader`)."""
+class MatrixKeyError(yaml.YAMLError):
+    """A key of a matrix file's mapping that no entry can have (`_UniqueKeyLoader`); the message says its line."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (`{tp: 1, tp: 2}`: the last one silently
-    won, and the scenario ran at TP 2). A key that overrides one a merge key (`<<: *base`) brought in is no
-    repeat: that is what merging is for."""
+    won, and the scenario ran at TP 2), and a key YAML reads as other than text (`on:` is the bool True, `2:` a
+    number), named as written. A key that overrides one a merge key (`<<: *base`) brought in is no repeat:
+    that is what merging is for."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()
@@ -245,8 +248,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in seen:
-                raise RepeatedKeyError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice in one mapping")
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, str):  # YAML 1.1 reads `on:`, `yes:`, `no:` as bools, `2:` as a number
+                written = key_node.value if isinstance(key_node, yaml.ScalarNode) else key
+                raise MatrixKeyError(
+                    f"line {line}: {written!r} is no field name (YAML reads it as the {type(key).__name__} {key!r}): "
+                    f"quote it, '{written}':"
+                )
+            if key in seen:
+                raise MatrixKeyError(
+                    f"line {line}: {key!r} is given twice in one mapping: keep one (YAML itself would keep the last "
+                    "in silence)"
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -259,9 +272,6 @@ def _expand_entry(path: Path, index: int, entry: object) -> list[Scenario]:
     where = f"{path}, entry {index}"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: {entry!r} is not a mapping of fields; {MATRIX_SHAPE}")
-    odd = [k for k in entry if not isinstance(k, str)]
-    if odd:  # YAML reads `on:`, `yes:` or `2:` as a bool or a number
-        raise ValueError(f"{where}: {odd[0]!r} is no field name (YAML read it as a {type(odd[0]).__name__}): quote it")
     listed = [k for k, v in entry.items() if isinstance(v, list) and k not in AXES and k != "tags"]
     if listed:
         raise ValueError(
@@ -283,7 +293,8 @@ def _field_error(err: Any) -> str:
     field = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
         near = difflib.get_close_matches(field.lower(), Scenario.model_fields, n=1)  # `TP:` is tp
-        return f"{field} is no scenario field" + (f" (did you mean {near[0]}?)" if near else "")
+        hint = f"did you mean {near[0]}?" if near else f"fields: {', '.join(Scenario.model_fields)}"
+        return f"{field} is no scenario field ({hint})"
     if err["type"] == "missing":
         return f"{field} is required"
     msg = err["msg"].removeprefix("Value error, ")

@@ -125,7 +125,12 @@ def test_engine_replicas_and_engine_tp_in_ids_and_ranks() -> None:
         ("- {modle: qwen3}\n", "entry 1: model is required; modle is no scenario field (did you mean model?)"),
         ("- {model: qwen3, deadline_s: -1}\n", "entry 1: deadline_s: input should be greater than 0, not -1"),
         ("- {model: qwen3, syncs: true}\n", "entry 1: syncs: true is a yes/no, not a whole number"),
-        ("- {model: qwen3, on: 1}\n", "entry 1: True is no field name (YAML read it as a bool): quote it"),
+        ("- {model: qwen3, on: 1}\n", "m.yaml, line 1: 'on' is no field name (YAML reads it as the bool True): quote"),
+        (
+            "- model: qwen3\n  2: x\n",
+            "m.yaml, line 2: '2' is no field name (YAML reads it as the int 2): quote it, '2':",
+        ),
+        ("- {model: qwen3, colour: red}\n", "entry 1: colour is no scenario field (fields: model, tp, pp, ep"),
         ("- {model: qwen3, dtype: [float32, bfloat16]}\n", "dtype is given a list, and only model, tp, pp"),
         ("- {model: qwen3, TP: 2}\n", "entry 1: TP is no scenario field (did you mean tp?)"),
         ("- {model: qwen3, tp: 1, tp: 2}\n", "m.yaml, line 1: 'tp' is given twice in one mapping: keep one"),
@@ -154,6 +159,8 @@ def test_a_file_that_is_no_matrix_is_refused_naming_the_file_and_entry(tmp_path,
     assert str(e.value).startswith(str(path)) and says in str(e.value), str(e.value)
     with pytest.raises(ValueError, match="is a folder: pass a YAML file in it"):
         load_matrix(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"matrix file .*/nosuch.yaml does not exist: check the path, or use"):
+        load_matrix(str(tmp_path / "nosuch.yaml"))  # a path: once "no matrix ...: use ... or a path to a YAML file"
 
 
 def test_a_key_a_merge_brought_in_may_be_overridden(tmp_path) -> None:
