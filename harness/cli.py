@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="list the fault scenarios (`faults` runs them) instead of a matrix",
                 )
             scenarios_from.add_argument(
-                "--matrix", default="cpu", help="matrix name under scenarios/ (cpu) or a YAML path"
+                "--matrix", default="cpu", help="matrix name under scenarios/ or a YAML path (default: cpu)"
             )
         p.add_argument(
             "--filter",
@@ -80,7 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     add_soak_arguments(soak)
     for name in ("run", "faults", "soak"):
         p = sub.choices[name]
-        p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
+        p.add_argument(
+            "--results-dir",
+            type=Path,
+            default=REPO_ROOT / "results",
+            help="where the run's folder is made (default: results/ of this repository)",
+        )
         p.add_argument("--run-id", default=None, help="folder name under --results-dir (default: a timestamp)")
         p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     sub.choices["run"].add_argument(
@@ -158,7 +163,8 @@ def run_scenarios(
     wall = time.perf_counter() - t0
     records, out = run.records, run.out
     bad = [r for r in records if not expectation_met(r, r.verdict)]
-    console.print(f"{len(records)} scenarios in {wall:.0f} s, {len(bad)} unexpected; results in {out}")
+    scenarios_run = f"{len(records)} scenario{'' if len(records) == 1 else 's'}"
+    console.print(f"{scenarios_run} in {wall:.0f} s, {len(bad)} unexpected; results in {out}")
     console.print(f"summary: {out / 'summary.md'}")
     return records, out
 

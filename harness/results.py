@@ -50,6 +50,7 @@ from harness.record import PHASES, WALL_PARTS, RunRecord, SyncRecord
 from harness.side_by_side import ENGINE_COMPARISON_NOTE, engine_comparison, export_mode_lines
 from harness.timers import timer_lines
 from reference_impl.engine import DEFAULT_ENGINE
+from reference_impl.engine.exception_text import excerpt
 
 PHASE_COLUMNS: tuple[str, ...] = tuple(f"{phase}_s" for phase in PHASES)
 
@@ -463,7 +464,7 @@ def write_fault_table(
             r["expected"],
             r["got"],
             "yes" if r["caught"] else "interrupted" if r["interrupted"] else "**NO**",
-            str(r["message"] or "")[:160],
+            excerpt(str(r["message"] or ""), 160),  # faults.csv keeps the whole message
         ]
         for r in df.to_dict(orient="records")
     ]
@@ -480,5 +481,5 @@ def write_fault_table(
     if not_run:
         text += f"\n\n{len(not_run)} of {len(planned)} planned faults did not run (the run ended before them):\n\n"
         text += "\n".join(f"- `{sid}`" for sid in not_run)
-    paths["md"].write_text(text)
+    paths["md"].write_text(text + "\n")
     return paths

@@ -449,9 +449,14 @@ def test_the_fault_table_says_interrupted_where_a_signal_stopped_a_fault(
     planned = [r.scenario_id for r in (caught, missed, stopped)] + ["faults/never-reached"]
     md = write_fault_table([caught, missed, stopped], tmp_path, planned=planned)["md"].read_text()
     table, not_run = md.split("\n\n1 of 4 planned faults did not run (the run ended before them):\n\n")
-    assert not_run == "- `faults/never-reached`"  # a run interrupted between faults does not read as complete
+    assert not_run == "- `faults/never-reached`\n"  # a run interrupted between faults does not read as complete
     cells = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in table.splitlines()[6:]}
     assert cells == {"stale": "yes", "missed": "**NO**", "cut": "interrupted"}
+    messages = [line.split("|")[6].strip() for line in table.splitlines()[6:]]
+    whole = pd.read_csv(tmp_path / "faults.csv")["message"].fillna("").tolist()
+    for shown, message in zip(messages, whole, strict=True):  # a cut message says so: once ended mid-word, bare
+        assert shown == message or (len(shown) == 160 and shown.endswith("…") and message.startswith(shown[:-1]))
+    assert any(shown.endswith("…") for shown in messages)
     assert "1 of 3 faults caught with their expected verdict (2 judged, 1 interrupted)." in md
     assert pd.read_csv(tmp_path / "faults.csv")["interrupted"].tolist() == [False, False, True]
 
