@@ -173,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the selected scenarios of a matrix."""
     scenarios = select(load_matrix(args.matrix), args.filter)
     if not scenarios:
-        print(f"no scenario of matrix {args.matrix!r} matches filter {args.filter!r}", file=sys.stderr)
+        print(f"error: no scenario of matrix {args.matrix!r} matches filter {args.filter!r}", file=sys.stderr)
         return 2
     if args.baseline is not None:  # read now, not after the run: a folder that is no run's is refused up front
         from harness.report import load_baseline
@@ -199,7 +199,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     from harness.report import write_report
 
     if not 1 < args.threshold < float("inf"):
-        print(f"--threshold {args.threshold} flags every row or none: pass a ratio above 1 (1.25)", file=sys.stderr)
+        print(
+            f"error: --threshold {args.threshold} flags every row or none: pass a ratio above 1 (1.25)", file=sys.stderr
+        )
         return 2
     status, md = write_report(args.run, args.baseline, args.threshold)
     print(md.read_text())
@@ -219,7 +221,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
 
     scenarios = select(_fault_scenarios(), args.filter)
     if not scenarios:
-        print(f"no fault scenario matches filter {args.filter!r}", file=sys.stderr)
+        print(f"error: no fault scenario matches filter {args.filter!r}", file=sys.stderr)
         return 2
     planned = [sc.id for sc in scenarios]
     write_table = functools.partial(write_fault_table, planned=planned)  # lists faults not run, if interrupted

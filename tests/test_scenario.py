@@ -421,6 +421,11 @@ def test_list_says_when_the_filter_selects_none_and_refuses_faults_with_a_matrix
     assert "no scenario of matrix 'cpu' matches filter 'model=qwen3 tp=3'" in capsys.readouterr().err
     assert main(["list", "--faults", "--filter", "no-such-fault"]) == 1
     assert "no fault scenario matches filter 'no-such-fault'" in capsys.readouterr().err
+    # a run or a fault run that selects nothing is refused before anything starts, as every bad input is
+    assert main(["run", "--filter", "model=qwen3 tp=3"]) == 2
+    assert capsys.readouterr().err == "error: no scenario of matrix 'cpu' matches filter 'model=qwen3 tp=3'\n"
+    assert main(["faults", "--filter", "no-such-fault"]) == 2
+    assert capsys.readouterr().err == "error: no fault scenario matches filter 'no-such-fault'\n"
     with pytest.raises(SystemExit) as e:
         main(["list", "--faults", "--matrix", "gpu"])
     assert e.value.code == 2 and "argument --matrix: not allowed with argument --faults" in capsys.readouterr().err
