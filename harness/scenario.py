@@ -211,7 +211,7 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
     if path.is_dir():
         raise ValueError(f"matrix {str(path)!r} is a folder: pass a YAML file in it, or one of {names}")
     try:
-        entries = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+        entries = yaml.load(path.read_text(), Loader=_MatrixLoader)
     except MatrixKeyError as e:
         raise ValueError(f"{path}, {e}") from None
     except yaml.YAMLError as e:
@@ -233,10 +233,10 @@ def load_matrix(name_or_path: str) -> list[Scenario]:
 
 
 class MatrixKeyError(yaml.YAMLError):
-    """A key of a matrix file's mapping that no entry can have (`_UniqueKeyLoader`); the message says its line."""
+    """A key of a matrix file's mapping that no entry can have (`_MatrixLoader`); the message says its line."""
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _MatrixLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (`{tp: 1, tp: 2}`: the last one silently
     won, and the scenario ran at TP 2), and a key YAML reads as other than text (`on:` is the bool True, `2:` a
     number), named as written. A key that overrides one a merge key (`<<: *base`) brought in is no repeat:
