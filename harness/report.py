@@ -10,7 +10,10 @@ Scenarios are matched by id. Per scenario:
 - **Steady time** (``steady_s``, the median over syncs >= 1), when both runs met the expectation and
   timed it. What is compared is the time a host cannot explain, in this order of preference:
   ``efficiency`` (both tables carry it: steady time relative to a bound measured in the same run, so
-  host speed cancels); else the time multiplied by the host calibration both runs measured at their
+  host speed cancels); else the time divided by how much slower the run's host moved bytes, from the
+  other rows of its placement that both tables bound (median of run / baseline ``bound_s`` over at least 6:
+  `bound_host_ratios`; a vLLM row has no bound of its own, the embedded rows beside it do); else the time
+  multiplied by the host calibration both runs measured at their
   start (env.json ``calibration``, `harness.calibrate`: GB/s of a gloo broadcast for non-colocated
   rows, of a memcpy for colocated ones: the way each placement moves its bytes); else raw seconds,
   divided by the median run/baseline ratio over all such rows (a uniformly slower host moves the
@@ -61,6 +64,7 @@ CALIBRATION_KEYS: dict[bool, tuple[str, str]] = {
 }
 MEASURE_EFFICIENCY = "steady time / same-run bound (1 / efficiency)"
 MEASURE_RAW = "raw seconds / median ratio"
+MEASURE_BOUNDS = "host speed from the same-run bounds"  # + " (non-colocate)" or " (colocate)"
 
 # env.json keys never listed as differences: they differ on every run (report.md shows them per run) or
 # are shown elsewhere (calibration).
@@ -120,6 +124,7 @@ class Report:
     env_diffs: list[tuple[str, str, str]]
     median_raw_ratio: float
     threshold: float
+    host_ratios: dict[bool, float] = field(default_factory=dict)  # `bound_host_ratios`, by colocate
 
 
 def normalise_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -232,16 +237,46 @@ def calibration(env: Mapping[str, Any], colocate: bool) -> tuple[float | None, s
     return None, ""
 
 
+def bound_host_ratios(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FENCE_MIN_ROWS) -> dict[bool, float]:
+    """Per placement (colocate: True / False), how much slower the run's host moved bytes than the
+    baseline's: the median over the scenarios both tables bound of run ``bound_s`` / baseline ``bound_s``
+    (the bare collectives or copies of the same bytes, measured in each run beside its syncs; tables indexed
+    by scenario id). Only placements with at least `min_rows` such scenarios; {} where a table has no bound.
+
+    This is the host speed measured where and while each run ran, many times over, so one disturbed
+    start-of-run calibration does not move every row: a run whose gloo calibration read 2.04 GB/s against
+    its baseline's 3.20 (0.64x) while its syncs took the same seconds showed 28 of 56 rows "2x faster".
+    """
+    if "bound_s" not in base or "bound_s" not in run:
+        return {}
+    both = base.index.intersection(run.index)
+    ratios: dict[bool, list[float]] = {False: [], True: []}
+    for sid in both:
+        b, r = _finite(base.at[sid, "bound_s"]), _finite(run.at[sid, "bound_s"])
+        if b and r:
+            ratios[str(run.at[sid, "colocate"]).lower() == "true"].append(r / b)
+    return {colocate: statistics.median(v) for colocate, v in ratios.items() if len(v) >= min_rows}
+
+
 def measure(
-    base: Mapping[str, Any], run: Mapping[str, Any], base_env: Mapping[str, Any], run_env: Mapping[str, Any]
+    base: Mapping[str, Any],
+    run: Mapping[str, Any],
+    base_env: Mapping[str, Any],
+    run_env: Mapping[str, Any],
+    host_ratios: Mapping[bool, float] | None = None,
 ) -> tuple[str, float | None, float | None]:
     """What is compared for one scenario and both runs' values of it (larger = slower): 1 / efficiency;
-    else steady seconds x calibration GB/s (the same calibration in both); else raw steady seconds."""
+    else steady seconds, the run's divided by how much slower its host moved bytes (`host_ratios`, from
+    `bound_host_ratios`: the other rows' same-run bounds of this placement); else steady seconds x calibration
+    GB/s (the same calibration in both); else raw steady seconds."""
     eff_b, eff_r = _finite(base.get("efficiency")), _finite(run.get("efficiency"))
     if eff_b and eff_r:
         return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r
     t_b, t_r = _finite(base.get("steady_s")), _finite(run.get("steady_s"))
     colocate = str(run.get("colocate")).lower() == "true"
+    if host_ratios and colocate in host_ratios:
+        name = f"{MEASURE_BOUNDS} ({'colocate' if colocate else 'non-colocate'})"
+        return name, t_b, (t_r / host_ratios[colocate] if t_r else None)
     cal_b, label_b = calibration(base_env, colocate)
     cal_r, label_r = calibration(run_env, colocate)
     if cal_b and cal_r and label_b == label_r:
@@ -326,6 +361,7 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
     baseline's missing ones."""
     rows: list[dict[str, Any]] = []
     b_tab, r_tab = baseline.table, run.table
+    host_ratios = bound_host_ratios(b_tab, r_tab)
     for sid in r_tab.index:
         r = r_tab.loc[sid].to_dict()
         row = _blank(sid)
@@ -347,7 +383,7 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
         row["verdict_change"] = verdict_change(bool(b["expect_met"]), bool(r["expect_met"]), b["verdict"], r["verdict"])
         if row["verdict_change"] in ("regressed", "changed") and not r["expect_met"]:
             row["note"] = str(r.get("message") or "")
-        name, vb, vr = measure(b, r, baseline.env, run.env)
+        name, vb, vr = measure(b, r, baseline.env, run.env, host_ratios)
         if b["expect_met"] and r["expect_met"] and vb and vr:
             row.update(measure=name, baseline_value=vb, run_value=vr)
         else:
@@ -367,7 +403,13 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
     table["change"] = [_overall(r) for r in table.to_dict(orient="records")]
     diffs = env_differences(baseline.env, run.env)
     return Report(
-        run=run, baseline=baseline, rows=table, env_diffs=diffs, median_raw_ratio=median_raw, threshold=threshold
+        run=run,
+        baseline=baseline,
+        rows=table,
+        env_diffs=diffs,
+        median_raw_ratio=median_raw,
+        threshold=threshold,
+        host_ratios=host_ratios,
     )
 
 

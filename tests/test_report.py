@@ -13,6 +13,7 @@ import pytest
 
 from harness.cli import main
 from harness.report import (
+    MEASURE_BOUNDS,
     MEASURE_EFFICIENCY,
     MEASURE_RAW,
     compare,
@@ -320,7 +321,7 @@ def test_verdict_change(base_ok: bool, run_ok: bool, base_v: str, run_v: str, ex
 
 def test_the_committed_baseline_reads_and_matches_itself(tmp_path: Path) -> None:
     """The committed tables compare with themselves: every row unchanged at ratio 1, measured as efficiency
-    where a row carries one, else by the host calibration their env.json carries."""
+    where a row carries one, else by the host speed the other rows' same-run bounds give."""
     folder = Path(__file__).resolve().parents[1] / "results" / "baselines" / "cpu"
     baseline = load_run(folder)
     assert "export_mode" in baseline.table and baseline.table["expect_met"].all()
@@ -333,7 +334,9 @@ def test_the_committed_baseline_reads_and_matches_itself(tmp_path: Path) -> None
     assert by_measure.pop("steady time / same-run bound (1 / efficiency)") == set(
         baseline.table.loc[baseline.table["verdict"] == "PASS", "scenario"]
     )
-    assert by_measure == {"calibration (gloo broadcast)": {"qwen3-padded-vocab/tp2-pp1/noncolocate/bridge"}}
+    # it is measured by the host speed the other non-colocated rows' bounds give (1.0 here: the same tables)
+    padded = {"qwen3-padded-vocab/tp2-pp1/noncolocate/bridge"}
+    assert by_measure == {f"{MEASURE_BOUNDS} (non-colocate)": padded} and report.host_ratios[False] == 1.0
 
 
 def test_a_run_that_compared_nothing_exits_1_and_says_so(tmp_path: Path) -> None:
@@ -389,3 +392,29 @@ def test_a_run_compared_with_its_own_folder_is_refused_and_its_report_kept(
     assert main(["report", "--run", str(run), "--baseline", str(tmp_path / "." / "run")]) == 2
     assert "--run and --baseline are one folder" in capsys.readouterr().err
     assert (run / "report.md").read_text() == "the report this folder keeps\n" and not (run / "report.csv").exists()
+
+
+def test_a_row_without_a_bound_is_judged_by_the_host_speed_the_other_rows_bounds_measured(tmp_path: Path) -> None:
+    """A start-of-run calibration that missed the host's state (here: it read the same gloo speed while every
+    bound and sync took 1.5x as long) no longer moves the rows without efficiency (vLLM rows): they are divided
+    by the median run / baseline bound of the rows beside them."""
+    ids = [f"m{i}/tp1-pp1/noncolocate/raw" for i in range(8)]  # 6 with a bound, 2 without (as vLLM rows)
+    times = [0.01 * (i + 1) for i in range(8)]
+    base_table, run_table = make_table(times, ids=ids), make_table([1.5 * t for t in times], ids=ids)
+    for table, host in ((base_table, 1.0), (run_table, 1.5)):
+        table["bound_s"] = [host * t / 2 if i < 6 else math.nan for i, t in enumerate(times)]
+        table["efficiency"] = table["bound_s"] / table["steady_s"]
+    run_table.loc[7, "steady_s"] *= 2.0  # one row that did get 2x slower beyond the host
+    base = write_folder(tmp_path / "base", base_table, make_env())
+    run = write_folder(tmp_path / "run", run_table, make_env())  # the same calibration in both
+    report = compare(load_run(run), load_run(base))
+    rows = rows_by_id(report)
+    assert report.host_ratios == {False: pytest.approx(1.5)}
+    assert rows[ids[6]]["measure"] == f"{MEASURE_BOUNDS} (non-colocate)" and rows[ids[6]]["change"] == "unchanged"
+    assert rows[ids[6]]["ratio"] == pytest.approx(1.0)
+    assert rows[ids[7]]["ratio"] == pytest.approx(2.0) and rows[ids[7]]["change"] == "regression"
+    assert "Host speed from the same-run bounds (non-colocate): the run's bounds took 1.50x" in _markdown(report)
+    # Fewer than 6 bounded rows of a placement: the calibration, as before (1.5x slower: flagged)
+    few = write_folder(tmp_path / "few", run_table.drop(index=[0, 1, 2]), make_env())
+    rows = rows_by_id(compare(load_run(few), load_run(base)))
+    assert rows[ids[6]]["measure"] == "calibration (gloo broadcast)" and rows[ids[6]]["change"] == "regression"
