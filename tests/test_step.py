@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference_impl.trainer.step import step
+from reference_impl.trainer.step import BLOCK, step
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -33,7 +33,7 @@ def numpy_step(x: torch.Tensor, k: int, seed: int) -> np.ndarray:
     return torch.from_numpy(product).to(x.dtype).view(BITS[x.dtype]).numpy()
 
 
-def _values(dtype: torch.dtype, n: int = 200_003) -> torch.Tensor:
+def _values(dtype: torch.dtype, n: int = 2 * BLOCK + 3) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(n, generator=g) * torch.logspace(-3, 1, n)).to(dtype)
     x[:5] = 0.0
@@ -44,13 +44,15 @@ def _values(dtype: torch.dtype, n: int = 200_003) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_step_equals_a_second_implementation_bit_for_bit(dtype: torch.dtype) -> None:
     x = _values(dtype)  # more than one of the step's blocks, and a ragged last one
+    before = x.clone()
     for k, seed in ((1, 1234), (4, 0), (2, 2**31 - 1)):
         np.testing.assert_array_equal(step(x, k, seed).view(BITS[dtype]).numpy(), numpy_step(x, k, seed))
+    assert torch.equal(x.view(BITS[dtype]), before.view(BITS[dtype]))  # hashed in place, but never the source
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_step_is_a_function_of_each_value_alone(dtype: torch.dtype) -> None:
-    x = _values(dtype).reshape(-1)[:200_000].reshape(400, 500)
+    x = _values(dtype)[: 2 * BLOCK].reshape(512, 1024)  # two blocks, a transpose crosses them
     perm = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(3))
     stepped = step(x, 2, 99)
     assert torch.equal(step(x.t().contiguous(), 2, 99), stepped.t())  # a transpose, as a converter makes

@@ -16,8 +16,9 @@ a float16 one (below 6.1e-5 in magnitude) may keep its value; fp32 and bf16 subn
 do not occur in the checkpoints here (tests/test_step.py checks all of this against a second
 implementation). The arithmetic is int32 hashing and fp32 math,
 rounded to the tensor's dtype, elementwise on CPU: reproducible bit for bit in any process. It walks
-the tensor in blocks of 256 Ki elements, each block's temporaries made once and updated in place (about
-3-5 ms per million elements here, against 5-10 ms for the same ops each making a new tensor).
+the tensor in blocks of 256 Ki elements, each block's temporaries made once and updated in place (bf16:
+about 2.3 ms per million elements on two threads here, 4.4 on one, against 3.9 and 6.0 with a new tensor
+per op; fp32 about 3.7 and 7.1, as before).
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ def _key(k: int, seed: int) -> int:
 
 
 def noise_(bits: torch.Tensor, key: int) -> torch.Tensor:
-    """h(x) for one block: fp32 values in +-[0.5, 1), from `bits`, the block's int32 bit patterns (a new
-    tensor: it is hashed in place), keyed by `_key(k, seed)`. The magnitude comes from the int32 hash's low 24
-    bits, the sign from its top bit."""
-    z = bits.mul_(_GOLDEN).add_(key)  # wrapping int32 arithmetic
+    """h(x) for one block: fp32 values in +-[0.5, 1), from `bits`, the block's bit patterns (int32, or int16
+    sign-extended to int32; never changed), keyed by `_key(k, seed)`. The magnitude comes from the int32 hash's
+    low 24 bits, the sign from its top bit."""
+    # the first op makes the block's one int32 temporary, hashed in place from then on (wrapping arithmetic)
+    z = torch.mul(bits, _GOLDEN) if bits.dtype == torch.int32 else bits.to(torch.int32).mul_(_GOLDEN)
+    z.add_(key)
     z.bitwise_xor_(z >> 15)
     z.mul_(_MIX)
     z.bitwise_xor_(z >> 12)
@@ -65,8 +68,7 @@ def step(x: torch.Tensor, k: int, seed: int) -> torch.Tensor:
     key, wide = _key(k, seed), x.dtype == torch.float32
     for i in range(0, src.numel(), BLOCK):
         j = i + BLOCK
-        # each block's temporaries are its own (the source's bits are copied before they are hashed in place)
-        factor = noise_(bits[i:j].to(torch.int32, copy=True), key).mul_(EPS).add_(1.0)
+        factor = noise_(bits[i:j], key).mul_(EPS).add_(1.0)
         if wide:
             torch.mul(src[i:j], factor, out=out[i:j])
         else:
