@@ -86,11 +86,11 @@ def _suffix(row: dict) -> str:
 
 def _engines(row: dict) -> str:
     """The engines a placement names beyond its kind (``noncolocate-engines2`` -> ``2 engines``,
-    ``noncolocate-engine-tp2`` -> ``engine TP2``), or ""."""
+    ``noncolocate-engine-tp2`` -> ``engine TP2``, both -> ``2 engines, engine TP2``), or ""."""
     parts = _id_parts(row)
     extra = parts[2].partition("-")[2] if len(parts) > 2 else ""
-    extra = re.sub(r"^engines(\d+)$", r"\1 engines", extra)
-    return re.sub(r"engine-tp(\d+)", r"engine TP\1", extra)
+    extra = re.sub(r"engine-tp(\d+)", r"engine TP\1", extra)
+    return re.sub(r"^engines(\d+)(-|$)", lambda m: f"{m[1]} engines" + (", " if m[2] else ""), extra)
 
 
 def layout_label(row: dict) -> str:

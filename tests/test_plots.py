@@ -159,3 +159,5 @@ def test_a_layout_label_names_what_the_id_sets_apart() -> None:
     row = {"scenario": "vllm/qwen3-moe/tp2-pp1-ep2-etp2/noncolocate-engine-tp2/raw/chunk-1048576", "engine": "vllm"}
     assert layout_label({**row, "tp": 2, "pp": 1, "ep": 2}) == "TP2 PP1 EP2 ETP2\nengine TP2 · chunk-1 MiB"
     assert layout_label({"scenario": "a run's own name", "tp": 4, "pp": 2, "ep": 1}) == "TP4 PP2"  # from columns
+    both = {"scenario": "qwen3/tp1-pp1/noncolocate-engines2-engine-tp2/raw", "engine": "embedded"}
+    assert layout_label(both) == "TP1 PP1\n2 engines, engine TP2"
