@@ -237,6 +237,16 @@ def calibration(env: Mapping[str, Any], colocate: bool) -> tuple[float | None, s
     return None, ""
 
 
+def colocated(value: Any) -> bool:
+    """A table's ``colocate`` cell as a bool (read back from CSV it is text: "True")."""
+    return str(value).lower() == "true"
+
+
+def placement_name(colocate: bool) -> str:
+    """The report's name of a placement: "colocate" or "non-colocate"."""
+    return "colocate" if colocate else "non-colocate"
+
+
 def bound_host_ratios(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FENCE_MIN_ROWS) -> dict[bool, float]:
     """Per placement (colocate: True / False), how much slower the run's host moved bytes than the
     baseline's: the median over the scenarios both tables bound of run ``bound_s`` / baseline ``bound_s``
@@ -254,7 +264,7 @@ def bound_host_ratios(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FEN
     for sid in both:
         b, r = _finite(base.at[sid, "bound_s"]), _finite(run.at[sid, "bound_s"])
         if b and r:
-            ratios[str(run.at[sid, "colocate"]).lower() == "true"].append(r / b)
+            ratios[colocated(run.at[sid, "colocate"])].append(r / b)
     return {colocate: statistics.median(v) for colocate, v in ratios.items() if len(v) >= min_rows}
 
 
@@ -273,9 +283,9 @@ def measure(
     if eff_b and eff_r:
         return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r
     t_b, t_r = _finite(base.get("steady_s")), _finite(run.get("steady_s"))
-    colocate = str(run.get("colocate")).lower() == "true"
+    colocate = colocated(run.get("colocate"))
     if host_ratios and colocate in host_ratios:
-        name = f"{MEASURE_BOUNDS} ({'colocate' if colocate else 'non-colocate'})"
+        name = f"{MEASURE_BOUNDS} ({placement_name(colocate)})"
         return name, t_b, (t_r / host_ratios[colocate] if t_r else None)
     cal_b, label_b = calibration(base_env, colocate)
     cal_r, label_r = calibration(run_env, colocate)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.report import FENCE_MADS, FENCE_MIN_ROWS, MEASURE_RAW, Report, compared_nothing
+from harness.report import FENCE_MADS, FENCE_MIN_ROWS, MEASURE_RAW, Report, compared_nothing, placement_name
 from harness.results import markdown_table
 
 LONG_LIST = 12  # longer lists of scenarios go into a collapsed block
@@ -106,12 +106,11 @@ def _method(report: Report) -> list[str]:
     ]
     lines += [f"- {name}: {count}" for name, count in measures.items()]
     for colocate, ratio in sorted(report.host_ratios.items()):
-        placement = "colocate" if colocate else "non-colocate"
         lines += [
             "",
-            f"Host speed from the same-run bounds ({placement}): the run's bounds took {ratio:.2f}x the baseline's "
-            "(median over the rows both tables bound); a row without efficiency of its own has its run time "
-            "divided by that, instead of by the calibration measured once at each run's start.",
+            f"Host speed from the same-run bounds ({placement_name(colocate)}): the run's bounds took {ratio:.2f}x "
+            "the baseline's (median over the rows both tables bound); a row without efficiency of its own has its "
+            "run time divided by that, instead of by the calibration measured once at each run's start.",
         ]
     if MEASURE_RAW in measures.index:
         lines += [
