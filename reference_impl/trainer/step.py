@@ -3,6 +3,8 @@ each value.
 
 `step(x, k, seed)` = x * (1 + EPS * h_k(x)), where h_k(x) is a pseudo-random number in +-[0.5, 1)
 computed from the bits of x (its fp32 / bf16 / fp16 bit pattern), the step index k and the seed only.
+Its sign is + or - with even odds, so steps move values both ways and many of them leave the model's scale
+as it was, as an optimizer's do: over 200 steps a tensor's norm moves by a few per cent (tests/test_step.py).
 Because it depends on nothing but the value, it commutes with every layout change a converter makes
 (TP gathers, splits and concatenations, transposes, vocab-padding trims, expert re-indexing and
 stacking): stepping the Megatron shards and exporting gives, bit for bit, what exporting and then
@@ -47,9 +49,11 @@ def noise_(bits: torch.Tensor, key: int) -> torch.Tensor:
     # the first op makes the block's one int32 temporary, hashed in place from then on (wrapping arithmetic)
     z = torch.mul(bits, _GOLDEN) if bits.dtype == torch.int32 else bits.to(torch.int32).mul_(_GOLDEN)
     z.add_(key)
-    z.bitwise_xor_(z >> 15)
+    # logical shifts (the masks drop the copies of the sign bit torch's int32 `>>` shifts in): an
+    # arithmetic shift XORed into z clears its top bit, and every h would be positive
+    z.bitwise_xor_((z >> 15).bitwise_and_(0x1FFFF))
     z.mul_(_MIX)
-    z.bitwise_xor_(z >> 12)
+    z.bitwise_xor_((z >> 12).bitwise_and_(0xFFFFF))
     h = (z & 0xFFFFFF).to(torch.float32).mul_(2.0**-25).add_(0.5)
     return h.copysign_(z.to(torch.float32))  # negative where z < 0 (z == 0 gives +0.0: positive)
 
