@@ -26,8 +26,6 @@ def test_logprob_parity_numbers_by_hand() -> None:
     assert got["mean_abs"] == pytest.approx(0.25)
     assert got["mean_exp_abs"] == pytest.approx((math.exp(0.5) + 1.0 + math.exp(0.25)) / 3)
     assert got["first_diff"] == "prompt 0 position 1: trainer -1.000000 engine -1.500000"
-    # |diff| less 1e-5 x the larger |log-prob| of each pair: 0.5 - 1.5e-5, 0 - 2e-5, 0.25 - 5e-6
-    assert got["max_excess"] == pytest.approx(0.5 - 1.5e-5)
     with pytest.raises(ValueError, match="do not line up"):
         logprob_parity([[-1.0]], [[-1.0, -2.0]])
 
@@ -42,19 +40,18 @@ def test_logprobs_over_budget_is_parity_fail(record: RunRecord) -> None:
     assert judge(record)[0] == "PARITY_FAIL"
     result = check_logprobs(record)
     assert result.failed
-    assert result.message.startswith("sync 1: trainer vs engine log-prob max |diff| 0.3 (budget 0.0001 + 1e-05 x")
+    assert result.message.startswith("sync 1: trainer vs engine log-prob max |diff| 0.3 (budget 0.0001), ")
     assert "position 2" in result.message and "temperature 0.7" in result.message
 
 
-def test_fp32_budget_grows_with_the_log_probs_size(record: RunRecord) -> None:
-    """1.2e-4 apart is fp32 rounding on a token of log-prob -19.66 (the 200-sync soak: every tensor bit-exact,
-    Megatron's forward and the engine's summing in another order), but not on a token of log-prob -1."""
+def test_fp32_budget_is_absolute_however_low_the_log_prob(record: RunRecord) -> None:
+    """1.2e-4 apart on a token of log-prob -19.66 is over budget, as on a token of log-prob -1: the soak that
+    once showed such a gap with every tensor bit-exact was running a trainer step that grew every weight
+    (logits 20x after 200 syncs); with the step fixed, 200 syncs stay within 9.5e-7."""
     record.syncs[1].logprobs = logprob_parity([[-1.0, -19.661011]], [[-1.0, -19.661131]]) | {"temperature": 0.7}
-    assert check_logprobs(record).ok
-    record.syncs[1].logprobs = logprob_parity([[-1.0, -1.000120]], [[-1.0, -1.0]]) | {"temperature": 0.7}
     assert check_logprobs(record).failed
-    del record.syncs[1].logprobs["max_excess"]  # a record made before: the absolute budget alone
-    assert check_logprobs(record).failed
+    record.syncs[1].logprobs = logprob_parity([[-1.0, -19.661011]], [[-1.0, -19.661091]]) | {"temperature": 0.7}
+    assert check_logprobs(record).ok  # 8e-5 apart
 
 
 def test_logprobs_skipped_without_measurement(record: RunRecord) -> None:
