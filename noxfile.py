@@ -111,7 +111,8 @@ def hard_kills(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def soak(session: nox.Session) -> None:
-    """`python -m harness soak`: qwen3 TP1 PP1 raw, non-colocate and colocate, 200 syncs each; RSS, threads,
+    """`python -m harness soak`: qwen3 raw non-colocate and colocate, qwen3 PP 2 bridge, qwen3-moe EP 2 raw and
+    bridge (`harness.soak.DEFAULT_SCENARIOS`), 200 syncs each; RSS, threads,
     descriptors and shared-memory segments sampled after every sync (resources.csv, soak.md,
     plots/resources.png). Extra args go to the command (e.g. --syncs 500, --scenario ID)."""
     _install(session)

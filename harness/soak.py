@@ -1,13 +1,13 @@
 """Soak: one scenario for many syncs, its processes and the host's shared memory sampled after every sync.
 
-`python -m harness soak` runs each selected scenario (default: `qwen3/tp1-pp1/{noncolocate,colocate}/raw`
-of the CPU matrix) for `--syncs` syncs (default 200) through the ordinary runner; the runner calls
-`sample_resources` after every sync (its `after_sync` hook), which appends one `ResourceSample` to the
-run record: RSS, threads and open file descriptors of every trainer rank and of the engine server (each
-with its descendants), the scenario's segments in `/dev/shm` (those its processes held at some sample and
-that are still there) and the host's totals. The check
-`harness.checks.resources.check_resources` judges the samples (RESOURCE_LEAK); this module writes them
-out as well:
+`python -m harness soak` runs each selected scenario (default `DEFAULT_SCENARIOS`: dense qwen3 raw in both
+placements, its bridge export at PP 2, and qwen3-moe's EP 2 export raw and bridge, of the CPU matrix) for
+`--syncs` syncs (default 200) through the ordinary runner; the runner calls `sample_resources` after every
+sync (its `after_sync` hook), which appends one `ResourceSample` to the run record: RSS, threads and open
+file descriptors of every trainer rank and of the engine server (each with its descendants), the scenario's
+segments in `/dev/shm` (those its processes held at some sample and that are still there) and the host's
+totals. The check `harness.checks.resources.check_resources` judges the samples (RESOURCE_LEAK); this module
+writes them out as well:
 
 - `resources.csv`: one row per scenario, sync, process (or `host`) and metric, with its value (the host's
   rows: the scenario's segments `shm_segments` / `shm_bytes`, and every segment on the host
@@ -33,7 +33,17 @@ from harness.checks.resources import ALLOWANCES, HOST, HOST_METRICS, PROCESS_MET
 from harness.record import ProcessSample, ResourceSample, RunRecord
 from harness.scenario import Scenario, load_matrix
 
-DEFAULT_SCENARIOS: tuple[str, ...] = ("qwen3/tp1-pp1/noncolocate/raw", "qwen3/tp1-pp1/colocate/raw")
+# Both placements, then the paths whose per-sync state is largest: the bridge export's per-stage tasks (PP 2)
+# and an EP 2 export of 16 experts (about 250 tensors a sync, raw and bridge). Objects a sync leaves behind
+# grow with the tensor count: a reference cycle in the sync loop grew qwen3-moe's sender by 10 MiB per 100 syncs
+# and qwen3's by less than the allowance.
+DEFAULT_SCENARIOS: tuple[str, ...] = (
+    "qwen3/tp1-pp1/noncolocate/raw",
+    "qwen3/tp1-pp1/colocate/raw",
+    "qwen3/tp1-pp2/noncolocate/bridge",
+    "qwen3-moe/tp1-pp1-ep2/noncolocate/raw",
+    "qwen3-moe/tp1-pp1-ep2/noncolocate/bridge",
+)
 DEFAULT_SYNCS = 200
 SUFFIX = "soak{syncs}"  # soaked scenarios get their own ids: qwen3/tp1-pp1/noncolocate/raw/soak200
 
@@ -198,7 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--scenario",
         action="append",
         default=None,
-        help=f"a scenario id of --matrix, repeatable (default: {' and '.join(DEFAULT_SCENARIOS)})",
+        help=f"a scenario id of --matrix, repeatable (default: {', '.join(DEFAULT_SCENARIOS)})",
     )
     p.add_argument("--syncs", type=int, default=DEFAULT_SYNCS, help=f"syncs per scenario (default {DEFAULT_SYNCS})")
     p.add_argument("--matrix", default="cpu", help="matrix the scenario ids come from (cpu) or a YAML path")

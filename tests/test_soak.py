@@ -116,7 +116,14 @@ def test_tables_and_plot_from_samples(tmp_path: Path) -> None:
 def test_soak_scenarios_come_from_the_matrix_with_their_own_ids() -> None:
     scs = soak_scenarios(list(DEFAULT_SCENARIOS), 200)
     assert [s.id for s in scs] == [f"{i}/soak200" for i in DEFAULT_SCENARIOS]
-    assert [s.colocate for s in scs] == [False, True] and all(s.syncs == 200 for s in scs)
+    assert [(s.colocate, s.export_mode, s.pp, s.ep) for s in scs] == [
+        (False, "raw", 1, 1),
+        (True, "raw", 1, 1),
+        (False, "bridge", 2, 1),
+        (False, "raw", 1, 2),
+        (False, "bridge", 1, 2),
+    ]
+    assert all(s.syncs == 200 for s in scs)
     with pytest.raises(ValueError, match=r"has no scenario 'qwen3/tp9-pp1/noncolocate/raw'; e\.g\. qwen3/"):
         soak_scenarios(["qwen3/tp9-pp1/noncolocate/raw"], 10)
     with pytest.raises(ValueError, match="--syncs must be >= 1"):
@@ -124,9 +131,10 @@ def test_soak_scenarios_come_from_the_matrix_with_their_own_ids() -> None:
 
 
 @pytest.mark.e2e
-def test_soak_command_at_12_syncs_in_both_placements(tmp_path: Path) -> None:
-    """What `nox -s soak` runs at 200 syncs: both placements pass, with 13 samples each (12 syncs and the
-    re-sync), every rank and the engine in the table, and no growth past its allowance."""
+def test_soak_command_at_12_syncs(tmp_path: Path) -> None:
+    """What `nox -s soak` runs at 200 syncs: every default scenario (both placements, PP 2, EP 2) passes, with
+    13 samples each (12 syncs and the re-sync), every rank and the engine in the table, and no growth past
+    its allowance."""
     done = subprocess.run(
         [sys.executable, "-m", "harness", "soak", "--syncs", "12", "--results-dir", str(tmp_path), "--run-id", "s"],
         capture_output=True,
@@ -139,11 +147,12 @@ def test_soak_command_at_12_syncs_in_both_placements(tmp_path: Path) -> None:
     assert sorted(r.scenario_id for r in records) == sorted(f"{i}/soak12" for i in DEFAULT_SCENARIOS)
     for rec in records:
         assert rec.verdict == "PASS" and [s.sync for s in rec.resources] == list(range(13))
-        assert set(rec.resources[-1].processes) == {"rank0", "engine"}
+        world = 2 if rec.scenario.pp == 2 or rec.scenario.ep == 2 else 1  # PP 2 or EP 2: two trainer ranks
+        assert set(rec.resources[-1].processes) == {f"rank{r}" for r in range(world)} | {"engine"}
         # The colocated sender holds one segment (reused by every chunk); the other holds none.
         assert rec.resources[-1].shm_segments == (1 if rec.scenario.colocate else 0)
         resources = next(c for c in rec.checks if c["name"] == "resources")
         assert resources["ok"] and not resources["skipped"], resources
     growth = pd.read_csv(out / "soak.csv")
-    assert set(growth.process) == {"rank0", "engine", "host"} and not growth.leak.any()
+    assert set(growth.process) == {"rank0", "rank1", "engine", "host"} and not growth.leak.any()
     assert (out / "plots" / "resources.png").stat().st_size > 0 and (out / "soak.md").exists()
