@@ -119,11 +119,13 @@ def run_scenarios(
     ray_address: str | None,
     after_each: Callable[[list[RunRecord], Path], None] | None = None,
     after_sync: SyncHook | None = sample_resources,
+    fresh_processes: bool = False,
 ) -> tuple[list[RunRecord], Path]:
     """Run `scenarios` in order into `results_dir/<run_id>/` (`harness.matrix_run.MatrixRun`); records,
     summaries and plots are written as each scenario ends (and `after_each(records, out)` is called); the
-    runner calls `after_sync` after every sync (default: resource samples into the record). Every process
-    started is stopped on the way out, Ctrl-C included."""
+    runner calls `after_sync` after every sync (default: resource samples into the record); with
+    `fresh_processes` no scenario's ranks or engines serve the next one. Every process started is stopped on
+    the way out, Ctrl-C included."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -135,7 +137,15 @@ def run_scenarios(
         raise ValueError(problem)
     run_id = results_folder(results_dir, run_id, claim=True)  # made here: two runs never share one
     console = Console(stderr=True)
-    run = MatrixRun(scenarios, results_dir, run_id, ray_address, after_each=after_each, after_sync=after_sync)
+    run = MatrixRun(
+        scenarios,
+        results_dir,
+        run_id,
+        ray_address,
+        after_each=after_each,
+        after_sync=after_sync,
+        fresh_processes=fresh_processes,
+    )
     t0 = time.perf_counter()
     try:
         with Progress(

@@ -38,7 +38,9 @@ class MatrixRun:
 
     `order` is the scenarios' ids in the order the tables list them (the matrix order); `after_each`
     is called with every record so far and the folder after each scenario's outputs are written;
-    `after_sync` is the runner's hook after every sync (default: `harness.soak.sample_resources`).
+    `after_sync` is the runner's hook after every sync (default: `harness.soak.sample_resources`). With
+    `fresh_processes`, every scenario's trainer ranks and engines start anew and end with it (no reuse), so
+    what a scenario's processes grow by is its own: the soak's resource samples.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class MatrixRun:
         after_each: Callable[[list[RunRecord], Path], None] | None = None,
         argv: Sequence[str] | None = None,
         after_sync: SyncHook | None = None,
+        fresh_processes: bool = False,
     ) -> None:
         import ray
 
@@ -65,6 +68,7 @@ class MatrixRun:
 
             after_sync = sample_resources
         self.after_sync = after_sync
+        self.fresh_processes = fresh_processes
 
         self.order = [sc.id for sc in order]
         self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
@@ -102,6 +106,8 @@ class MatrixRun:
                 out_dir=self.out, run_id=self.run_id, on_record=self._on_record, after_sync=self.after_sync
             )
         self.runner.run_scenario(sc, config_error, validated=True)
+        if self.fresh_processes:  # the next scenario's ranks and engines start anew (the fork servers stay)
+            self.runner.close(fork_servers=False)
         return next(r for r in reversed(self.records) if r.scenario_id == sc.id)
 
     def _on_record(self, rec: RunRecord) -> None:

@@ -153,6 +153,9 @@ def test_soak_command_at_12_syncs(tmp_path: Path) -> None:
         assert rec.resources[-1].shm_segments == (1 if rec.scenario.colocate else 0)
         resources = next(c for c in rec.checks if c["name"] == "resources")
         assert resources["ok"] and not resources["skipped"], resources
+    # every scenario in processes of its own: a reused rank would carry an earlier scenario's growth
+    pids = [p.pid for rec in records for p in rec.resources[-1].processes.values()]
+    assert len(pids) == len(set(pids)), pids
     growth = pd.read_csv(out / "soak.csv")
     assert set(growth.process) == {"rank0", "rank1", "engine", "host"} and not growth.leak.any()
     assert (out / "plots" / "resources.png").stat().st_size > 0 and (out / "soak.md").exists()
