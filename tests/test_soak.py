@@ -105,7 +105,7 @@ def test_tables_and_plot_from_samples(tmp_path: Path) -> None:
     assert bool(rss.loc[leaking.scenario_id, "leak"]) and not bool(rss.loc[steady.scenario_id, "leak"])
     assert rss.loc[steady.scenario_id, "per_100_syncs"] == 0.0 and rss.loc[steady.scenario_id, "window"] == "6-12"
     table = growth_markdown(growth)
-    assert "+200.00 LEAK" in table and "rss_mib /100 syncs (allowed 8)" in table
+    assert "+200.00 LEAK" in table and "rss_mib /100 syncs (allowed 4)" in table
     paths = write_soak_outputs([steady, leaking], tmp_path)
     assert pd.read_csv(paths["samples"]).shape == samples.shape
     assert pd.read_csv(paths["growth"]).shape == growth.shape

@@ -61,7 +61,10 @@ class Allowance:
 
 # Per process (rss_bytes, threads, fds) and for the host (shm_segments, shm_bytes).
 ALLOWANCES: dict[str, Allowance] = {
-    "rss_bytes": Allowance(per_100=8 * MIB, floor=4 * MIB, unit="MiB", scale=MIB),
+    # RSS: clean 200-sync soaks grow at most 2.0 MiB per 100 syncs (five scenarios, PP 2 and EP 2 among them);
+    # 4 MiB is twice that, and catches a list of a sync's HF names and layouts kept per sync (qwen3-moe's
+    # bridge export, about 55 KB a sync, 5.3 MiB per 100 syncs), which 8 passed.
+    "rss_bytes": Allowance(per_100=4 * MIB, floor=4 * MIB, unit="MiB", scale=MIB),
     "threads": Allowance(per_100=0.0, floor=4.0),
     "fds": Allowance(per_100=0.0, floor=4.0),
     "shm_segments": Allowance(per_100=0.0, floor=4.0),
@@ -88,7 +91,7 @@ class Growth:
     leak: bool
 
     def describe(self) -> str:
-        """The growth in words: "rank0 rss_bytes grew 96.0 MiB per 100 syncs (allowed 8.0; syncs 6-12: 12.1
+        """The growth in words: "rank0 rss_bytes grew 96.0 MiB per 100 syncs (allowed 4.0; syncs 6-12: 12.1
         -> 17.9 MiB)"."""
         a = ALLOWANCES[self.metric]
         unit = f" {a.unit}" if a.unit else ""
