@@ -212,6 +212,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--syncs", type=int, default=DEFAULT_SYNCS, help=f"syncs per scenario (default {DEFAULT_SYNCS})")
     p.add_argument("--matrix", default="cpu", help="matrix the scenario ids come from (cpu) or a YAML path")
+    p.add_argument(
+        "--reuse-processes",
+        action="store_true",
+        help="let a scenario's trainer ranks and engine serve the next one, as the matrix does (warm processes, "
+        "for short soaks: a fresh rank grows a few MiB over its first 30 syncs; a leak may then also show in the "
+        "scenarios after the one that leaks)",
+    )
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
@@ -220,10 +227,11 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from harness.cli import run_scenarios
 
     scenarios = soak_scenarios(args.scenario or list(DEFAULT_SCENARIOS), args.syncs, args.matrix)
-    # Each scenario in processes of its own: ranks reused from the one before carried its growth (a leak in
-    # the raw export read as the next bridge scenario's RESOURCE_LEAK, which alone passed).
+    # By default each scenario in processes of its own: ranks reused from the one before carried its growth (a
+    # leak in the raw export read as the next bridge scenario's RESOURCE_LEAK too, which alone passed).
+    fresh = not args.reuse_processes
     records, out = run_scenarios(
-        scenarios, args.results_dir, args.run_id, args.ray_address, after_each=write_soak_outputs, fresh_processes=True
+        scenarios, args.results_dir, args.run_id, args.ray_address, after_each=write_soak_outputs, fresh_processes=fresh
     )
     paths = write_soak_outputs(records, out)
     print(paths["table"].read_text())
