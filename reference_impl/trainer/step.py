@@ -20,7 +20,8 @@ implementation). The arithmetic is int32 hashing and fp32 math,
 rounded to the tensor's dtype, elementwise on CPU: reproducible bit for bit in any process. It walks
 the tensor in blocks of 256 Ki elements, each block's temporaries made once and updated in place (bf16:
 about 2.3 ms per million elements on two threads here, 4.4 on one, against 3.9 and 6.0 with a new tensor
-per op; fp32 about 3.7 and 7.1, as before).
+per op; fp32 about 3.7 and 7.1). The two masks that make the shifts logical cost 3-14 % (two threads, A/B in
+one process: bf16 median 4.01 against 3.88 ms per million elements, fp32 4.09 against 3.92).
 """
 
 from __future__ import annotations
