@@ -19,9 +19,8 @@ from reference_impl.engine import engine_kind
 from reference_impl.engine.embedded.answers import parse_rejections as embedded
 from reference_impl.engine.vllm.answers import parse_rejections as vllm
 from reference_impl.engine.vllm.answers import sent_name_for
-from reference_impl.transport.client import MAX_STORED_BODY, EngineClient, EngineRejected
+from reference_impl.transport.client import MAX_STORED_BODY, EngineClient, EngineRejected, names_rejected
 from reference_impl.transport.observed import GENERIC_REJECTION, Rejection
-from reference_impl.transport.sync import names_rejected
 
 UPDATE = "/update_weights"
 BAD = "model.layers.0.self_attn.no_such.weight"

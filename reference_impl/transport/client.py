@@ -33,7 +33,7 @@ import httpx
 from wsh_vllm_plugin.auth import bearer_header
 from wsh_vllm_plugin.protocol import InitInfo, UpdateInfo
 
-from reference_impl.transport.observed import HttpCall, Rejection
+from reference_impl.transport.observed import GENERIC_REJECTION, HttpCall, Rejection
 
 MAX_STORED_BODY = 4000  # characters of a non-200 body kept in `HttpCall.error`
 
@@ -63,6 +63,18 @@ class EngineRejected(RuntimeError):
     def rejections(self) -> list[Rejection]:
         """What the engine refused in this answer, as its engine's parser read it (`HttpCall.rejections`)."""
         return self.call.rejections
+
+
+def names_rejected(names: list[str], rejected: EngineRejected) -> dict[str, str]:
+    """HF name -> the engine's reason, for the names of a chunk (`names`) that the engine's answer refused.
+
+    The tensors the answer's rejections name; when they name none of the chunk's tensors (vLLM's 500 for a
+    wrong shape, a refused session), every name of the chunk with the generic reason
+    `GENERIC_REJECTION` + the exception's text, which says nothing about which name (if any) was wrong.
+    """
+    sent = set(names)
+    named = {r.name: r.reason for r in rejected.rejections if r.name in sent}
+    return named or {n: f"{GENERIC_REJECTION}{rejected}" for n in names}
 
 
 class PromptMismatch(ValueError):

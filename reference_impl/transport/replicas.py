@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from wsh_vllm_plugin.protocol import UpdateInfo
 
-from reference_impl.transport.client import EngineClient, EngineRejected
+from reference_impl.transport.client import EngineClient, EngineRejected, names_rejected
 from reference_impl.transport.observed import EngineAccount, HttpCall, Rejection
 
 T = TypeVar("T")
@@ -128,8 +128,6 @@ class ReplicaClient:
         Raises:
             ReplicasRejected: some engine refused the chunk (the others took it).
         """
-        from reference_impl.transport.sync import names_rejected
-
         outcomes = self._each(lambda c: c.update(update_info, sync, chunk))
         names = update_info["names"] if isinstance(update_info, dict) else update_info.names
         for account, outcome in zip(self._sync_accounts(sync), outcomes, strict=True):

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from wsh_vllm_plugin.protocol import SENDER_RANK, UpdateInfo, dtype_from_name, dtype_name
 
 from reference_impl.checksum import tensor_checksum
-from reference_impl.transport.client import EngineClient, EngineRejected
-from reference_impl.transport.observed import GENERIC_REJECTION, ChunkRecord, SyncReport, TensorLayout
+from reference_impl.transport.client import EngineClient, EngineRejected, names_rejected
+from reference_impl.transport.observed import ChunkRecord, SyncReport, TensorLayout
 from reference_impl.transport.plan import Chunk, Greedy, TensorMeta, plan_chunks
 from reference_impl.transport.progress import Progress
 
@@ -155,18 +155,6 @@ def update_info(chunk: Chunk) -> UpdateInfo:
         src=SENDER,
         chunk_index=chunk.index,
     )
-
-
-def names_rejected(names: list[str], rejected: EngineRejected) -> dict[str, str]:
-    """HF name -> the engine's reason, for the names of a chunk (`names`) that the engine's answer refused.
-
-    The tensors the answer's rejections name; when they name none of the chunk's tensors (vLLM's 500 for a
-    wrong shape, a refused session), every name of the chunk with the generic reason
-    `GENERIC_REJECTION` + the exception's text, which says nothing about which name (if any) was wrong.
-    """
-    sent = set(names)
-    named = {r.name: r.reason for r in rejected.rejections if r.name in sent}
-    return named or {n: f"{GENERIC_REJECTION}{rejected}" for n in names}
 
 
 @dataclass

@@ -4,7 +4,7 @@
 unchanged weights) that passes every check; `vllm_record()` is the same as vLLM reports it (no shards,
 counts or HF-name engine checksums). `reject_chunk` makes the engine refuse one chunk the way the sender
 records it: the call's status and `Rejection`s (what the engine's parser returns), the sync stopped there,
-and `names_rejected` as `transport.sync.names_rejected` fills it.
+and `names_rejected` as `transport.client.names_rejected` fills it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from harness.checks import LOGPROB_BUDGETS, judge, logprob_parity
 from harness.record import ChunkRecord, HttpCall, MidSessionAsk, RunRecord, SyncRecord, TensorLayout
 from harness.scenario import Scenario
 from reference_impl.engine import engine_kind
-from reference_impl.transport.client import EngineRejected
+from reference_impl.transport.client import EngineRejected, names_rejected
 from reference_impl.transport.observed import Rejection, RejectionKind
-from reference_impl.transport.sync import names_rejected
 
 NAMES = [
     "model.embed_tokens.weight",
