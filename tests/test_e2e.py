@@ -61,6 +61,7 @@ def test_scenario_passes_and_engine_matches_independent_truth(runner, sc: Scenar
     assert len(probes) == (0 if sc.colocate else 4) and all(c.status == 200 for c in probes)  # warm-up, best of 3
     for s in rec.syncs:
         assert s.export_mode == sc.export_mode and s.finished
+        assert all(len(c.owners) == len(c.names) for c in s.chunks)
         assert s.chunks_planned == s.chunks_sent == s.chunks_received == len(s.chunks) > 1
         assert set(s.engine_update_counts.values()) == {1}
         assert set(s.names_sent) == set(truth)  # every checkpoint tensor, once

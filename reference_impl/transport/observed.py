@@ -65,6 +65,7 @@ class ChunkRecord(BaseModel):
 
     index: int
     names: list[str]  # HF names planned into this chunk, in order
+    owners: list[int] = Field(default_factory=list)  # trainer rank that exported each name (0: the sender)
     bytes: int  # planned payload bytes
     sent: bool = False  # the trainer's sender finished its broadcast / handle hand-off
     received: bool = False  # the engine answered 200 to this chunk's /update_weights

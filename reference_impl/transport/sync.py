@@ -220,7 +220,13 @@ class _SendThread:
         sent = _Sent(
             chunk,
             tensors,
-            ChunkRecord(index=chunk.index, names=info.names, bytes=chunk.nbytes, sent=True),
+            ChunkRecord(
+                index=chunk.index,
+                names=info.names,
+                owners=[m.owner for m in chunk.tensors],
+                bytes=chunk.nbytes,
+                sent=True,
+            ),
             info,
             queued_at=time.perf_counter(),
         )
