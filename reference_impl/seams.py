@@ -15,7 +15,8 @@ Trainer side (replaced inside the trainer rank processes of one scenario):
 | `train_step` | the trainer's step between syncs over every (global name, parameter) |
 | `convert` | raw export: one full Megatron parameter -> its HF (name, tensor) pairs |
 | `export` | the export mode dispatch (raw / bridge) |
-| `ep_gather` | one local expert's tensor from every EP rank |
+| `global_params` | raw export: this rank's (global name, parameter) pairs (PP layer offsets, EP expert ids) |
+| `ep_gather` | one local expert's tensor from every EP rank (families that stack experts) |
 | `gather_buffer` | the raw export's kept buffer a gather writes a parameter's full tensor into |
 | `plan_chunks` | the chunk (bucket) plan every rank computes |
 | `update_info` | one chunk's `update_info` body |
@@ -56,6 +57,7 @@ SEAMS: dict[str, tuple[str, str]] = {
     "train_step": ("reference_impl.trainer.step", "apply"),
     "convert": ("reference_impl.export.stream", "convert"),
     "export": ("reference_impl.export.stream", "export"),
+    "global_params": ("reference_impl.export.stream", "iter_global_params"),
     "ep_gather": ("reference_impl.export.stream", "ep_gather"),
     "gather_buffer": ("reference_impl.trainer.params", "GatherBuffers.kept"),
     "plan_chunks": ("reference_impl.transport.sync", "plan_chunks"),

@@ -29,6 +29,7 @@ from reference_impl.engine import engine_kind
 from reference_impl.export import stream
 from reference_impl.export.stream import convert_config
 from reference_impl.memory import release_memory
+from reference_impl.models.families import model_family
 from reference_impl.models.registry import load_model
 from reference_impl.priority import in_lowest_priority_thread
 from reference_impl.trainer import step as train_step
@@ -233,8 +234,11 @@ class TrainerWorker:
             raise RuntimeError("measure_bound needs a finished sync of this scenario: call sync() first")
         self.progress.at("bound: bare all-gathers, hand-offs and chunk transfers of the last sync's sizes")
         num_experts = self.convert_config.num_experts
+        ep_gathers = model_family(self.model.model_type).raw.ep_gathers_experts
         gathers = [
-            bound.gather_bound(self.model, self.layout, num_experts, self.last_plan, self.rank, self.world_size)
+            bound.gather_bound(
+                self.model, self.layout, num_experts, self.last_plan, self.rank, self.world_size, ep_gathers
+            )
             for _ in range(1 + repeats)
         ][1:]
         if self.rank != SENDER:

@@ -39,6 +39,7 @@ ENDS_ENGINE = {"engine_dies_after_rejected_chunk", "engine_dies_in_clean_sync"}
 ENDS_RANKS = {
     "shm_segment_per_sync",
     "planner_key_error",
+    "ep_local_expert_ids",
     "duplicate_rank_offsets",
     "second_init_from_pp_stage",
     "pp_barrier_in_chunk_loop",
@@ -330,6 +331,7 @@ MESSAGE_SAYS = {
     "step_skips_one_parameter": "model.norm.weight",
     "transposed_fused_experts": "the last two dims are swapped",
     "planner_key_error": "raised KeyError",
+    "ep_local_expert_ids": "model.layers.0.mlp.experts.0.gate_proj.weight is named by ranks 0 and 1",
     "second_init_from_pp_stage": "accepted 2 /init_weight_transfer_engine calls",
     "drop_last_chunk": "/update_weights calls with 200",
     "chunk_index_not_reset": "calls answered 200 carry chunk indexes [",

@@ -90,10 +90,17 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "ep_local_expert_ids",
-            "local expert ids sent as global at EP = 2",
-            "COVERAGE_GAP",
+            "local expert ids sent as global at EP = 2: EP rank 1's experts take rank 0's names",
+            "CRASH",
             {"model": "qwen3-moe", "ep": 2, **_SMALL},
             trainer=trainer.ep_local_expert_ids,
+        ),
+        Fault(
+            "ep_rank_experts_unsent",
+            "at EP = 2 only EP rank 0 exports routed experts (as if EP had gathered every expert to it)",
+            "COVERAGE_GAP",
+            {"model": "qwen3-moe", "ep": 2, **_SMALL},
+            trainer=trainer.ep_rank_experts_unsent,
         ),
         Fault(
             "drop_last_chunk",

@@ -94,9 +94,28 @@ def gqa_split_wrong() -> None:
 
 
 def ep_local_expert_ids() -> None:
-    """Experts keep their local ids at EP = 2: each EP rank's expert K is sent as expert K, so the
-    experts of EP rank 1 collide with rank 0's and experts E/2..E-1 are never updated."""
-    seams.replace("ep_gather", lambda orig: lambda full, group, size, *_: [full])
+    """Experts keep their local ids at EP = 2: each EP rank exports its expert K as expert K (no offset of
+    its EP rank), so the experts of EP rank 1 take the names of rank 0's and experts E/2..E-1 are never
+    updated."""
+    seams.replace(
+        "global_params", lambda orig: lambda chunks, ep_rank=0, local_experts=0: orig(chunks, 0, local_experts)
+    )
+
+
+def ep_rank_experts_unsent() -> None:
+    """Only EP rank 0 exports routed experts, as an export written for experts all-gathered over EP would:
+    the other EP ranks own their experts but export none, so experts E/2..E-1 are never sent at EP = 2."""
+    from reference_impl.trainer.params import is_expert_param
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def global_params(chunks, ep_rank=0, local_experts=0):  # type: ignore[no-untyped-def]
+            for name, p in orig(chunks, ep_rank, local_experts):
+                if ep_rank == 0 or not is_expert_param(name):
+                    yield name, p
+
+        return global_params
+
+    seams.replace("global_params", make)
 
 
 def gather_buffers_keyed_by_size() -> None:

@@ -3,13 +3,18 @@
 Both return the HF (name, tensor) pairs this rank *owns* for sending, in a deterministic order, and
 the seconds spent per phase:
 - raw: every rank walks its parameters (global names), all TP ranks all-gather each sharded one,
-  and TP rank 0 of each PP stage converts and owns its stage's tensors by the family's raw rule table
-  (`models/families/<model_type>.py`, applied by `models.raw_rules.convert`).
+  and TP rank 0 of each PP stage converts and owns its stage's dense tensors by the family's raw rule
+  table (`models/families/<model_type>.py`, applied by `models.raw_rules.convert`); routed experts are
+  owned by each EP rank's expert leader, or all-gathered over EP to EP 0 where the family fuses them
+  (`iter_raw`).
 - bridge: Megatron-Bridge's `export_hf_weights(model, conversion_tasks=...)` on every rank,
   with the conversion tasks of the rank's own PP stage (`export/bridge.py`: the library gathers TP
-  shards and EP experts inside the stage and broadcasts nothing across stages); the stage leader
-  (TP 0, DP 0) owns its stage's tensors. Its gather and convert are one call: the time is recorded as
-  `convert`, `gather` is 0.
+  shards inside the stage and broadcasts nothing across stages; per-expert HF names are exported by
+  each EP rank for its own experts, stacked ones gathered by the library over EP); the stage leader
+  (TP 0, DP 0) owns its stage's tensors, each EP rank's expert leader its own experts. Its gather and
+  convert are one call: the time is recorded as `convert`, `gather` is 0.
+- Tensors owned by a rank other than the sender reach it by the sync's point-to-point hand-off
+  (`transport.sync`).
 """
 
 from __future__ import annotations
@@ -94,9 +99,12 @@ def iter_raw(
 
     Dense parameters: all TP ranks all-gather, the stage leader (TP 0, DP 0) combines the shards, converts
     and owns them (the other TP ranks only take part in the all-gather). Expert parameters: the expert-TP
-    ranks all-gather each local expert, then the EP ranks all-gather it (entry r = global expert r * E/EP +
-    K), and the expert leader (EP 0, ETP 0, EDP 0) converts and owns every expert of its stage. A family
-    with a post-pass over all of a rank's tensors (e.g. fusing experts) produces them only at the end.
+    ranks all-gather each local expert; then, for a family without a post pass, each EP rank's expert
+    leader (ETP 0, EDP 0) converts and owns its own experts (global names), which the sync hands to the
+    sender point to point; for a family with one (`FamilyTable.ep_gathers_experts`), the EP ranks
+    all-gather each expert (entry r = global expert r * E/EP + K) and the expert leader (EP 0, ETP 0,
+    EDP 0) converts and owns every expert of its stage. A post pass over all of a rank's tensors (e.g.
+    fusing experts) produces them only at the end.
     """
     table = table or model_family(model.model_type).raw
     groups = gather_groups(layout)
@@ -108,10 +116,13 @@ def iter_raw(
         t0 = time.perf_counter()
         if is_expert_param(name):
             full = tp_gather(p, groups.etp, layout.etp, buffers, name)
-            per_rank = ep_gather(full, groups.ep, layout.ep, buffers, name)
-            k = expert_id(name) - layout.ep_rank * local_experts
-            full_tensors = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
-            mine = layout.is_expert_leader
+            if not table.ep_gathers_experts:  # this EP rank's own experts, handed off by the sync
+                full_tensors, mine = [(name, full)], layout.etp_rank == 0 and layout.edp_rank == 0
+            else:
+                per_rank = ep_gather(full, groups.ep, layout.ep, buffers, name)
+                k = expert_id(name) - layout.ep_rank * local_experts
+                full_tensors = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
+                mine = layout.is_expert_leader
         elif layout.is_stage_leader:
             full_tensors, mine = [(name, tp_gather(p, groups.tp, layout.tp, buffers, name))], True
         else:  # its shard goes to the leader's all-gather; nothing to combine here

@@ -146,3 +146,11 @@ class FamilyTable:
 
     rules: Sequence[Rule]
     post: PostPass | None = None
+
+    @property
+    def ep_gathers_experts(self) -> bool:
+        """Whether the raw export all-gathers routed experts over EP to the expert leader (EP 0): a post
+        pass (fusing a layer's experts into one stacked tensor) needs every expert of its stage on one rank.
+        Without one, each EP rank converts and owns its own experts, and the sync hands them to the sender
+        point to point (`transport.sync.hand_off`), as it hands off other PP stages' tensors."""
+        return self.post is not None

@@ -5,8 +5,9 @@ as the last sync, with nothing of the reference path (no conversion, packing, HT
 or load):
 
 - gather (every trainer rank, collectively): one bare `all_gather_single` per sharded parameter over the
-  group the export gathers it on (TP for dense parameters, expert-TP then EP for routed experts: the shards
-  of `export.stream.export_raw`, the same for both export modes), into buffers allocated beforehand; then
+  group the export gathers it on (TP for dense parameters; expert-TP for routed experts, then EP where the
+  family's export gathers experts over EP, `FamilyTable.ep_gathers_experts`: the shards of
+  `export.stream.export_raw`, the same for both export modes), into buffers allocated beforehand; then
   the bytes each non-sender owner holds in the plan, sent point to point to the sender in plan order
   (the hand-off of `transport.sync`).
 - wire (the sender): non-colocate, one bare broadcast of each chunk's size over the transfer group the
@@ -47,11 +48,14 @@ class GatherStep:
     size: int
 
 
-def gather_steps(model: TrainerModel, layout: RankLayout, num_experts: int) -> list[GatherStep]:
+def gather_steps(
+    model: TrainerModel, layout: RankLayout, num_experts: int, ep_gathers_experts: bool = True
+) -> list[GatherStep]:
     """The all-gathers the export runs on this rank, in its order: per TP-sharded dense parameter one over
     the TP group (shard bytes); per routed expert parameter one over the expert-TP group when it is sharded
-    there, then one over the EP group (the expert's full bytes). Replicated parameters gather nothing.
-    Every rank of a group lists the same steps in the same order (the export's collective schedule)."""
+    there, then, if `ep_gathers_experts`, one over the EP group (the expert's full bytes; otherwise each EP
+    rank's experts reach the sender by the hand-off). Replicated parameters gather nothing. Every rank of a
+    group lists the same steps in the same order (the export's collective schedule)."""
     groups = gather_groups(layout)
     local_experts = num_experts // layout.ep if num_experts else 0
     steps: list[GatherStep] = []
@@ -62,7 +66,7 @@ def gather_steps(model: TrainerModel, layout: RankLayout, num_experts: int) -> l
             if sharded and layout.etp > 1:
                 steps.append(GatherStep(nbytes, groups.etp, layout.etp))
                 nbytes *= layout.etp
-            if layout.ep > 1:
+            if layout.ep > 1 and ep_gathers_experts:
                 steps.append(GatherStep(nbytes, groups.ep, layout.ep))
         elif sharded and layout.tp > 1:
             steps.append(GatherStep(nbytes, groups.tp, layout.tp))
@@ -91,15 +95,22 @@ def _bare_hand_off(plan: Sequence[Chunk], rank: int) -> None:
 
 
 def gather_bound(
-    model: TrainerModel, layout: RankLayout, num_experts: int, plan: Sequence[Chunk], rank: int, world_size: int
+    model: TrainerModel,
+    layout: RankLayout,
+    num_experts: int,
+    plan: Sequence[Chunk],
+    rank: int,
+    world_size: int,
+    ep_gathers_experts: bool = True,
 ) -> float:
     """Collective on every trainer rank: seconds of the bare gather of one sync (module doc), from a barrier
     of every rank to this rank's last step (on the sender: the last hand-off received).
+    `ep_gathers_experts`: as for `gather_steps`.
 
     Raises:
         RuntimeError: from torch.distributed when a rank does not take part.
     """
-    steps = gather_steps(model, layout, num_experts)
+    steps = gather_steps(model, layout, num_experts, ep_gathers_experts)
     if world_size > 1:
         dist.barrier()
     t0 = time.perf_counter()
