@@ -8,6 +8,7 @@ leaves it equal to what the trainer sent.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -85,6 +86,26 @@ def test_scenario_passes_and_engine_matches_independent_truth(runner, sc: Scenar
     assert all(c.status == 200 for c in rec.http)
     on_disk = json.loads((runner.out_dir / "records" / (sc.id.replace("/", "__") + ".json")).read_text())
     assert on_disk["verdict"] == "PASS"
+
+
+@pytest.mark.parametrize("mode", ["raw", "bridge"])
+def test_each_ep_rank_hands_its_own_experts_to_the_sender(runner, mode: str) -> None:
+    """qwen3-moe names each expert apart in its HF checkpoint, so no export all-gathers experts over EP:
+    at EP 2 global experts E/2..E-1 live on EP rank 1 (Megatron's contiguous split), which exports them
+    and hands them to the sender (rank 0); everything else the sender exports itself."""
+    sc = Scenario(model="qwen3-moe", tp=1, ep=2, pp=1, export_mode=mode, syncs=1, chunk_bytes=1 << 16)
+    rec = runner.run_scenario(sc)
+    assert rec.verdict == "PASS", [c for c in rec.checks if not c["ok"]]
+    truth = checkpoint_checksums(sc)
+    assert rec.syncs[0].engine_checksums == truth
+    per_rank = load_model(sc.model).model_config().num_experts // 2
+    for s in rec.syncs:
+        owner = {n: o for c in s.chunks for n, o in zip(c.names, c.owners, strict=True)}
+        assert set(owner) == set(truth)
+        expert = {n: int(m[1]) for n in owner if (m := re.search(r"\.mlp\.experts\.(\d+)\.", n))}
+        assert len(expert) == 3 * 2 * per_rank * load_model(sc.model).model_config().num_layers
+        assert {n: o for n, o in owner.items() if n in expert} == {n: e // per_rank for n, e in expert.items()}
+        assert all(o == 0 for n, o in owner.items() if n not in expert)
 
 
 def test_impossible_scenario_is_config_error_and_launches_nothing(tmp_path: Path) -> None:
