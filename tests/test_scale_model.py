@@ -4,6 +4,7 @@ against hand-computed numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -108,6 +109,21 @@ def test_phases_of_the_harness_design_by_hand() -> None:
     assert p.phases["calls"] == pytest.approx((8 + 4) * 0.002)
     assert p.total == pytest.approx(0.031 + 0.012 + 1.92 + 0.008 + 0.024)
     assert p.bottleneck == "transfer"
+
+
+def test_experts_named_apart_are_handed_off_and_stacked_ones_gathered_by_hand() -> None:
+    moe = Workload(bytes=8_000_000_000, tensors=400, chunk_bytes=1_000_000_000, expert_bytes=6_000_000_000)
+    topo = Topology(pp=2, ep=4)  # 8 ranks on one node: NVLink everywhere
+    apart = predict(moe, topo, LINKS)
+    # no gather in the export: convert 4e9 / 1000e9, 200 tensors * 1e-4 (no collective).
+    assert apart.phases["export"] == pytest.approx(0.004 + 0.02)
+    # the other stage: 4e9 / 400e9 + 200 * 1e-5; the other 3 EP ranks' experts of the sender's stage:
+    # 6e9 / 2 * 3/4 / 400e9, and their share of the tensors (400 * 6/8 * 3/8) * 1e-5.
+    assert apart.phases["handoff"] == pytest.approx(0.01 + 0.002 + 0.005625 + 0.001125)
+    stacked = predict(dataclasses.replace(moe, stacked_experts=True), topo, LINKS)
+    # EP all-gather in the export: 3e9 * 3/4 / 400e9, and 200 tensors * (1e-4 + 1e-5); handoff: PP only.
+    assert stacked.phases["export"] == pytest.approx(0.005625 + 0.004 + 0.022)
+    assert stacked.phases["handoff"] == pytest.approx(0.01 + 0.002)
 
 
 def test_nccl_fan_out_and_the_fixes_by_hand() -> None:

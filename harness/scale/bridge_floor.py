@@ -3,10 +3,13 @@
 Two trainer ranks (TP x EP on two ranks, PP 1; gloo on 127.0.0.1, one thread each) build one model from
 its seeded checkpoint and run three exports in turn, `repeats` times each, consuming every tensor as the
 sync loop does (and dropping it):
-- `raw`: the raw export (`export.stream`), its TP and EP all-gathers into buffers kept between syncs;
+- `raw`: the raw export (`export.stream`), its TP and EP all-gathers into buffers kept between syncs
+  (no EP gather for a family whose HF checkpoint names each expert apart: each EP rank exports its own
+  experts, which a sync then hands to the sender; this tool drops them, so no hand-off is timed);
 - `bridge`: Megatron-Bridge's export as the harness runs it (`export.bridge`). Inside it, rank 0 times
   library calls (wrappers that only read the clock): `torch.distributed.all_gather` (the TP gather, into
-  one new tensor per rank, and the EP gather, one collective per expert weight), `torch.cat` (joining
+  one new tensor per rank, and the EP gather of stacked experts, one collective per expert weight;
+  per-expert HF names take the EP-size-1 fast path, `export.bridge.stage_tasks`), `torch.cat` (joining
   the shards, a copy of every gathered byte), `param_mapping.split_qkv_weights` (the fused QKV split, by
   advanced indexing), `remove_non_pickleables` (a copy of the model's config that every QKV mapping
   makes on every export, two or three levels deep) and `SafeTensorsStateSource.load_tensors` (reads of

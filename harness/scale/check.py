@@ -62,6 +62,7 @@ def _rows(run: Path) -> list[dict[str, Any]]:
         count = param_count(load_model(row["model"]).config)
         row |= {"tensors": count.tensors, "chunk_bytes": sc["chunk_bytes"], "call_s": _call_s(rec)}
         row["expert_bytes"] = count.experts * (row["bytes_per_sync"] // max(count.total, 1))
+        row["stacked_experts"] = count.stacked_experts
         row["export_s"] = row["gather_s"] + row["convert_s"]
         out.append(row)
     return out
@@ -87,6 +88,7 @@ def compare(run: Path, measured: dict[str, float]) -> pd.DataFrame:
             tensors=r["tensors"],
             chunk_bytes=int(r["chunk_bytes"]),
             expert_bytes=int(r["expert_bytes"]),
+            stacked_experts=bool(r["stacked_experts"]),
         )
         p = predict(w, topo, links)
         out.append(

@@ -43,6 +43,7 @@ class ParamCount:
     experts: int
     vision: int
     tensors: int
+    stacked_experts: bool = False  # one HF tensor per layer and projection holds every expert (Qwen3-VL-MoE)
 
     @property
     def total(self) -> int:
@@ -143,4 +144,5 @@ def param_count(config: dict[str, Any]) -> ParamCount:
         experts=parts["experts"],
         vision=vision,
         tensors=parts["tensors"] + vision_tensors,
+        stacked_experts=vl and parts["experts"] > 0,
     )

@@ -97,4 +97,10 @@ def workload(config: dict[str, Any], dtype: str = "bfloat16", chunk_bytes: int =
     """The sync of a model described by `config`, in `dtype`, in chunks of `chunk_bytes`."""
     c = param_count(config)
     size = c.bytes(dtype) // c.total
-    return Workload(bytes=c.bytes(dtype), tensors=c.tensors, chunk_bytes=chunk_bytes, expert_bytes=c.experts * size)
+    return Workload(
+        bytes=c.bytes(dtype),
+        tensors=c.tensors,
+        chunk_bytes=chunk_bytes,
+        expert_bytes=c.experts * size,
+        stacked_experts=c.stacked_experts,
+    )

@@ -4,17 +4,20 @@ and per engine call, phase by phase as the sync runs them (`docs/scaling.md` der
 Units: bytes; bandwidths in GB/s (1e9 bytes/s, one direction, achievable rather than nominal); seconds.
 
 The design modelled is the harness's (`reference_impl/transport/sync.py`): every PP stage exports its
-tensors (TP all-gather, EP all-gather, convert), one sender (global rank 0) collects the other stages'
-tensors point to point and sends chunk after chunk to the engine, each chunk's engine call in flight
-while its bytes travel, with no overlap between collecting, sending and loading. The phases, in that
-order and summed:
+tensors (TP all-gather, convert; routed experts stacked into one HF tensor per layer are all-gathered
+over EP first, experts named apart stay with their EP rank), one sender (global rank 0) collects the
+tensors other ranks own point to point and sends chunk after chunk to the engine, each chunk's engine
+call in flight while its bytes travel, with no overlap between collecting, sending and loading. The
+phases, in that order and summed:
 
-- export   = gather (dense bytes of a stage x (TP-1)/TP over the TP link + expert bytes of a stage x
-             (EP-1)/EP over the EP link) + convert (a stage's bytes through one copy) + a stage's HF
-             tensors x (`tensor_s`, plus `collective_s` when TP or EP > 1: one all-gather per tensor).
-             Stages export in parallel: one stage's time counts.
-- handoff  = bytes x (PP-1)/PP into the sender over the PP link (every other stage's bytes), plus
-             `collective_s` per tensor handed over (one point-to-point message each).
+- export   = gather (dense bytes of a stage x (TP-1)/TP over the TP link, + for stacked experts the
+             expert bytes of a stage x (EP-1)/EP over the EP link) + convert (a stage's bytes through one
+             copy) + a stage's HF tensors x (`tensor_s`, plus `collective_s` when a gather runs: one
+             all-gather per tensor). Stages export in parallel: one stage's time counts.
+- handoff  = bytes x (PP-1)/PP into the sender over the PP link (every other stage's bytes), + for
+             experts named apart the expert bytes of a stage x (EP-1)/EP over the EP link (the other EP
+             ranks' experts), plus `collective_s` per tensor handed over (one point-to-point message
+             each; the expert tensors counted by their share of the bytes).
 - transfer = non-colocate over gloo (the bytes go through host memory): pack (device -> host over
              PCIe on GPU, a host copy on CPU) + every engine worker receives all bytes over TCP, one
              after the other + host -> device over PCIe on the engine's GPU; over NCCL: a pipelined ring
@@ -91,12 +94,15 @@ class Design:
 
 @dataclass(frozen=True)
 class Workload:
-    """One sync: HF bytes (`expert_bytes` of them routed experts), HF tensors and the chunk size."""
+    """One sync: HF bytes (`expert_bytes` of them routed experts), HF tensors and the chunk size;
+    `stacked_experts`: the HF layout stacks a layer's experts into one tensor (Qwen3-VL-MoE), so the export
+    all-gathers them over EP (`FamilyTable.ep_gathers_experts`)."""
 
     bytes: int
     tensors: int
     chunk_bytes: int
     expert_bytes: int = 0
+    stacked_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,18 +134,28 @@ def export_s(w: Workload, topo: Topology, links: Links) -> float:
     stage = w.bytes / topo.pp
     dense, experts = (w.bytes - w.expert_bytes) / topo.pp, w.expert_bytes / topo.pp
     gather = dense * (topo.tp - 1) / topo.tp / (_link(links, topo, topo.tp) * GB)
-    gather += experts * (topo.ep - 1) / topo.ep / (_link(links, topo, topo.ep * topo.tp) * GB)
+    ep_gather = topo.ep > 1 and w.stacked_experts
+    if ep_gather:
+        gather += experts * (topo.ep - 1) / topo.ep / (_link(links, topo, topo.ep * topo.tp) * GB)
     convert = stage / (_copy(links, topo) * GB)
-    per_tensor = links.tensor_s + (links.collective_s if topo.tp > 1 or topo.ep > 1 else 0.0)
+    per_tensor = links.tensor_s + (links.collective_s if topo.tp > 1 or ep_gather else 0.0)
     return gather + convert + w.tensors / topo.pp * per_tensor
 
 
 def handoff_s(w: Workload, topo: Topology, links: Links, design: Design) -> float:
-    """The sender's intake of every other stage's bytes (0 with per-stage senders)."""
-    if topo.pp == 1 or design.per_stage_senders:
-        return 0.0
-    share = (topo.pp - 1) / topo.pp
-    return w.bytes * share / (_link(links, topo, topo.trainer_world) * GB) + w.tensors * share * links.collective_s
+    """The sender's intake of what other ranks own: every other stage's bytes (none with per-stage
+    senders, where each stage's leader sends its own), and the other EP ranks' experts of its stage where
+    the experts are named apart (module doc)."""
+    seconds = 0.0
+    if topo.pp > 1 and not design.per_stage_senders:
+        share = (topo.pp - 1) / topo.pp
+        seconds += w.bytes * share / (_link(links, topo, topo.trainer_world) * GB)
+        seconds += w.tensors * share * links.collective_s
+    if topo.ep > 1 and not w.stacked_experts and w.expert_bytes:
+        share = (topo.ep - 1) / topo.ep / topo.pp
+        seconds += w.expert_bytes * share / (_link(links, topo, topo.ep * topo.tp) * GB)
+        seconds += w.tensors * (w.expert_bytes / w.bytes) * share * links.collective_s
+    return seconds
 
 
 def transfer_s(w: Workload, topo: Topology, links: Links, design: Design) -> float:
