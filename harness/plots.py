@@ -43,7 +43,7 @@ MODE_COLORS: dict[str, str] = {"raw": "#4C72B0", "bridge": "#DD8452"}
 PLACEMENT_MARKERS: dict[bool, str] = {False: "o", True: "^"}
 PHASE_COLORS: dict[str, str] = {"gather": "#4C72B0", "convert": "#DD8452", "transfer": "#55A868", "load": "#C44E52"}
 CHANGE_COLORS: dict[str, str] = {"slower": "#C44E52", "faster": "#55A868", "within noise": "#555555"}
-GROUP_KEYS: tuple[str, ...] = ("model", "tp", "pp", "ep", "colocate", "engine")
+GROUP_KEYS: tuple[str, ...] = ("model", "tp", "pp", "ep", "etp", "colocate", "engine")
 FULL_SIZE_TAG = "full-size"
 RATIO_TICKS: tuple[float, ...] = (0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
@@ -110,7 +110,7 @@ def _prepared(df: pd.DataFrame) -> pd.DataFrame:
     data = df.copy()
     if "export_mode" not in data and "mode" in data:
         data = data.rename(columns={"mode": "export_mode"})
-    defaults = {"model": "", "engine": DEFAULT_ENGINE, "tp": 1, "pp": 1, "ep": 1, "colocate": False}
+    defaults = {"model": "", "engine": DEFAULT_ENGINE, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "colocate": False}
     for key, value in defaults.items():
         if key not in data:
             data[key] = value

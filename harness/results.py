@@ -59,6 +59,7 @@ COLUMNS: tuple[str, ...] = (
     "model",
     "tp",
     "ep",
+    "etp",
     "pp",
     "colocate",
     "export_mode",
@@ -195,6 +196,7 @@ def record_row(record: RunRecord) -> dict[str, Any]:
         "model": sc.model,
         "tp": sc.tp,
         "ep": sc.ep,
+        "etp": sc.etp,
         "pp": sc.pp,
         "colocate": sc.colocate,
         "export_mode": sc.export_mode,
@@ -275,6 +277,12 @@ def _placement_cell(row: Mapping[str, Any]) -> str:
     return cell + (f" · engine TP {engine_tp}" if engine_tp != 1 else "")
 
 
+def _ep_cell(row: dict[str, Any]) -> str:
+    """EP, and the expert TP where it is not 1 ("2 · ETP 2"): rows that differ only in ETP stay apart."""
+    etp = int(row.get("etp") or 1)
+    return f"{row['ep']} · ETP {etp}" if etp != 1 else str(row["ep"])
+
+
 def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
     """The pasteable table's rows, in `MARKDOWN_HEADER` order."""
     rows = []
@@ -284,7 +292,7 @@ def summary_table_rows(df: pd.DataFrame) -> list[list[str]]:
                 row["model"],
                 row["engine"] or DEFAULT_ENGINE,
                 row["tp"],
-                row["ep"],
+                _ep_cell(row),
                 row["pp"],
                 _placement_cell(row),
                 _mode_cell(row),

@@ -27,7 +27,7 @@ def engine_comparison(df: pd.DataFrame) -> pd.DataFrame:
     when no scenario ran on two engines."""
     if not len(df) or df["engine"].nunique() < 2:
         return pd.DataFrame()
-    key = ["model", "tp", "ep", "pp", "colocate", "export_mode"]
+    key = ["model", "tp", "ep", "etp", "pp", "colocate", "export_mode"]
     key += ["engines", "engine_tp"]
     engines = sorted(df["engine"].unique(), key=lambda e: (e != DEFAULT_ENGINE, e))
     rows = []
@@ -68,7 +68,7 @@ def _after_mode(scenario: str, export_mode: str) -> str:
 def export_mode_comparison(df: pd.DataFrame) -> pd.DataFrame:
     """Layouts that ran in both export modes, one row each: the raw scenario's id without its mode, steady
     seconds and verdict per mode, and `bridge / raw` (the ratio of steady seconds, NaN
-    where either is NaN). Rows pair on model, TP, EP, PP, placement, engine, replicas, engine TP and what
+    where either is NaN). Rows pair on model, TP, EP, ETP, PP, placement, engine, replicas, engine TP and what
     follows the mode in the id (chunk sizes). Empty when no layout ran in both modes."""
     if not len(df):
         return pd.DataFrame()
@@ -76,7 +76,7 @@ def export_mode_comparison(df: pd.DataFrame) -> pd.DataFrame:
     data["after_mode"] = [
         _after_mode(str(sid), m) for sid, m in zip(data["scenario"], data["export_mode"], strict=True)
     ]
-    key = ["model", "tp", "ep", "pp", "colocate", "engine", "engines", "engine_tp", "after_mode"]
+    key = ["model", "tp", "ep", "etp", "pp", "colocate", "engine", "engines", "engine_tp", "after_mode"]
     rows = []
     for _, group in data.groupby(key, sort=False):
         by_mode = {r["export_mode"]: r for r in group.to_dict(orient="records")}

@@ -350,6 +350,31 @@ def test_engine_replicas_and_engine_tp_keep_their_own_rows(records: list[RunReco
     assert cells == {"no", "no · 2 engines", "no · engine TP 2"}
 
 
+def test_rows_that_differ_only_in_expert_tp_keep_their_own_pairs_and_cells(records: list[RunRecord]) -> None:
+    """`tp2-pp1-ep2` and `tp2-pp1-ep2-etp2` share model, TP, EP and PP: the bridge-against-raw pairs, the
+    engines side by side and summary.md's EP cell keep them apart (paired on those columns alone, one
+    layout's pair replaced the other's)."""
+    both = []
+    for etp in (1, 2):
+        for rec in records:
+            sc = rec.scenario.model_copy(update={"etp": etp})
+            both.append(rec.model_copy(update={"scenario": sc, "scenario_id": sc.id}))
+    df = summarize(both + [as_vllm(r) for r in both])
+    assert sorted(export_mode_comparison(df)["layout"]) == [
+        "qwen3-vl/tp2-pp2-etp2/noncolocate",
+        "qwen3-vl/tp2-pp2/noncolocate",
+        "vllm/qwen3-vl/tp2-pp2-etp2/noncolocate",
+        "vllm/qwen3-vl/tp2-pp2/noncolocate",
+    ]
+    assert sorted(zip(engine_comparison(df)["etp"], engine_comparison(df)["export_mode"], strict=True)) == [
+        (1, "bridge"),
+        (1, "raw"),
+        (2, "bridge"),
+        (2, "raw"),
+    ]
+    assert {row[3] for row in summary_table_rows(df)} == {"1", "1 · ETP 2"}
+
+
 def test_bridge_against_raw_pairs_each_layout_and_counts_only_passing_pairs(
     tmp_path: Path, records: list[RunRecord]
 ) -> None:
