@@ -10,7 +10,8 @@ Scenarios are matched by id. Per scenario:
 - **Steady time** (``steady_s``, the median over syncs >= 1), when both runs met the expectation and
   timed it. What is compared is the time a host cannot explain, in this order of preference:
   ``efficiency`` (both tables carry it: steady time relative to a bound measured in the same run, so
-  host speed cancels); else the time divided by how much slower the run's host moved bytes, from the
+  host speed cancels), unless the row's own bound departed from the other rows' (`bound_departure`: it
+  then timed other work, or scattered); else the time divided by how much slower the run's host moved bytes, from the
   other rows of its placement that both tables bound (median of run / baseline ``bound_s`` over at least 6:
   `bound_host_ratios`; a vLLM row has no bound of its own, the embedded rows beside it do); else the time
   multiplied by the host calibration both runs measured at their
@@ -51,20 +52,20 @@ from typing import Any
 import pandas as pd
 
 from harness.markdown import flag
-
-THRESHOLD = 1.25  # the smallest run/baseline ratio ever flagged
-FENCE_MADS = 3.0
-FENCE_MIN_ROWS = 6
-MAD_SIGMA = 1.4826  # MAD -> standard deviation of a normal distribution
-
-# Calibration key per placement: how that placement moves a chunk's bytes (`harness.calibrate`).
-CALIBRATION_KEYS: dict[bool, tuple[str, str]] = {
-    False: ("gloo_broadcast_gbps", "gloo broadcast"),
-    True: ("memcpy_gbps", "memcpy"),
-}
-MEASURE_EFFICIENCY = "steady time / same-run bound (1 / efficiency)"
-MEASURE_RAW = "raw seconds / median ratio"
-MEASURE_BOUNDS = "host speed from the same-run bounds"  # + " (non-colocate)" or " (colocate)"
+from harness.report_measure import (
+    FENCE_MADS,
+    FENCE_MIN_ROWS,
+    MAD_SIGMA,
+    MEASURE_RAW,
+    THRESHOLD,
+    band_spreads,
+    bound_departure,
+    bound_host_ratios,
+    bound_spread,
+    finite,
+    measure,
+    sync_spread,
+)
 
 # env.json keys never listed as differences: they differ on every run (report.md shows them per run) or
 # are shown elsewhere (calibration).
@@ -187,113 +188,6 @@ def load_baseline(path: Path | str) -> RunTables:
     return baseline
 
 
-def _finite(value: Any) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) and number > 0 else None
-
-
-def _spread(row: Mapping[str, Any], fastest: str, slowest: str) -> float:
-    lo, hi = _finite(row.get(fastest)), _finite(row.get(slowest))
-    return hi / lo if lo and hi else math.nan
-
-
-def sync_spread(row: Mapping[str, Any]) -> float:
-    """Slowest over fastest steady sync of one row (>= 1); NaN when the table does not carry them."""
-    return _spread(row, "steady_min_s", "steady_max_s")
-
-
-def bound_spread(row: Mapping[str, Any]) -> float:
-    """Slowest over fastest repeat of one row's same-run bound (>= 1); NaN when the table does not carry
-    ``bound_max_s`` or no bound was measured."""
-    return _spread(row, "bound_s", "bound_max_s")
-
-
-def band_spreads(row: Mapping[str, Any]) -> list[float]:
-    """Each run's own noise of the row's measure (the band is at least the widest): the per-sync spread,
-    times the bound's spread where the row is compared by efficiency; a side without a spread gives none."""
-    spreads = []
-    for side in ("baseline", "run"):
-        spread = row[f"{side}_spread"]
-        if math.isnan(spread):
-            continue
-        if row["measure"] == MEASURE_EFFICIENCY and not math.isnan(row[f"{side}_bound_spread"]):
-            spread *= row[f"{side}_bound_spread"]
-        spreads.append(spread)
-    return spreads
-
-
-def calibration(env: Mapping[str, Any], colocate: bool) -> tuple[float | None, str]:
-    """The host speed (GB/s) a row of this placement is divided by, and its name; the other
-    calibration when this one is missing; (None, "") when env.json has none."""
-    cal = env.get("calibration") or {}
-    preferred, other = CALIBRATION_KEYS[bool(colocate)], CALIBRATION_KEYS[not bool(colocate)]
-    for key, label in (preferred, other):
-        value = _finite(cal.get(key))
-        if value:
-            return value, label
-    return None, ""
-
-
-def colocated(value: Any) -> bool:
-    """A table's ``colocate`` cell as a bool (read back from CSV it is text: "True")."""
-    return str(value).lower() == "true"
-
-
-def placement_name(colocate: bool) -> str:
-    """The report's name of a placement: "colocate" or "non-colocate"."""
-    return "colocate" if colocate else "non-colocate"
-
-
-def bound_host_ratios(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FENCE_MIN_ROWS) -> dict[bool, float]:
-    """Per placement (colocate: True / False), how much slower the run's host moved bytes than the
-    baseline's: the median over the scenarios both tables bound of run ``bound_s`` / baseline ``bound_s``
-    (the bare collectives or copies of the same bytes, measured in each run beside its syncs; tables indexed
-    by scenario id). Only placements with at least `min_rows` such scenarios; {} where a table has no bound.
-
-    This is the host speed measured where and while each run ran, many times over, so one disturbed
-    start-of-run calibration does not move every row: a run whose gloo calibration read 2.04 GB/s against
-    its baseline's 3.20 (0.64x) while its syncs took the same seconds showed 28 of 56 rows "2x faster".
-    """
-    if "bound_s" not in base or "bound_s" not in run:
-        return {}
-    both = base.index.intersection(run.index)
-    ratios: dict[bool, list[float]] = {False: [], True: []}
-    for sid in both:
-        b, r = _finite(base.at[sid, "bound_s"]), _finite(run.at[sid, "bound_s"])
-        if b and r:
-            ratios[colocated(run.at[sid, "colocate"])].append(r / b)
-    return {colocate: statistics.median(v) for colocate, v in ratios.items() if len(v) >= min_rows}
-
-
-def measure(
-    base: Mapping[str, Any],
-    run: Mapping[str, Any],
-    base_env: Mapping[str, Any],
-    run_env: Mapping[str, Any],
-    host_ratios: Mapping[bool, float] | None = None,
-) -> tuple[str, float | None, float | None]:
-    """What is compared for one scenario and both runs' values of it (larger = slower): 1 / efficiency;
-    else steady seconds, the run's divided by how much slower its host moved bytes (`host_ratios`, from
-    `bound_host_ratios`: the other rows' same-run bounds of this placement); else steady seconds x calibration
-    GB/s (the same calibration in both); else raw steady seconds."""
-    eff_b, eff_r = _finite(base.get("efficiency")), _finite(run.get("efficiency"))
-    if eff_b and eff_r:
-        return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r
-    t_b, t_r = _finite(base.get("steady_s")), _finite(run.get("steady_s"))
-    colocate = colocated(run.get("colocate"))
-    if host_ratios and colocate in host_ratios:
-        name = f"{MEASURE_BOUNDS} ({placement_name(colocate)})"
-        return name, t_b, (t_r / host_ratios[colocate] if t_r else None)
-    cal_b, label_b = calibration(base_env, colocate)
-    cal_r, label_r = calibration(run_env, colocate)
-    if cal_b and cal_r and label_b == label_r:
-        return f"calibration ({label_b})", (t_b * cal_b if t_b else None), (t_r * cal_r if t_r else None)
-    return MEASURE_RAW, t_b, t_r
-
-
 def verdict_change(base_ok: bool, run_ok: bool, base_verdict: str, run_verdict: str) -> str:
     """regressed (was as expected, is not) | fixed | changed (both (not) as expected, verdicts differ) | same."""
     if base_ok and not run_ok:
@@ -338,7 +232,7 @@ def _untimed_note(base: Mapping[str, Any], run: Mapping[str, Any]) -> str:
         if not row["expect_met"]:
             return f"not timed: verdict not as expected in the {side}"
     for side, row in (("baseline", base), ("run", run)):
-        if _finite(row.get("steady_s")) is None:
+        if finite(row.get("steady_s")) is None:
             return f"not timed: no steady time in the {side}"
     return "not timed"
 
@@ -396,6 +290,7 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
         name, vb, vr = measure(b, r, baseline.env, run.env, host_ratios)
         if b["expect_met"] and r["expect_met"] and vb and vr:
             row.update(measure=name, baseline_value=vb, run_value=vr)
+            row["note"] = row["note"] or bound_departure(b, r, host_ratios)
         else:
             row["time_change"] = "not timed"
             row["note"] = row["note"] or _untimed_note(b, r)

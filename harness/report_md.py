@@ -10,7 +10,8 @@ from typing import Any
 
 import pandas as pd
 
-from harness.report import FENCE_MADS, FENCE_MIN_ROWS, MEASURE_RAW, Report, compared_nothing, placement_name
+from harness.report import Report, compared_nothing
+from harness.report_measure import FENCE_MADS, FENCE_MIN_ROWS, MEASURE_RAW, placement_name
 from harness.results import markdown_table
 
 LONG_LIST = 12  # longer lists of scenarios go into a collapsed block

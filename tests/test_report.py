@@ -12,18 +12,8 @@ import pandas as pd
 import pytest
 
 from harness.cli import main
-from harness.report import (
-    MEASURE_BOUNDS,
-    MEASURE_EFFICIENCY,
-    MEASURE_RAW,
-    compare,
-    env_differences,
-    exit_status,
-    fence,
-    load_run,
-    verdict_change,
-    write_report,
-)
+from harness.report import compare, env_differences, exit_status, fence, load_run, verdict_change, write_report
+from harness.report_measure import MEASURE_BOUNDS, MEASURE_EFFICIENCY, MEASURE_RAW
 from harness.scenario import Scenario
 
 SCENARIOS = [
@@ -418,3 +408,36 @@ def test_a_row_without_a_bound_is_judged_by_the_host_speed_the_other_rows_bounds
     few = write_folder(tmp_path / "few", run_table.drop(index=[0, 1, 2]), make_env())
     rows = rows_by_id(compare(load_run(few), load_run(base)))
     assert rows[ids[6]]["measure"] == "calibration (gloo broadcast)" and rows[ids[6]]["change"] == "regression"
+
+
+def test_a_row_whose_own_bound_departed_from_its_hosts_is_judged_by_the_other_rows_bounds(tmp_path: Path) -> None:
+    """A row's bound fell 2.5x while the other rows' bounds and every steady time stayed (its reference path
+    stopped moving some bytes, or its bound of a few ms scattered): by efficiency it read 2.5x slower. Its
+    steady time over the host ratio the other rows' bounds give says it did not move; a row whose bound moved
+    within its noise is still judged by efficiency, and one that got slower beyond the host still shows."""
+    ids = [f"m{i}/tp1-pp1/noncolocate/raw" for i in range(8)]
+    times = [0.01 * (i + 1) for i in range(8)]
+    base_table, run_table = make_table(times, ids=ids), make_table(times, ids=ids)
+    for table in (base_table, run_table):
+        table["bound_s"] = [t / 2 for t in times]
+        table["bound_max_s"] = table["bound_s"] * 1.1
+    run_table.loc[0, ["bound_s", "bound_max_s"]] = [times[0] / 5, times[0] / 5 * 1.1]  # 0.4x, spreads 1.1 each
+    run_table.loc[1, ["bound_s", "bound_max_s"]] = [times[1] / 2 * 0.9, times[1] / 2 * 0.99]  # 0.9x: noise
+    run_table.loc[2, ["bound_s", "bound_max_s"]] = [times[2] / 5, times[2] / 5 * 1.1]
+    run_table.loc[2, "steady_s"] *= 2.0  # its bound departed, and it did get 2x slower
+    for table in (base_table, run_table):
+        table["efficiency"] = table["bound_s"] / table["steady_s"]
+    base = write_folder(tmp_path / "base", base_table, make_env())
+    run = write_folder(tmp_path / "run", run_table, make_env())
+    report = compare(load_run(run), load_run(base))
+    rows = rows_by_id(report)
+    assert report.host_ratios == {False: pytest.approx(1.0)}
+    departed = rows[ids[0]]
+    assert departed["measure"] == f"{MEASURE_BOUNDS} (non-colocate)" and departed["change"] == "unchanged"
+    assert departed["ratio"] == pytest.approx(1.0)
+    assert departed["note"].startswith("its own bound moved 0.40x against the non-colocate rows' 1.00x")
+    within = rows[ids[1]]
+    assert within["measure"] == MEASURE_EFFICIENCY and within["ratio"] == pytest.approx(1 / 0.9)
+    slower = rows[ids[2]]
+    assert slower["measure"] == f"{MEASURE_BOUNDS} (non-colocate)" and slower["change"] == "regression"
+    assert slower["ratio"] == pytest.approx(2.0)

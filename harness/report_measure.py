@@ -1,0 +1,160 @@
+"""What a regression report compares for one scenario, and the noise it allows (`harness.report`'s module
+doc has the rules): 1 / efficiency; else steady seconds over the host speed the other rows' same-run bounds
+give; else steady seconds x the start-of-run calibration; else raw seconds over the rows' median ratio. A
+row's noise: its per-sync spread, times its bound's spread where it is compared by efficiency."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+THRESHOLD = 1.25  # the smallest run/baseline ratio ever flagged
+FENCE_MADS = 3.0
+FENCE_MIN_ROWS = 6
+MAD_SIGMA = 1.4826  # MAD -> standard deviation of a normal distribution
+
+# Calibration key per placement: how that placement moves a chunk's bytes (`harness.calibrate`).
+CALIBRATION_KEYS: dict[bool, tuple[str, str]] = {
+    False: ("gloo_broadcast_gbps", "gloo broadcast"),
+    True: ("memcpy_gbps", "memcpy"),
+}
+MEASURE_EFFICIENCY = "steady time / same-run bound (1 / efficiency)"
+MEASURE_RAW = "raw seconds / median ratio"
+MEASURE_BOUNDS = "host speed from the same-run bounds"  # + " (non-colocate)" or " (colocate)"
+
+
+def finite(value: Any) -> float | None:
+    """`value` as a float where it is a finite number above 0, else None (a missing or empty cell, NaN)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) and number > 0 else None
+
+
+def _spread(row: Mapping[str, Any], fastest: str, slowest: str) -> float:
+    lo, hi = finite(row.get(fastest)), finite(row.get(slowest))
+    return hi / lo if lo and hi else math.nan
+
+
+def sync_spread(row: Mapping[str, Any]) -> float:
+    """Slowest over fastest steady sync of one row (>= 1); NaN when the table does not carry them."""
+    return _spread(row, "steady_min_s", "steady_max_s")
+
+
+def bound_spread(row: Mapping[str, Any]) -> float:
+    """Slowest over fastest repeat of one row's same-run bound (>= 1); NaN when the table does not carry
+    ``bound_max_s`` or no bound was measured."""
+    return _spread(row, "bound_s", "bound_max_s")
+
+
+def band_spreads(row: Mapping[str, Any]) -> list[float]:
+    """Each run's own noise of the row's measure (the band is at least the widest): the per-sync spread,
+    times the bound's spread where the row is compared by efficiency; a side without a spread gives none."""
+    spreads = []
+    for side in ("baseline", "run"):
+        spread = row[f"{side}_spread"]
+        if math.isnan(spread):
+            continue
+        if row["measure"] == MEASURE_EFFICIENCY and not math.isnan(row[f"{side}_bound_spread"]):
+            spread *= row[f"{side}_bound_spread"]
+        spreads.append(spread)
+    return spreads
+
+
+def calibration(env: Mapping[str, Any], colocate: bool) -> tuple[float | None, str]:
+    """The host speed (GB/s) a row of this placement is divided by, and its name; the other
+    calibration when this one is missing; (None, "") when env.json has none."""
+    cal = env.get("calibration") or {}
+    preferred, other = CALIBRATION_KEYS[bool(colocate)], CALIBRATION_KEYS[not bool(colocate)]
+    for key, label in (preferred, other):
+        value = finite(cal.get(key))
+        if value:
+            return value, label
+    return None, ""
+
+
+def colocated(value: Any) -> bool:
+    """A table's ``colocate`` cell as a bool (read back from CSV it is text: "True")."""
+    return str(value).lower() == "true"
+
+
+def placement_name(colocate: bool) -> str:
+    """The report's name of a placement: "colocate" or "non-colocate"."""
+    return "colocate" if colocate else "non-colocate"
+
+
+def bound_host_ratios(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FENCE_MIN_ROWS) -> dict[bool, float]:
+    """Per placement (colocate: True / False), how much slower the run's host moved bytes than the
+    baseline's: the median over the scenarios both tables bound of run ``bound_s`` / baseline ``bound_s``
+    (the bare collectives or copies of the same bytes, measured in each run beside its syncs; tables indexed
+    by scenario id). Only placements with at least `min_rows` such scenarios; {} where a table has no bound.
+
+    This is the host speed measured where and while each run ran, many times over, so one disturbed
+    start-of-run calibration does not move every row: a run whose gloo calibration read 2.04 GB/s against
+    its baseline's 3.20 (0.64x) while its syncs took the same seconds showed 28 of 56 rows "2x faster".
+    """
+    if "bound_s" not in base or "bound_s" not in run:
+        return {}
+    both = base.index.intersection(run.index)
+    ratios: dict[bool, list[float]] = {False: [], True: []}
+    for sid in both:
+        b, r = finite(base.at[sid, "bound_s"]), finite(run.at[sid, "bound_s"])
+        if b and r:
+            ratios[colocated(run.at[sid, "colocate"])].append(r / b)
+    return {colocate: statistics.median(v) for colocate, v in ratios.items() if len(v) >= min_rows}
+
+
+def bound_departure(base: Mapping[str, Any], run: Mapping[str, Any], host_ratios: Mapping[bool, float] | None) -> str:
+    """Why a row's own bound cannot stand for its host, or "": its run / baseline ``bound_s`` departs from
+    its placement's host ratio (`bound_host_ratios`, the other rows' bounds) by more than max(`THRESHOLD`,
+    the product of both runs' bound spreads). Its bound then timed other work (the reference path moved
+    other bytes: when each EP rank began exporting its own experts, the qwen3-moe EP 2 bounds fell 2.5x
+    with no EP all-gather left to time) or scattered (two dense rows' bounds of a few ms fell 2.3-2.5x
+    between runs while the placement's median moved 0.91x and their steady seconds 0.85x, which read "2x
+    slower" by efficiency)."""
+    colocate = colocated(run.get("colocate"))
+    host = (host_ratios or {}).get(colocate)
+    b, r = finite(base.get("bound_s")), finite(run.get("bound_s"))
+    if not host or not b or not r:
+        return ""
+    spreads = [s for s in (bound_spread(base), bound_spread(run)) if not math.isnan(s)]
+    band = max(THRESHOLD, math.prod(spreads))
+    departure = r / b / host
+    if 1 / band <= departure <= band:
+        return ""
+    return (
+        f"its own bound moved {r / b:.2f}x against the {placement_name(colocate)} rows' {host:.2f}x "
+        f"(beyond its bound noise {band:.2f}x): judged by steady time over the host's speed, not efficiency"
+    )
+
+
+def measure(
+    base: Mapping[str, Any],
+    run: Mapping[str, Any],
+    base_env: Mapping[str, Any],
+    run_env: Mapping[str, Any],
+    host_ratios: Mapping[bool, float] | None = None,
+) -> tuple[str, float | None, float | None]:
+    """What is compared for one scenario and both runs' values of it (larger = slower): 1 / efficiency,
+    unless the row's own bound departed from its host's (`bound_departure`); else steady seconds, the run's
+    divided by how much slower its host moved bytes (`host_ratios`, from `bound_host_ratios`: the other rows'
+    same-run bounds of this placement); else steady seconds x calibration GB/s (the same calibration in
+    both); else raw steady seconds."""
+    eff_b, eff_r = finite(base.get("efficiency")), finite(run.get("efficiency"))
+    if eff_b and eff_r and not bound_departure(base, run, host_ratios):
+        return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r
+    t_b, t_r = finite(base.get("steady_s")), finite(run.get("steady_s"))
+    colocate = colocated(run.get("colocate"))
+    if host_ratios and colocate in host_ratios:
+        name = f"{MEASURE_BOUNDS} ({placement_name(colocate)})"
+        return name, t_b, (t_r / host_ratios[colocate] if t_r else None)
+    cal_b, label_b = calibration(base_env, colocate)
+    cal_r, label_r = calibration(run_env, colocate)
+    if cal_b and cal_r and label_b == label_r:
+        return f"calibration ({label_b})", (t_b * cal_b if t_b else None), (t_r * cal_r if t_r else None)
+    return MEASURE_RAW, t_b, t_r
