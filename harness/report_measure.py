@@ -115,7 +115,7 @@ def bound_departure(base: Mapping[str, Any], run: Mapping[str, Any], host_ratios
     the product of both runs' bound spreads). Its bound then timed other work (the reference path moved
     other bytes: when each EP rank began exporting its own experts, the qwen3-moe EP 2 bounds fell 2.5x
     with no EP all-gather left to time) or scattered (two dense rows' bounds of a few ms fell 2.3-2.5x
-    between runs while the placement's median moved 0.91x and their steady seconds 0.85x, which read "2x
+    between runs while the placement's median moved 0.91x and their steady seconds 0.80-0.90x, which read "2x
     slower" by efficiency)."""
     colocate = colocated(run.get("colocate"))
     host = (host_ratios or {}).get(colocate)
