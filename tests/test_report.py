@@ -13,7 +13,7 @@ import pytest
 
 from harness.cli import main
 from harness.report import compare, env_differences, exit_status, fence, load_run, verdict_change, write_report
-from harness.report_measure import MEASURE_BOUNDS, MEASURE_EFFICIENCY, MEASURE_RAW
+from harness.report_measure import MEASURE_BOUNDS, MEASURE_EFFICIENCY, MEASURE_RAW, MIN_JUDGED_EFFICIENCY
 from harness.scenario import Scenario
 
 SCENARIOS = [
@@ -319,14 +319,21 @@ def test_the_committed_baseline_reads_and_matches_itself(tmp_path: Path) -> None
     assert exit_status(report) == 0 and set(report.rows["change"]) == {"unchanged"}
     timed = report.rows.dropna(subset=["ratio"])
     assert len(timed) == len(baseline.table) and timed["ratio"].tolist() == pytest.approx([1.0] * len(timed))
-    # every passing row has a bound; the expected failure (a padded vocabulary in bridge mode) has none
+    # every passing row has a bound; the expected failure (a padded vocabulary in bridge mode) has none, and
+    # rows whose bound is under 2 % of their sync are not judged by it: both by the host speed the other rows'
+    # bounds give (1.0 here: the same tables)
+    table = baseline.table
+    passing = table["verdict"] == "PASS"
+    small = passing & (table["efficiency"] < MIN_JUDGED_EFFICIENCY)
     by_measure = report.rows.groupby("measure")["scenario"].apply(set).to_dict()
-    assert by_measure.pop("steady time / same-run bound (1 / efficiency)") == set(
-        baseline.table.loc[baseline.table["verdict"] == "PASS", "scenario"]
-    )
-    # it is measured by the host speed the other non-colocated rows' bounds give (1.0 here: the same tables)
+    assert by_measure.pop(MEASURE_EFFICIENCY) == set(table.loc[passing & ~small, "scenario"])
     padded = {"qwen3-padded-vocab/tp2-pp1/noncolocate/bridge"}
-    assert by_measure == {f"{MEASURE_BOUNDS} (non-colocate)": padded} and report.host_ratios[False] == 1.0
+    expected = {
+        f"{MEASURE_BOUNDS} (non-colocate)": padded
+        | set(table.loc[small & ~table["colocate"].astype(bool), "scenario"]),
+        f"{MEASURE_BOUNDS} (colocate)": set(table.loc[small & table["colocate"].astype(bool), "scenario"]),
+    }
+    assert by_measure == {k: v for k, v in expected.items() if v} and report.host_ratios[False] == 1.0
 
 
 def test_a_run_that_compared_nothing_exits_1_and_says_so(tmp_path: Path) -> None:
@@ -441,3 +448,14 @@ def test_a_row_whose_own_bound_departed_from_its_hosts_is_judged_by_the_other_ro
     slower = rows[ids[2]]
     assert slower["measure"] == f"{MEASURE_BOUNDS} (non-colocate)" and slower["change"] == "regression"
     assert slower["ratio"] == pytest.approx(2.0)
+
+    # A bound of 1 % of its sync: its bound fell 6x within its own scatter (spreads 2.5 each), its steady time
+    # stayed. By efficiency, 6x slower; by the other rows' bounds, unchanged.
+    for table, bound in ((base_table, times[3] / 100), (run_table, times[3] / 600)):
+        table.loc[3, ["bound_s", "bound_max_s"]] = [bound, bound * 2.5]
+        table["efficiency"] = table["bound_s"] / table["steady_s"]
+    base = write_folder(tmp_path / "base_tiny", base_table, make_env())
+    run = write_folder(tmp_path / "run_tiny", run_table, make_env())
+    tiny = rows_by_id(compare(load_run(run), load_run(base)))[ids[3]]
+    assert tiny["measure"] == f"{MEASURE_BOUNDS} (non-colocate)" and tiny["change"] == "unchanged"
+    assert tiny["note"].startswith("its bound is 0.2 % of its sync in one run (under 2 %)")
