@@ -59,7 +59,6 @@ from harness.report_measure import (
     MEASURE_RAW,
     THRESHOLD,
     band_spreads,
-    bound_departure,
     bound_host_ratios,
     bound_spread,
     finite,
@@ -287,10 +286,10 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
         row["verdict_change"] = verdict_change(bool(b["expect_met"]), bool(r["expect_met"]), b["verdict"], r["verdict"])
         if row["verdict_change"] in ("regressed", "changed") and not r["expect_met"]:
             row["note"] = str(r.get("message") or "")
-        name, vb, vr = measure(b, r, baseline.env, run.env, host_ratios)
+        name, vb, vr, departed = measure(b, r, baseline.env, run.env, host_ratios)
         if b["expect_met"] and r["expect_met"] and vb and vr:
             row.update(measure=name, baseline_value=vb, run_value=vr)
-            row["note"] = row["note"] or bound_departure(b, r, host_ratios)
+            row["note"] = row["note"] or departed
         else:
             row["time_change"] = "not timed"
             row["note"] = row["note"] or _untimed_note(b, r)

@@ -151,22 +151,24 @@ def measure(
     base_env: Mapping[str, Any],
     run_env: Mapping[str, Any],
     host_ratios: Mapping[bool, float] | None = None,
-) -> tuple[str, float | None, float | None]:
-    """What is compared for one scenario and both runs' values of it (larger = slower): 1 / efficiency,
-    unless the row's own bound departed from its host's (`bound_departure`); else steady seconds, the run's
-    divided by how much slower its host moved bytes (`host_ratios`, from `bound_host_ratios`: the other rows'
-    same-run bounds of this placement); else steady seconds x calibration GB/s (the same calibration in
-    both); else raw steady seconds."""
+) -> tuple[str, float | None, float | None, str]:
+    """What is compared for one scenario, both runs' values of it (larger = slower) and why efficiency was
+    set aside ("" where it was not): 1 / efficiency, unless the row's own bound cannot stand for its host
+    (`bound_departure`, whose reason is returned); else steady seconds, the run's divided by how much slower
+    its host moved bytes (`host_ratios`, from `bound_host_ratios`: the other rows' same-run bounds of this
+    placement); else steady seconds x calibration GB/s (the same calibration in both); else raw steady
+    seconds."""
     eff_b, eff_r = finite(base.get("efficiency")), finite(run.get("efficiency"))
-    if eff_b and eff_r and not bound_departure(base, run, host_ratios):
-        return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r
+    departed = bound_departure(base, run, host_ratios) if eff_b and eff_r else ""
+    if eff_b and eff_r and not departed:
+        return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r, ""
     t_b, t_r = finite(base.get("steady_s")), finite(run.get("steady_s"))
     colocate = colocated(run.get("colocate"))
     if host_ratios and colocate in host_ratios:
         name = f"{MEASURE_BOUNDS} ({placement_name(colocate)})"
-        return name, t_b, (t_r / host_ratios[colocate] if t_r else None)
+        return name, t_b, (t_r / host_ratios[colocate] if t_r else None), departed
     cal_b, label_b = calibration(base_env, colocate)
     cal_r, label_r = calibration(run_env, colocate)
     if cal_b and cal_r and label_b == label_r:
-        return f"calibration ({label_b})", (t_b * cal_b if t_b else None), (t_r * cal_r if t_r else None)
-    return MEASURE_RAW, t_b, t_r
+        return f"calibration ({label_b})", (t_b * cal_b if t_b else None), (t_r * cal_r if t_r else None), ""
+    return MEASURE_RAW, t_b, t_r, ""

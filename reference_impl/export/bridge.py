@@ -155,7 +155,7 @@ def iter_bridge(
     on_host = not torch.cuda.is_available()
     exports = [(tasks.shared, layout.is_stage_leader)]
     if tasks.own_experts:
-        exports.append((tasks.own_experts, layout.etp_rank == 0 and layout.edp_rank == 0))
+        exports.append((tasks.own_experts, layout.leads_its_experts))
     for conversion_tasks, keep in exports:
         produced = model.bridge.export_hf_weights(
             model.chunks,

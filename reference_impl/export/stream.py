@@ -117,7 +117,7 @@ def iter_raw(
         if is_expert_param(name):
             full = tp_gather(p, groups.etp, layout.etp, buffers, name)
             if not table.ep_gathers_experts:  # this EP rank's own experts, handed off by the sync
-                full_tensors, mine = [(name, full)], layout.etp_rank == 0 and layout.edp_rank == 0
+                full_tensors, mine = [(name, full)], layout.leads_its_experts
             else:
                 per_rank = ep_gather(full, groups.ep, layout.ep, buffers, name)
                 k = expert_id(name) - layout.ep_rank * local_experts

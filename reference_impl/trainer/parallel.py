@@ -40,9 +40,15 @@ class RankLayout:
         return self.tp_rank == 0 and self.dp_rank == 0
 
     @property
+    def leads_its_experts(self) -> bool:
+        """Expert-TP rank 0 and expert-DP rank 0 of its EP rank: owns that EP rank's own gathered experts
+        where the export hands experts off rather than all-gathering them over EP."""
+        return self.etp_rank == 0 and self.edp_rank == 0
+
+    @property
     def is_expert_leader(self) -> bool:
         """EP rank 0, expert-TP rank 0 and expert-DP rank 0 of its stage: owns the stage's gathered experts."""
-        return self.ep_rank == 0 and self.etp_rank == 0 and self.edp_rank == 0
+        return self.ep_rank == 0 and self.leads_its_experts
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class GatherStep:
 
 
 def gather_steps(
-    model: TrainerModel, layout: RankLayout, num_experts: int, ep_gathers_experts: bool = True
+    model: TrainerModel, layout: RankLayout, num_experts: int, ep_gathers_experts: bool
 ) -> list[GatherStep]:
     """The all-gathers the export runs on this rank, in its order: per TP-sharded dense parameter one over
     the TP group (shard bytes); per routed expert parameter one over the expert-TP group when it is sharded
@@ -101,7 +101,7 @@ def gather_bound(
     plan: Sequence[Chunk],
     rank: int,
     world_size: int,
-    ep_gathers_experts: bool = True,
+    ep_gathers_experts: bool,
 ) -> float:
     """Collective on every trainer rank: seconds of the bare gather of one sync (module doc), from a barrier
     of every rank to this rank's last step (on the sender: the last hand-off received).
