@@ -188,6 +188,7 @@ class TrainerPool:
     pg: PlacementGroup
     actors: list[Any] = field(default_factory=list)
     pid_refs: list[Any] = field(default_factory=list)  # each actor's `pid()` call, asked at creation
+    log_refs: list[Any] = field(default_factory=list)  # each actor's `log_path()` call, asked at creation
     _pids: list[int] | None = None
 
     @classmethod
@@ -231,7 +232,13 @@ class TrainerPool:
         ]
         # Not waited for here: the rank processes start (a Ray worker, torch and Megatron imports) while the
         # caller starts the scenario's engines.
-        pool = cls(world_size=world_size, pg=pg, actors=actors, pid_refs=[a.pid.remote() for a in actors])
+        pool = cls(
+            world_size=world_size,
+            pg=pg,
+            actors=actors,
+            pid_refs=[a.pid.remote() for a in actors],
+            log_refs=[a.log_path.remote() for a in actors],
+        )
         if warm:  # after `pid`: a rank runs its calls in order, and `restore_priority` needs the pids meanwhile
             for a in actors:
                 a.warm.remote()
@@ -250,6 +257,16 @@ class TrainerPool:
 
             self._pids = list(wait_watched(self.pid_refs, SETUP_TIMEOUT_S, "the trainer ranks' start"))
         return self._pids
+
+    def log_path(self, rank: int) -> str | None:
+        """Where rank `rank`'s standard error goes (`TrainerWorker.log_path`, told at its start), or None when it
+        did not tell within a second (it died before, or never started)."""
+        if rank >= len(self.log_refs):
+            return None
+        try:
+            return ray.get(self.log_refs[rank], timeout=1)
+        except ray.exceptions.RayError:  # GetTimeoutError among them
+            return None
 
     def engine_options(self, colocate: bool, tp: int = 1) -> dict[str, Any]:
         """Ray options of one engine actor (its server process inherits its devices): colocated, the sender's

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from harness import mid_session, recovery
+from harness import mid_session, rank_logs, recovery
 from harness.checks import LOGPROB_BUDGETS, check_transfer_init, logprob_parity
 from harness.faults import Fault
 from harness.oracles.expected import ExpectedState
@@ -162,7 +162,11 @@ class ScenarioSession:
                 try:
                     ray.get(ref, timeout=1)
                 except Exception as inner:
-                    self.record.errors.append(error_from(inner, i, "trainer"))
+                    error = error_from(inner, i, "trainer")
+                    if isinstance(inner, ray.exceptions.ActorDiedError):
+                        path = self.pool.log_path(i)
+                        error = rank_logs.with_death_cause(error, rank_logs.read_tail(path), path)
+                    self.record.errors.append(error)
                     break
             else:
                 self.record.errors.append(error_from(e, None, "trainer"))

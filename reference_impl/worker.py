@@ -93,6 +93,14 @@ class TrainerWorker:
         """OS process id (for stack dumps and cleanup)."""
         return os.getpid()
 
+    def log_path(self) -> str | None:
+        """The file this process's standard error goes to (Ray's `worker-*.err` in the session's logs), or
+        None where it is not a regular file. Asked when the rank starts: a rank that dies below Python (gloo's
+        C++ abort on a message of the wrong size, a segfault) leaves its cause only there, while Ray tells
+        the driver just `ActorDiedError` (`harness.rank_logs`)."""
+        path = os.path.realpath("/proc/self/fd/2")
+        return path if os.path.isfile(path) else None
+
     def warm(self) -> float:
         """Import what this process's first `setup` imports (`trainer.model.import_megatron`), ahead of any
         scenario: the ranks of a spare pool do it while other scenarios run (`harness.runner.Runner`,

@@ -43,6 +43,7 @@ ENDS_RANKS = {
     "duplicate_rank_offsets",
     "second_init_from_pp_stage",
     "pp_barrier_in_chunk_loop",
+    "handoff_one_element_more",
 }
 
 
@@ -333,6 +334,8 @@ MESSAGE_SAYS = {
     "planner_key_error": "raised KeyError",
     "ep_local_expert_ids": "model.layers.0.mlp.experts.0.gate_proj.weight is named by ranks 0 and 1",
     "second_init_from_pp_stage": "accepted 2 /init_weight_transfer_engine calls",
+    # the cause from the dead sender's own log, not Ray's "The actor died unexpectedly"
+    "handoff_one_element_more": "raised ActorDiedError: the rank's process died: gloo::EnforceNotMet: [enforce fail at",
     "drop_last_chunk": "/update_weights calls with 200",
     "chunk_index_not_reset": "calls answered 200 carry chunk indexes [",
     "plan_skips_an_index": "the sender's record has chunk indexes [0, 1, 2, ..., 19, 21], not 0 to 20 once each",

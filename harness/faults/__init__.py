@@ -246,6 +246,13 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.second_init_from_pp_stage,
         ),
         Fault(
+            "handoff_one_element_more",
+            "a PP stage hands the sender each tensor one element longer than planned: gloo aborts the sender",
+            "CRASH",
+            {"model": "qwen3", "pp": 2, **_SMALL},
+            trainer=trainer.handoff_one_element_more,
+        ),
+        Fault(
             "engine_dies_after_rejected_chunk",
             "a lm_head sent to a tied engine, which answers the rejection and then dies",
             "CRASH",

@@ -354,6 +354,23 @@ def planner_key_error() -> None:
     seams.replace("plan_chunks", make)
 
 
+def handoff_one_element_more() -> None:
+    """A PP stage hands the sender each of its tensors with one element more than the plan declared (a
+    tensor padded after the plan was made, as a vocabulary padded to a multiple): the sender posts a
+    receive of the planned size, and gloo aborts the sender's process inside its transport thread (an
+    uncaught C++ exception, "Received data size doesn't match expected size"), below anything Python could
+    catch."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def hand_off(plan, named, rank):  # type: ignore[no-untyped-def]
+            padded = {n: torch.cat([t.detach().reshape(-1), t.detach().reshape(-1)[:1]]) for n, t in named.items()}
+            orig(plan, padded, rank)
+
+        return hand_off
+
+    seams.replace("hand_off", make)
+
+
 def second_init_from_pp_stage() -> None:
     """The first rank of the last PP stage also believes it talks to the engine and joins it through its
     own /init_weight_transfer_engine (every stage leader "initialises the update group"): the engine joins

@@ -1,0 +1,121 @@
+"""Why a trainer rank's process died, read from the rank's own log.
+
+A rank that dies below Python (gloo's C++ abort on a point-to-point message whose size differs from the
+receive posted for it, a segfault in an extension) raises nothing a caller could catch: Ray tells the driver
+only `ActorDiedError` ("The actor died unexpectedly before finishing this task ... Worker exit type:
+SYSTEM_ERROR"), whatever killed it. The cause is in the process's standard error, Ray's `worker-*.err` in
+the session's logs, whose path each rank tells when it starts (`TrainerWorker.log_path`):
+- an uncaught C++ exception, written by Ray's terminate handler as `Unhandled exception: <mangled type>.
+  what(): <text>` followed by the native stack on the same line (gloo 2.x, torch 2.9: `N4gloo13EnforceNotMetE`,
+  "op.preamble.length <= op.nbytes. 256 vs 252. Received data size doesn't match expected size."), or by
+  libstdc++'s own handler as `terminate called after throwing an instance of '<type>'` and `  what():  <text>`;
+- a fatal signal, written by Python's faulthandler as `Fatal Python error: Segmentation fault` with the
+  Python stack of the thread it hit, or by Ray's signal handler as `*** SIGSEGV received at time=...`.
+
+`death_cause` reads the first of these in a log's end; `with_death_cause` puts it into the rank's
+`ErrorRecord`, so the CRASH check's message (its first line) names the cause instead of Ray's words.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from harness.record import ErrorRecord
+
+LOG_TAIL_BYTES = 64 * 1024  # how much of a dead rank's log is read (its cause and the native stack after it)
+CAUSE_CHARS = 400  # the longest cause kept on a message's first line
+KEPT_LOG_CHARS = 6000  # how much of the log's end goes into the record's traceback
+
+_UNHANDLED = re.compile(r"Unhandled exception: (?P<type>\S+?)\. what\(\): (?P<what>.*)")
+_TERMINATE = re.compile(
+    r"terminate called after throwing an instance of '(?P<type>[^']+)'(?:\s*\n\s*what\(\):\s*(?P<what>.*))?"
+)
+_FATAL_PYTHON = re.compile(r"Fatal Python error: (?P<what>.*)")
+_RAY_SIGNAL = re.compile(r"\*\*\* (?P<what>SIG[A-Z]+) received at")
+# A native stack frame that Ray's terminate handler writes on the line of the exception's text:
+# "/path/libtorch_cpu.so(_ZN4gloo...+0x72) [0x7f27dd6fc1c2] gloo::transport::tcp::Pair::read()".
+_NATIVE_FRAME = re.compile(r"\s/\S+\([^)\s]*\+0x[0-9a-f]+\)")
+_PYTHON_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
+
+
+def demangle(name: str) -> str:
+    """A C++ type name as the Itanium ABI mangles it (`typeid(e).name()`), in source form for the simple cases
+    an exception type takes: `N4gloo13EnforceNotMetE` -> `gloo::EnforceNotMet`, `St13runtime_error` ->
+    `std::runtime_error`, `N3c105ErrorE` -> `c10::Error`. Anything else (templates, nested specials) is
+    returned as it is."""
+    body, parts = name, []
+    if body.startswith("N") and body.endswith("E"):
+        body = body[1:-1]
+    if body.startswith("St"):
+        parts.append("std")
+        body = body[2:]
+    while body:
+        m = re.match(r"(\d+)", body)
+        if m is None:
+            return name
+        n, start = int(m.group(1)), len(m.group(1))
+        if n == 0 or start + n > len(body):
+            return name
+        parts.append(body[start : start + n])
+        body = body[start + n :]
+    return "::".join(parts) if parts else name
+
+
+def _text(what: str | None) -> str:
+    """An exception's text up to the native stack written after it, on one line, at most `CAUSE_CHARS`."""
+    text = _NATIVE_FRAME.split(what or "", maxsplit=1)[0]
+    text = " ".join(text.split())
+    return text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS - 3] + "..."
+
+
+def _innermost_frame(after: str) -> str:
+    """` (in f, file.py:10)`: the first Python frame faulthandler lists after a fatal error (the innermost
+    call of the thread it hit), or "" when it lists none."""
+    m = _PYTHON_FRAME.search(after)
+    if m is None:
+        return ""
+    return f" (in {m.group('func')}, {m.group('file')}:{m.group('line')})"
+
+
+def death_cause(log: str) -> str | None:
+    """The first fatal report in a dead process's log (module doc), in one line:
+    `gloo::EnforceNotMet: [enforce fail at .../pair.cc:456] op.preamble.length <= op.nbytes. 256 vs 252. ...`,
+    `Fatal Python error: Segmentation fault (in recv, .../distributed_c10d.py:2591)`, `SIGSEGV received`;
+    None when the log holds none (a process killed by SIGKILL, the kernel's OOM killer among them, writes
+    nothing)."""
+    found: list[tuple[int, str]] = []
+    for m in _UNHANDLED.finditer(log):
+        found.append((m.start(), f"{demangle(m.group('type'))}: {_text(m.group('what'))}"))
+    for m in _TERMINATE.finditer(log):
+        what = _text(m.group("what"))
+        found.append((m.start(), f"{m.group('type')}: {what}" if what else m.group("type")))
+    for m in _FATAL_PYTHON.finditer(log):
+        found.append((m.start(), f"Fatal Python error: {_text(m.group('what'))}{_innermost_frame(log[m.end() :])}"))
+    for m in _RAY_SIGNAL.finditer(log):
+        found.append((m.start(), f"{m.group('what')} received"))
+    return min(found)[1] if found else None
+
+
+def read_tail(path: str | None, nbytes: int = LOG_TAIL_BYTES) -> str:
+    """The last `nbytes` bytes of the file at `path` as text (undecodable bytes replaced), or "" when there
+    is no path or it cannot be read (a rank on another node: its log is on that node's disk)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def with_death_cause(err: ErrorRecord, log: str, path: str | None) -> ErrorRecord:
+    """`err` (a rank's `ActorDiedError`) with the cause its log gives (`death_cause`) as the first line of its
+    message, Ray's words after it, and the log's end in its traceback; without a cause in the log, the message
+    only gains where the log is."""
+    cause = death_cause(log)
+    where = f"its log: {path}" if path else "its log could not be read"
+    message = f"the rank's process died: {cause}\n{err.message}" if cause else f"{err.message}\n({where})"
+    kept = f"\n--- the end of the rank's log ({path}):\n{log[-KEPT_LOG_CHARS:]}" if log else ""
+    return err.model_copy(update={"message": message[:4000], "traceback": err.traceback + kept})

@@ -1,0 +1,127 @@
+"""A dead rank's cause, read from its log (`harness.rank_logs`): from the logs real processes write when
+gloo aborts them and when they segfault, and from the line Ray's terminate handler writes (as a Ray worker
+of this stack wrote it, its native frames included). The whole path, a rank that gloo aborts inside a
+scenario, is the fault `handoff_one_element_more` (`tests/test_faults.py`)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from harness.rank_logs import death_cause, demangle, read_tail, with_death_cause
+from harness.record import ErrorRecord
+
+# The two ranks of a gloo group: rank 1 sends 65 bytes, rank 0 posts a receive of 64.
+SHORT_RECEIVE = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
+    if rank == 1:
+        dist.send(torch.zeros(65, dtype=torch.uint8), dst=0)
+    else:
+        dist.recv(torch.empty(64, dtype=torch.uint8), src=1)
+    """
+)
+
+# The end of a Ray worker's log (`worker-*.err`) when gloo aborted it: Ray's terminate handler writes the
+# exception's text and the native stack on one line, then Python's faulthandler reports the abort.
+RAY_WORKER_LOG = (
+    "[transformers] `torch_dtype` is deprecated! Use `dtype` instead!\n"
+    "[2026-12-07 14:24:45,132 E 10282 10339] logging.cc:118: Unhandled exception: N4gloo13EnforceNotMetE. "
+    "what(): [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] "
+    "op.preamble.length <= op.nbytes. 256 vs 252. Received data size doesn't match expected size. Is there a "
+    "distributed collective mismatch in your code? /site-packages/ray/_raylet.so(+0x183910a) [0x7f279ee3910a] "
+    "ray::operator<<()\n"
+    "/site-packages/torch/lib/libtorch_cpu.so(_ZN4gloo9transport3tcp4Pair4readEv+0x72) [0x7f27dd6fc1c2] "
+    "gloo::transport::tcp::Pair::read()\n"
+    "Fatal Python error: Aborted\n\n"
+    "Thread 0x00007f286e7d4740 (most recent call first):\n"
+    '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2591 in recv\n'
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_rank_gloo_aborted_on_a_short_receive_names_gloo_and_both_sizes(tmp_path: Path) -> None:
+    script = tmp_path / "short_receive.py"
+    script.write_text(SHORT_RECEIVE)
+    port = str(_free_port())
+    receiver = subprocess.Popen([sys.executable, str(script), "0", port], stderr=subprocess.PIPE, text=True)
+    sender = subprocess.run([sys.executable, str(script), "1", port], capture_output=True, text=True, timeout=120)
+    _, log = receiver.communicate(timeout=120)
+    assert sender.returncode == 0, sender.stderr
+    assert receiver.returncode != 0, log  # aborted by the uncaught C++ exception (SIGABRT)
+    cause = death_cause(log)
+    assert cause is not None, log
+    assert cause.startswith("gloo::EnforceNotMet: [enforce fail at "), cause
+    assert "65 vs 64. Received data size doesn't match expected size." in cause, cause
+
+
+def test_a_segfault_names_the_innermost_python_frame(tmp_path: Path) -> None:
+    script = tmp_path / "segfault.py"
+    script.write_text("import ctypes\n\ndef read_null():\n    ctypes.string_at(0)\n\nread_null()\n")
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], capture_output=True, text=True)
+    assert proc.returncode != 0
+    cause = death_cause(proc.stderr)
+    assert cause is not None, proc.stderr
+    assert cause.startswith("Fatal Python error: Segmentation fault (in string_at, "), cause
+
+
+def test_ray_terminate_handler_line_gives_the_type_and_text_without_the_native_stack() -> None:
+    assert death_cause(RAY_WORKER_LOG) == (
+        "gloo::EnforceNotMet: [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] "
+        "op.preamble.length <= op.nbytes. 256 vs 252. Received data size doesn't match expected size. Is there a "
+        "distributed collective mismatch in your code?"
+    )
+
+
+def test_a_log_without_a_fatal_report_gives_no_cause() -> None:
+    # What a process the kernel's OOM killer (SIGKILL) ended leaves: its ordinary output.
+    assert death_cause("INFO:httpx:HTTP Request: POST http://127.0.0.1:41513/start_weight_update 200 OK\n") is None
+    assert death_cause("") is None
+
+
+def test_demangle_gives_source_names_and_leaves_what_it_cannot_read() -> None:
+    assert demangle("N4gloo13EnforceNotMetE") == "gloo::EnforceNotMet"
+    assert demangle("St13runtime_error") == "std::runtime_error"
+    assert demangle("N3c105ErrorE") == "c10::Error"
+    assert demangle("N3c1012NotImplementedIiEE") == "N3c1012NotImplementedIiEE"  # a template: as it is
+
+
+def _died(message: str = "The actor died unexpectedly before finishing this task.") -> ErrorRecord:
+    return ErrorRecord(where="trainer", rank=0, type="ActorDiedError", message=message, traceback="tb")
+
+
+def test_the_cause_leads_the_rank_error_and_ray_words_follow(tmp_path: Path) -> None:
+    log = tmp_path / "worker-1.err"
+    log.write_text(RAY_WORKER_LOG)
+    err = with_death_cause(_died(), read_tail(str(log)), str(log))
+    first, rest = err.message.split("\n", 1)
+    assert first.startswith("the rank's process died: gloo::EnforceNotMet: [enforce fail at "), first
+    assert rest == "The actor died unexpectedly before finishing this task."
+    assert err.traceback.startswith("tb\n--- the end of the rank's log (") and "Pair::read()" in err.traceback
+    assert err.type == "ActorDiedError" and err.rank == 0
+
+
+def test_without_a_cause_the_message_keeps_ray_words_and_says_where_the_log_is(tmp_path: Path) -> None:
+    log = tmp_path / "worker-2.err"
+    log.write_text("ordinary output\n")
+    err = with_death_cause(_died(), read_tail(str(log)), str(log))
+    assert err.message == f"The actor died unexpectedly before finishing this task.\n(its log: {log})"
+    unread = with_death_cause(_died(), read_tail(None), None)
+    assert unread.message.endswith("(its log could not be read)") and unread.traceback == "tb"
+
+
+def test_read_tail_reads_only_the_end(tmp_path: Path) -> None:
+    log = tmp_path / "big.err"
+    log.write_bytes(b"x" * 100_000 + b"the end\n")
+    assert read_tail(str(log), nbytes=8) == "the end\n"
+    assert read_tail(str(tmp_path / "missing.err")) == ""
