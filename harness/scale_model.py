@@ -74,7 +74,7 @@ def _predict(args: argparse.Namespace) -> None:
     for k, v in p.phases.items():
         print(f"  {k:9s} {v:9.3f} s")
     print(f"  {'total':9s} {p.total:9.3f} s  (bottleneck: {p.bottleneck})")
-    print(f"  the sender holds {sender_held_bytes(w, topo) / 1e9:.2f} GB when its chunk loop starts")
+    print(f"  the sender's chunk loop holds at most {sender_held_bytes(w, topo) / 1e9:.2f} GB of exported tensors")
 
 
 def _published(_: argparse.Namespace) -> None:

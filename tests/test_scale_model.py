@@ -16,7 +16,15 @@ from safetensors import safe_open
 from harness.scale.check import compare
 from harness.scale.params import param_count
 from harness.scale.published import ARCHITECTURES, checkpoint_engine_s
-from harness.scale.update_time import Design, Links, Topology, Workload, predict, sender_held_bytes
+from harness.scale.update_time import (
+    SENDER_QUEUE_DEPTH,
+    Design,
+    Links,
+    Topology,
+    Workload,
+    predict,
+    sender_held_bytes,
+)
 from harness.scale_model import main
 from reference_impl.models.checkpoint import hf_config, make_checkpoint
 from reference_impl.models.registry import MODELS_DIR, load_model
@@ -147,9 +155,14 @@ def test_cpu_colocate_by_hand() -> None:
     assert p.phases["export"] == pytest.approx(0.8 + 400 * 1e-4)
 
 
-def test_sender_holds_its_stage_and_one_chunk() -> None:
-    assert sender_held_bytes(W, Topology(pp=4)) == 2_000_000_000 + 1_000_000_000
-    assert sender_held_bytes(Workload(bytes=10, tensors=1, chunk_bytes=1 << 30), Topology()) == 20
+def test_sender_holds_the_chunks_its_queue_allows_never_more_than_its_stage() -> None:
+    from reference_impl.transport.sync import QUEUE_DEPTH
+
+    assert SENDER_QUEUE_DEPTH == QUEUE_DEPTH  # the model's depth is the sync loop's
+    # W: 8 GB in chunks of 1 GB; two unanswered and the one filled meanwhile
+    assert sender_held_bytes(W, Topology(pp=2)) == 3 * 1_000_000_000
+    assert sender_held_bytes(W, Topology(pp=8)) == 1_000_000_000  # the stage's whole export is less
+    assert sender_held_bytes(Workload(bytes=10, tensors=1, chunk_bytes=1 << 30), Topology()) == 10
 
 
 def test_unknown_transfer_backend_is_refused() -> None:

@@ -127,6 +127,29 @@ def test_chunks_go_on_the_wire_while_the_export_runs() -> None:
     assert res.bytes == 12 * 1024 and res.chunks_planned == 4
 
 
+def test_an_export_faster_than_the_wire_waits_for_it_so_the_sender_holds_a_few_chunks() -> None:
+    # 30 tensors of 1 KiB, 3 per chunk, exported at once; each send takes 20 ms. Without the wait the export
+    # ran to its end before chunk 1 left, and every chunk's tensors were held until it was answered.
+    from reference_impl.transport.sync import QUEUE_DEPTH
+
+    named = [(f"model.layers.{i}.mlp.down_proj.weight", torch.full((256,), float(i))) for i in range(30)]
+    produced: list[str] = []
+
+    def export() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named:
+            produced.append(name)
+            yield name, t
+
+    channel = Channel(produced, delay_s=0.02)
+    res, plan = one_rank_sync(export(), channel, sync=0, chunk_bytes=3 * 1024)
+    assert len(plan) == 10 and channel.most_in_flight == 1
+    # When chunk k goes on the wire, chunks k and k + 1 are unanswered and the sender waits to queue chunk
+    # k + 2, which it filled by tensor 3 (k + 2) + 2 and queued once the tensor after it was produced.
+    for k, _, at in channel.sent:
+        assert at <= 3 * (k + QUEUE_DEPTH + 1) + 1, (k, at)
+    assert res.finished and res.sent_checksums == {n: tensor_checksum(t) for n, t in named}
+
+
 def test_a_chunk_is_not_sent_once_the_engine_ended_the_session() -> None:
     named = tensors()
     client = Client()

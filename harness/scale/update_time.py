@@ -209,10 +209,17 @@ def predict(w: Workload, topo: Topology, links: Links, design: Design | None = N
     return Prediction(phases=phases, total=total)
 
 
+# Chunks the sender holds unanswered before its export waits (`reference_impl.transport.sync.QUEUE_DEPTH`;
+# tests/test_scale_model.py asserts the two agree).
+SENDER_QUEUE_DEPTH = 2
+
+
 def sender_held_bytes(w: Workload, topo: Topology) -> int:
-    """Bytes the sender holds when its chunk loop starts: its stage's whole export (an export returns a
-    list, not a stream) plus one chunk's packing buffer. Device memory with raw export on GPU."""
-    return w.bytes // topo.pp + min(w.chunk_bytes, w.bytes)
+    """Bytes of exported tensors the sender's chunk loop holds at most: the `SENDER_QUEUE_DEPTH` chunks still
+    unanswered and the one it fills meanwhile, never more than its stage's export (`B/PP`). Not counted: the
+    raw export's kept gather buffers (`trainer.params.GatherBuffers`), which hold the gathered tensors it
+    hands on from one export to the next."""
+    return min(w.bytes // topo.pp, (SENDER_QUEUE_DEPTH + 1) * w.chunk_bytes)
 
 
 def with_links(links: Links, **changes: float) -> Links:
