@@ -14,6 +14,9 @@ the session's logs, whose path each rank tells when it starts (`TrainerWorker.lo
 
 `death_cause` reads the first of these in a log's end; `with_death_cause` puts it into the rank's
 `ErrorRecord`, so the CRASH check's message (its first line) names the cause instead of Ray's words.
+When a rank dies mid-collective, its peers fail first, with gloo's "Connection reset by peer", which names
+neither the dead rank nor its cause (`lost_a_peer`): the session then waits a moment for the dead rank's
+own error and records it first (`harness.session.ScenarioSession.get`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from harness.record import ErrorRecord
 LOG_TAIL_BYTES = 64 * 1024  # how much of a dead rank's log is read (its cause and the native stack after it)
 CAUSE_CHARS = 400  # the longest cause kept on a message's first line
 KEPT_LOG_CHARS = 6000  # how much of the log's end goes into the record's traceback
+STACK_CHARS = 20_000  # how far after a fatal report its Python stack (faulthandler's) is looked for
 
 _UNHANDLED = re.compile(r"Unhandled exception: (?P<type>\S+?)\. what\(\): (?P<what>.*)")
 _TERMINATE = re.compile(
@@ -36,6 +40,7 @@ _RAY_SIGNAL = re.compile(r"\*\*\* (?P<what>SIG[A-Z]+) received at")
 # A native stack frame that Ray's terminate handler writes on the line of the exception's text:
 # "/path/libtorch_cpu.so(_ZN4gloo...+0x72) [0x7f27dd6fc1c2] gloo::transport::tcp::Pair::read()".
 _NATIVE_FRAME = re.compile(r"\s/\S+\([^)\s]*\+0x[0-9a-f]+\)")
+_LIBRARY = re.compile(r"site-packages|/lib/python3\.\d+/|^<frozen")  # files not of the program's own code
 _PYTHON_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
 
 
@@ -69,32 +74,61 @@ def _text(what: str | None) -> str:
     return text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS - 3] + "..."
 
 
-def _innermost_frame(after: str) -> str:
-    """` (in f, file.py:10)`: the first Python frame faulthandler lists after a fatal error (the innermost
-    call of the thread it hit), or "" when it lists none."""
-    m = _PYTHON_FRAME.search(after)
-    if m is None:
+def _frame(m: re.Match[str]) -> str:
+    """`f, package/file.py:10`: a faulthandler frame, its file as its last two path parts."""
+    return f"{m.group('func')}, {'/'.join(m.group('file').split('/')[-2:])}:{m.group('line')}"
+
+
+def _where_python_was(after: str) -> str:
+    """` (Python was in recv, distributed/distributed_c10d.py:2799, called from collect, transport/sync.py:113)`:
+    from faulthandler's dump after a fatal report, the thread it calls current (the one the signal hit) or,
+    where none is (a C++ thread aborted), the last one it lists (the main thread, the oldest): its innermost
+    frame, and the innermost frame of a file outside the interpreter's library and site-packages (the
+    program's own code) when that is another; "" when the dump lists no frame."""
+    blocks = [b for b in re.split(r"\n\s*\n", after) if _PYTHON_FRAME.search(b)]
+    if not blocks:
         return ""
-    return f" (in {m.group('func')}, {m.group('file')}:{m.group('line')})"
+    block = next((b for b in blocks if "Current thread" in b), blocks[-1])
+    frames = list(_PYTHON_FRAME.finditer(block))
+    where = f" (Python was in {_frame(frames[0])}"
+    own = next((f for f in frames if not _LIBRARY.search(f.group("file"))), None)
+    if own is not None and own is not frames[0]:
+        where += f", called from {_frame(own)}"
+    return where + ")"
 
 
 def death_cause(log: str) -> str | None:
-    """The first fatal report in a dead process's log (module doc), in one line:
-    `gloo::EnforceNotMet: [enforce fail at .../pair.cc:456] op.preamble.length <= op.nbytes. 256 vs 252. ...`,
-    `Fatal Python error: Segmentation fault (in recv, .../distributed_c10d.py:2591)`, `SIGSEGV received`;
-    None when the log holds none (a process killed by SIGKILL, the kernel's OOM killer among them, writes
+    """The first fatal report in a dead process's log (module doc) in one line, with where Python was when
+    faulthandler's stack follows it: `gloo::EnforceNotMet: [enforce fail at .../pair.cc:456]
+    op.preamble.length <= op.nbytes. 256 vs 252. ... (Python was in recv, distributed/distributed_c10d.py:2591)`,
+    `SIGSEGV received (Python was in string_at, ctypes/__init__.py:525)`; None when the log holds none (a
+    process killed by SIGKILL, the kernel's OOM killer among them, or one that called `os._exit`, writes
     nothing)."""
-    found: list[tuple[int, str]] = []
+    found: list[tuple[int, int, str]] = []  # (start, end, the report in words)
     for m in _UNHANDLED.finditer(log):
-        found.append((m.start(), f"{demangle(m.group('type'))}: {_text(m.group('what'))}"))
+        found.append((m.start(), m.end(), f"{demangle(m.group('type'))}: {_text(m.group('what'))}"))
     for m in _TERMINATE.finditer(log):
         what = _text(m.group("what"))
-        found.append((m.start(), f"{m.group('type')}: {what}" if what else m.group("type")))
+        found.append((m.start(), m.end(), f"{m.group('type')}: {what}" if what else m.group("type")))
     for m in _FATAL_PYTHON.finditer(log):
-        found.append((m.start(), f"Fatal Python error: {_text(m.group('what'))}{_innermost_frame(log[m.end() :])}"))
+        found.append((m.start(), m.end(), f"Fatal Python error: {_text(m.group('what'))}"))
     for m in _RAY_SIGNAL.finditer(log):
-        found.append((m.start(), f"{m.group('what')} received"))
-    return min(found)[1] if found else None
+        found.append((m.start(), m.end(), f"{m.group('what')} received"))
+    if not found:
+        return None
+    _, end, cause = min(found)
+    return cause + _where_python_was(log[end : end + STACK_CHARS].split("Extension modules:")[0])
+
+
+# What gloo raises on a rank whose peer's process went away mid-collective (torch 2.9's gloo, tcp/pair.cc):
+# "Read error [127.0.0.1]:53130: Connection reset by peer", "Connection closed by peer [127.0.0.1]:38087".
+_PEER_LOST = re.compile(r"by peer|Broken pipe")
+
+
+def lost_a_peer(err: ErrorRecord) -> bool:
+    """Whether `err` is a rank's follow-on error of a peer's death (gloo's connection reset or closed by the
+    peer), which names neither the peer nor why it died: the dead rank's own error says that."""
+    return err.type != "ActorDiedError" and bool(_PEER_LOST.search(err.message))
 
 
 def read_tail(path: str | None, nbytes: int = LOG_TAIL_BYTES) -> str:
@@ -112,10 +146,16 @@ def read_tail(path: str | None, nbytes: int = LOG_TAIL_BYTES) -> str:
 
 def with_death_cause(err: ErrorRecord, log: str, path: str | None) -> ErrorRecord:
     """`err` (a rank's `ActorDiedError`) with the cause its log gives (`death_cause`) as the first line of its
-    message, Ray's words after it, and the log's end in its traceback; without a cause in the log, the message
-    only gains where the log is."""
+    message, Ray's words after it, and the log's end in its traceback; without a cause in the log, the first
+    line says what leaves none and where the log is."""
     cause = death_cause(log)
     where = f"its log: {path}" if path else "its log could not be read"
-    message = f"the rank's process died: {cause}\n{err.message}" if cause else f"{err.message}\n({where})"
+    if cause:
+        message = f"the rank's process died: {cause}\n{err.message}"
+    else:
+        message = (
+            "the rank's process died without a fatal report in its log (killed by SIGKILL, the kernel's OOM "
+            f"killer among them, or it called os._exit; {where})\n{err.message}"
+        )
     kept = f"\n--- the end of the rank's log ({path}):\n{log[-KEPT_LOG_CHARS:]}" if log else ""
     return err.model_copy(update={"message": message[:4000], "traceback": err.traceback + kept})

@@ -61,6 +61,9 @@ ENGINE_MEASURED = (
     "logprobs_expected",
     "engine_logprobs",
 )
+# Seconds a rank whose peer's process went away (gloo: "Connection reset by peer") waits for that peer's own
+# error: Ray resolves a dead actor's call once its raylet has seen the process end (within a second here).
+PEER_DEATH_WAIT_S = 5.0
 PROBE_TEMPERATURE = 1.0  # a generated token's log-prob: vLLM reports it from the raw logits
 
 
@@ -155,22 +158,35 @@ class ScenarioSession:
         try:
             return self.get_oracle(refs, timeout, what)
         except ray.exceptions.RayError as e:
-            # Which rank failed: the first finished ref whose get raises (one still running has not).
-            for i, ref in enumerate(refs):
-                if not ray.wait([ref], timeout=0)[0]:
-                    continue
-                try:
-                    ray.get(ref, timeout=1)
-                except Exception as inner:
-                    error = error_from(inner, i, "trainer")
-                    if isinstance(inner, ray.exceptions.ActorDiedError):
-                        path = self.pool.log_path(i)
-                        error = rank_logs.with_death_cause(error, rank_logs.read_tail(path), path)
-                    self.record.errors.append(error)
-                    break
-            else:
-                self.record.errors.append(error_from(e, None, "trainer"))
+            failed = self.rank_errors(refs)
+            if failed and rank_logs.lost_a_peer(failed[0]):
+                # A peer died mid-collective: its own error (why it died) resolves once Ray has seen the death.
+                pending = [ref for ref in refs if not ray.wait([ref], timeout=0)[0]]
+                if pending:
+                    ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_WAIT_S)
+                failed = self.rank_errors(refs)
+            deaths = [err for err in failed if err.type == "ActorDiedError"]
+            others = [err for err in failed if err.type != "ActorDiedError"][:1]
+            self.record.errors.extend(deaths + others or [error_from(e, None, "trainer")])
             raise ScenarioFailed(what) from e
+
+    def rank_errors(self, refs: list[Any]) -> list[ErrorRecord]:
+        """The error of every rank whose call (`refs[i]` is rank i's) has finished by raising, in rank order (one
+        still running has not failed); a rank whose process died carries the cause its own log gives
+        (`rank_logs.with_death_cause`)."""
+        out = []
+        for i, ref in enumerate(refs):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                ray.get(ref, timeout=1)
+            except Exception as inner:
+                error = error_from(inner, i, "trainer")
+                if isinstance(inner, ray.exceptions.ActorDiedError):
+                    path = self.pool.log_path(i)
+                    error = rank_logs.with_death_cause(error, rank_logs.read_tail(path), path)
+                out.append(error)
+        return out
 
     def get_oracle(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         """ray.get every ref (`harness.watch.wait_watched`): a timeout is a DEADLOCK and an engine gone

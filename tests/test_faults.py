@@ -44,6 +44,7 @@ ENDS_RANKS = {
     "second_init_from_pp_stage",
     "pp_barrier_in_chunk_loop",
     "handoff_one_element_more",
+    "stage_export_segfaults",
 }
 
 
@@ -336,6 +337,9 @@ MESSAGE_SAYS = {
     "second_init_from_pp_stage": "accepted 2 /init_weight_transfer_engine calls",
     # the cause from the dead sender's own log, not Ray's "The actor died unexpectedly"
     "handoff_one_element_more": "raised ActorDiedError: the rank's process died: gloo::EnforceNotMet: [enforce fail at",
+    # the rank that died and why, not the sender's "Connection reset by peer" that followed
+    "stage_export_segfaults": "rank 1 (trainer) raised ActorDiedError: the rank's process died: SIGSEGV received "
+    "(Python was in string_at, ctypes/__init__.py:",
     "drop_last_chunk": "/update_weights calls with 200",
     "chunk_index_not_reset": "calls answered 200 carry chunk indexes [",
     "plan_skips_an_index": "the sender's record has chunk indexes [0, 1, 2, ..., 19, 21], not 0 to 20 once each",

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from harness.rank_logs import death_cause, demangle, read_tail, with_death_cause
+from harness.rank_logs import death_cause, demangle, lost_a_peer, read_tail, with_death_cause
 from harness.record import ErrorRecord
 
 # The two ranks of a gloo group: rank 1 sends 65 bytes, rank 0 posts a receive of 64.
@@ -27,8 +27,9 @@ SHORT_RECEIVE = textwrap.dedent(
     """
 )
 
-# The end of a Ray worker's log (`worker-*.err`) when gloo aborted it: Ray's terminate handler writes the
-# exception's text and the native stack on one line, then Python's faulthandler reports the abort.
+# The end of a Ray worker's log (`worker-*.err`) when gloo aborted it (shortened): Ray's terminate handler
+# writes the exception's text and the native stack on one line, then Python's faulthandler reports the abort
+# and lists every Python thread, none current (gloo's own thread aborted), the main thread last.
 RAY_WORKER_LOG = (
     "[transformers] `torch_dtype` is deprecated! Use `dtype` instead!\n"
     "[2026-12-07 14:24:45,132 E 10282 10339] logging.cc:118: Unhandled exception: N4gloo13EnforceNotMetE. "
@@ -39,8 +40,15 @@ RAY_WORKER_LOG = (
     "/site-packages/torch/lib/libtorch_cpu.so(_ZN4gloo9transport3tcp4Pair4readEv+0x72) [0x7f27dd6fc1c2] "
     "gloo::transport::tcp::Pair::read()\n"
     "Fatal Python error: Aborted\n\n"
-    "Thread 0x00007f286e7d4740 (most recent call first):\n"
-    '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2591 in recv\n'
+    "Thread 0x00007f4c33f6f6c0 (most recent call first):\n"
+    '  File "/root/.pyenv/versions/3.12.1/lib/python3.12/concurrent/futures/thread.py", line 89 in _worker\n'
+    '  File "/root/.pyenv/versions/3.12.1/lib/python3.12/threading.py", line 1010 in run\n\n'
+    "Thread 0x00007f4f36327b80 (most recent call first):\n"
+    '  File "/venv/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", line 2799 in recv\n'
+    '  File "/venv/lib/python3.12/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+    '  File "/work/repo/reference_impl/transport/sync.py", line 113 in collect\n'
+    '  File "/work/repo/reference_impl/transport/sync.py", line 458 in sync_loop\n\n'
+    "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)\n"
 )
 
 
@@ -72,15 +80,31 @@ def test_a_segfault_names_the_innermost_python_frame(tmp_path: Path) -> None:
     assert proc.returncode != 0
     cause = death_cause(proc.stderr)
     assert cause is not None, proc.stderr
-    assert cause.startswith("Fatal Python error: Segmentation fault (in string_at, "), cause
+    assert cause.startswith("Fatal Python error: Segmentation fault (Python was in string_at, ctypes/__init__.py:"), (
+        cause
+    )
+    assert cause.endswith(f", called from read_null, {tmp_path.name}/segfault.py:4)"), cause
 
 
 def test_ray_terminate_handler_line_gives_the_type_and_text_without_the_native_stack() -> None:
     assert death_cause(RAY_WORKER_LOG) == (
         "gloo::EnforceNotMet: [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] "
         "op.preamble.length <= op.nbytes. 256 vs 252. Received data size doesn't match expected size. Is there a "
-        "distributed collective mismatch in your code?"
+        "distributed collective mismatch in your code? (Python was in recv, distributed/distributed_c10d.py:2799, "
+        "called from collect, transport/sync.py:113)"
     )
+
+
+def test_a_signal_ray_reports_first_names_where_python_was() -> None:
+    log = (
+        "*** SIGSEGV received at time=1765117485 on cpu 1 ***\n"
+        "PC: @ 0x7f0 (unknown) (unknown)\n"
+        "Fatal Python error: Segmentation fault\n\n"
+        "Current thread 0x00007f3bf0143b80 (most recent call first):\n"
+        '  File "/work/repo/reference_impl/export/stream.py", line 120 in iter_raw\n'
+        '  File "/work/repo/reference_impl/transport/sync.py", line 318 in _stream_own_chunks\n'
+    )
+    assert death_cause(log) == "SIGSEGV received (Python was in iter_raw, export/stream.py:120)"
 
 
 def test_a_log_without_a_fatal_report_gives_no_cause() -> None:
@@ -111,13 +135,18 @@ def test_the_cause_leads_the_rank_error_and_ray_words_follow(tmp_path: Path) -> 
     assert err.type == "ActorDiedError" and err.rank == 0
 
 
-def test_without_a_cause_the_message_keeps_ray_words_and_says_where_the_log_is(tmp_path: Path) -> None:
+def test_without_a_cause_the_message_says_what_leaves_none_and_where_the_log_is(tmp_path: Path) -> None:
     log = tmp_path / "worker-2.err"
     log.write_text("ordinary output\n")
     err = with_death_cause(_died(), read_tail(str(log)), str(log))
-    assert err.message == f"The actor died unexpectedly before finishing this task.\n(its log: {log})"
+    first, rest = err.message.split("\n", 1)
+    assert first == (
+        "the rank's process died without a fatal report in its log (killed by SIGKILL, the kernel's OOM killer "
+        f"among them, or it called os._exit; its log: {log})"
+    )
+    assert rest == "The actor died unexpectedly before finishing this task."
     unread = with_death_cause(_died(), read_tail(None), None)
-    assert unread.message.endswith("(its log could not be read)") and unread.traceback == "tb"
+    assert "; its log could not be read)\n" in unread.message and unread.traceback == "tb"
 
 
 def test_read_tail_reads_only_the_end(tmp_path: Path) -> None:
@@ -125,3 +154,15 @@ def test_read_tail_reads_only_the_end(tmp_path: Path) -> None:
     log.write_bytes(b"x" * 100_000 + b"the end\n")
     assert read_tail(str(log), nbytes=8) == "the end\n"
     assert read_tail(str(tmp_path / "missing.err")) == ""
+
+
+def test_a_peers_connection_reset_is_a_follow_on_error_and_a_death_is_not() -> None:
+    reset = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:53130: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    closed = "[.../tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:38087. This is typically caused by ..."
+    assert lost_a_peer(ErrorRecord(where="trainer", rank=0, type="RuntimeError", message=reset))
+    assert lost_a_peer(ErrorRecord(where="trainer", rank=0, type="RuntimeError", message=closed))
+    assert not lost_a_peer(ErrorRecord(where="trainer", rank=0, type="KeyError", message="'model.norm.weight'"))
+    assert not lost_a_peer(_died("the rank's process died: gloo::EnforceNotMet: ... Connection reset by peer"))

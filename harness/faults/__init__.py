@@ -253,6 +253,13 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.handoff_one_element_more,
         ),
         Fault(
+            "stage_export_segfaults",
+            "the last PP stage segfaults in its export while the sender waits on it in a collective",
+            "CRASH",
+            {"model": "qwen3", "pp": 2, **_SMALL},
+            trainer=trainer.stage_export_segfaults,
+        ),
+        Fault(
             "engine_dies_after_rejected_chunk",
             "a lm_head sent to a tied engine, which answers the rejection and then dies",
             "CRASH",

@@ -371,6 +371,26 @@ def handoff_one_element_more() -> None:
     seams.replace("hand_off", make)
 
 
+def stage_export_segfaults() -> None:
+    """The last PP stage (rank 1 at PP 2) dies in native code as its export converts its first tensor (a
+    segfault, as a faulty extension kernel's): its process ends below Python, while the sender, waiting for
+    every rank's tensor metadata, fails with gloo's "Connection reset by peer", which names neither the dead
+    rank nor why it died."""
+    import ctypes
+
+    import torch.distributed as dist
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def convert(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if dist.get_rank() == 1:
+                ctypes.string_at(0)  # reads address 0: SIGSEGV
+            return orig(*args, **kwargs)
+
+        return convert
+
+    seams.replace("convert", make)
+
+
 def second_init_from_pp_stage() -> None:
     """The first rank of the last PP stage also believes it talks to the engine and joins it through its
     own /init_weight_transfer_engine (every stage leader "initialises the update group"): the engine joins
