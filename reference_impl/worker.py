@@ -35,7 +35,7 @@ from reference_impl.priority import in_lowest_priority_thread
 from reference_impl.trainer import step as train_step
 from reference_impl.trainer.model import TrainerModel, build_model, import_megatron
 from reference_impl.trainer.parallel import RankLayout, destroy_model_parallel, init_distributed, init_model_parallel
-from reference_impl.trainer.params import GatherBuffers, iter_global_params
+from reference_impl.trainer.params import iter_global_params, kept_gather_buffers
 from reference_impl.transport import bound, sync
 from reference_impl.transport.channels import connect_channel
 from reference_impl.transport.client import EngineClient
@@ -85,7 +85,8 @@ class TrainerWorker:
         self.trace_dir: Path | None = None
         self.progress = Progress(None)
         self.last_plan: list[Chunk] = []
-        self.gather_buffers = GatherBuffers()  # the raw export's gather outputs, kept from sync to sync
+        # the raw export's gather outputs, kept from sync to sync on a host (not on a GPU: `kept_gather_buffers`)
+        self.gather_buffers = kept_gather_buffers(cuda_available())
         # What runs at the trainer's seams in this process before any fault could be applied to it.
         self.unfaulted = seams.snapshot()
 
@@ -312,7 +313,7 @@ class TrainerWorker:
         self.channel = None
         self.model = None
         self.last_plan = []
-        self.gather_buffers = GatherBuffers()
+        self.gather_buffers = kept_gather_buffers(cuda_available())
         destroy_model_parallel()
         release_memory()
 

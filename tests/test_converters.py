@@ -127,6 +127,12 @@ def test_gather_buffers_keep_one_buffer_per_key_and_grow_the_scratch() -> None:
     assert buffers.nbytes == 12 * 4 + 12 * 2 + 44
 
 
+def test_gather_buffers_are_kept_on_a_host_only() -> None:
+    # On a GPU the caching allocator reuses freed blocks; kept buffers would hold a stage in device memory.
+    assert isinstance(params.kept_gather_buffers(on_gpu=False), params.GatherBuffers)
+    assert params.kept_gather_buffers(on_gpu=True) is None
+
+
 GLOO_LAYOUTS = [((6, 4), 0, 1), ((6, 4), 0, 2), ((6, 4), 1, 1), ((4, 6, 2), 1, 3)]
 
 

@@ -107,7 +107,8 @@ class GatherBuffers:
     A buffer is rewritten by the next export that uses the same key: an export must be consumed (sent,
     checksummed) before the next export of the same rank starts, and nothing keeps its tensors past that.
     Memory: the bytes of the tensors this rank's exports hand on (all of the model on the stage leader),
-    plus the largest scratch use.
+    plus the largest scratch use, for the whole run: on a host, where the page faults cost more than the
+    memory; not on a GPU, where it would be device memory the training step needs (`kept_gather_buffers`).
     """
 
     def __init__(self) -> None:
@@ -135,6 +136,15 @@ class GatherBuffers:
     def nbytes(self) -> int:
         """Bytes held (kept buffers and scratch)."""
         return self._scratch.numel() + sum(b.numel() * b.element_size() for b in self._kept.values())
+
+
+def kept_gather_buffers(on_gpu: bool) -> GatherBuffers | None:
+    """The raw export's gather buffers for a trainer rank: a `GatherBuffers` on a host without a GPU; None
+    (each gather allocates, and its tensors are freed once the engine answered their chunk) on a GPU, whose
+    caching allocator already reuses freed blocks, so kept buffers would only hold up to a stage's whole
+    model in device memory between syncs (the sender holds at most a few chunks of it otherwise:
+    `transport.sync.QUEUE_DEPTH`)."""
+    return None if on_gpu else GatherBuffers()
 
 
 def _gather_stacked(
