@@ -15,8 +15,8 @@ the session's logs, whose path each rank tells when it starts (`TrainerWorker.lo
 `death_cause` reads the first of these in a log's end; `with_death_cause` puts it into the rank's
 `ErrorRecord`, so the CRASH check's message (its first line) names the cause instead of Ray's words.
 When a rank dies mid-collective, its peers fail first, with gloo's "Connection reset by peer", which names
-neither the dead rank nor its cause (`lost_a_peer`): the session then waits a moment for the dead rank's
-own error and records it first (`harness.session.ScenarioSession.get`).
+neither the dead rank nor its cause (`lost_a_peer`): `harness.rank_failures` then waits a moment for the
+dead rank's own error, which the session records first.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import re
 
-from harness.record import ErrorRecord
+from harness.record import DIED, ErrorRecord
 
 LOG_TAIL_BYTES = 64 * 1024  # how much of a dead rank's log is read (its cause and the native stack after it)
 CAUSE_CHARS = 400  # the longest cause kept on a message's first line
@@ -82,13 +82,15 @@ def _frame(m: re.Match[str]) -> str:
 def _where_python_was(after: str) -> str:
     """` (Python was in recv, distributed/distributed_c10d.py:2799, called from collect, transport/sync.py:113)`:
     from faulthandler's dump after a fatal report, the thread it calls current (the one the signal hit) or,
-    where none is (a C++ thread aborted), the last one it lists (the main thread, the oldest): its innermost
-    frame, and the innermost frame of a file outside the interpreter's library and site-packages (the
-    program's own code) when that is another; "" when the dump lists no frame."""
+    where none is (a C++ thread of gloo aborted), the last one it lists inside `torch.distributed` (the thread
+    whose collective that was), else the last one (the main thread, the oldest): its innermost frame, and the
+    innermost frame of a file outside the interpreter's library and site-packages (the program's own code)
+    when that is another; "" when the dump lists no frame."""
     blocks = [b for b in re.split(r"\n\s*\n", after) if _PYTHON_FRAME.search(b)]
     if not blocks:
         return ""
-    block = next((b for b in blocks if "Current thread" in b), blocks[-1])
+    in_collective = [b for b in blocks if "torch/distributed/" in b]
+    block = next((b for b in blocks if "Current thread" in b), (in_collective or blocks)[-1])
     frames = list(_PYTHON_FRAME.finditer(block))
     where = f" (Python was in {_frame(frames[0])}"
     own = next((f for f in frames if not _LIBRARY.search(f.group("file"))), None)
@@ -128,7 +130,7 @@ _PEER_LOST = re.compile(r"by peer|Broken pipe")
 def lost_a_peer(err: ErrorRecord) -> bool:
     """Whether `err` is a rank's follow-on error of a peer's death (gloo's connection reset or closed by the
     peer), which names neither the peer nor why it died: the dead rank's own error says that."""
-    return err.type != "ActorDiedError" and bool(_PEER_LOST.search(err.message))
+    return err.type != DIED and bool(_PEER_LOST.search(err.message))
 
 
 def read_tail(path: str | None, nbytes: int = LOG_TAIL_BYTES) -> str:
@@ -144,18 +146,38 @@ def read_tail(path: str | None, nbytes: int = LOG_TAIL_BYTES) -> str:
         return ""
 
 
-def with_death_cause(err: ErrorRecord, log: str, path: str | None) -> ErrorRecord:
+# Ray's account of how a worker ended, in `ActorDiedError`'s text: "Worker exit detail: Worker exits with an
+# exit code 3." (`sys.exit(3)`), "... exit code 1. The process receives a SIGTERM.", or for a process that
+# ended abruptly "Worker unexpectedly exits with a connection error code 2. End of file." (Ray 2.x).
+_RAY_EXIT_DETAIL = re.compile(r"Worker exit detail: (?P<detail>.*?)(?:\s+Some common causes|\n|$)", re.DOTALL)
+
+
+def ray_exit_detail(message: str) -> str | None:
+    """How Ray says the worker ended, where it knows ("Worker exits with an exit code 3."), or None where
+    the process ended abruptly (Ray saw only its connection close) or the text has no exit detail."""
+    m = _RAY_EXIT_DETAIL.search(message)
+    if m is None or "connection error" in m.group("detail"):
+        return None
+    return " ".join(m.group("detail").split())
+
+
+def with_death_cause(err: ErrorRecord, log: str, path: str | None, phase: str | None = None) -> ErrorRecord:
     """`err` (a rank's `ActorDiedError`) with the cause its log gives (`death_cause`) as the first line of its
-    message, Ray's words after it, and the log's end in its traceback; without a cause in the log, the first
-    line says what leaves none and where the log is."""
+    message, the rank's last phase (`transport.progress`, where it was when it died) and, after it, Ray's
+    words; the log's end goes into its traceback. Without a cause in the log, the first line gives how Ray
+    says the worker ended (`ray_exit_detail`: an exit status, a SIGTERM) or, where it ended abruptly, what
+    ends a process without a report (SIGKILL, the kernel's OOM killer, `os._exit`), and where the log is."""
     cause = death_cause(log)
     where = f"its log: {path}" if path else "its log could not be read"
+    last = f"; its last phase: {phase}" if phase else ""
     if cause:
-        message = f"the rank's process died: {cause}\n{err.message}"
+        first = f"the rank's process died: {cause}{last}"
+    elif (detail := ray_exit_detail(err.message)) is not None:
+        first = f"the rank's process ended without a fatal report in its log (Ray: {detail}{last}; {where})"
     else:
-        message = (
-            "the rank's process died without a fatal report in its log (killed by SIGKILL, the kernel's OOM "
-            f"killer among them, or it called os._exit; {where})\n{err.message}"
+        first = (
+            "the rank's process died without a fatal report in its log (it ended abruptly: killed by SIGKILL, "
+            f"the kernel's OOM killer among them, or it called os._exit{last}; {where})"
         )
     kept = f"\n--- the end of the rank's log ({path}):\n{log[-KEPT_LOG_CHARS:]}" if log else ""
-    return err.model_copy(update={"message": message[:4000], "traceback": err.traceback + kept})
+    return err.model_copy(update={"message": f"{first}\n{err.message}"[:4000], "traceback": err.traceback + kept})

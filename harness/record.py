@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,9 @@ VERDICTS: tuple[str, ...] = (
 )
 
 
+DIED = "ActorDiedError"  # `ErrorRecord.type` of a trainer rank whose process died (Ray's error for its call)
+
+
 class ErrorRecord(BaseModel):
     """An exception seen anywhere in the scenario, with where it happened."""
 
@@ -88,6 +92,18 @@ class ErrorRecord(BaseModel):
     type: str  # exception class name, e.g. "KeyError"
     message: str
     traceback: str = ""
+
+
+def error_from(exc: BaseException, rank: int | None, where: str) -> ErrorRecord:
+    """An `ErrorRecord` of `exc` (Ray's wrapper unwrapped: the actor's own exception class and text)."""
+    cause = getattr(exc, "cause", None) or exc
+    return ErrorRecord(
+        where=where,
+        rank=rank,
+        type=type(cause).__name__,
+        message=str(cause)[:4000],
+        traceback="".join(traceback.format_exception(exc))[-8000:],
+    )
 
 
 class OracleFailure(BaseModel):

@@ -39,10 +39,10 @@ from harness.outcome import (
     sync_failed,
 )
 from harness.placement import SETUP_TIMEOUT_S, EngineActor, TrainerPool, multi_node, use_gpus
-from harness.record import OracleFailure, RunRecord, wall_split
+from harness.record import OracleFailure, RunRecord, error_from, wall_split
 from harness.recovery import RESTORE_SEAMS
 from harness.scenario import Scenario
-from harness.session import ScenarioFailed, ScenarioSession, SyncHook, error_from, oracle_into
+from harness.session import ScenarioFailed, ScenarioSession, SyncHook, oracle_into
 from harness.stacks import dump_stacks
 from harness.validate import validate
 from harness.watch import EngineWatch, wait_watched

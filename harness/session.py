@@ -13,7 +13,6 @@ import contextlib
 import functools
 import json
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import ray
 
-from harness import mid_session, rank_logs, recovery
+from harness import mid_session, recovery
 from harness.checks import LOGPROB_BUDGETS, check_transfer_init, logprob_parity
 from harness.faults import Fault
 from harness.oracles.expected import ExpectedState
@@ -29,6 +28,7 @@ from harness.oracles.fresh import fresh_engine_checksums
 from harness.oracles.tp_shards import expected_tp_checksums
 from harness.outcome import merge_sync, sync_failed
 from harness.placement import TrainerPool
+from harness.rank_failures import rank_failures
 from harness.record import (
     Bound,
     EngineSync,
@@ -37,6 +37,7 @@ from harness.record import (
     RunRecord,
     SyncRecord,
     TransferGroupRecord,
+    error_from,
 )
 from harness.recovery import RESTORE_SEAMS
 from harness.scenario import Scenario
@@ -61,9 +62,6 @@ ENGINE_MEASURED = (
     "logprobs_expected",
     "engine_logprobs",
 )
-# Seconds a rank whose peer's process went away (gloo: "Connection reset by peer") waits for that peer's own
-# error: Ray resolves a dead actor's call once its raylet has seen the process end (within a second here).
-PEER_DEATH_WAIT_S = 5.0
 PROBE_TEMPERATURE = 1.0  # a generated token's log-prob: vLLM reports it from the raw logits
 
 
@@ -74,18 +72,6 @@ SyncHook = Callable[[RunRecord, int, dict[str, int | None]], None]
 
 class ScenarioFailed(Exception):
     """Raised to stop a scenario early; what happened is already in the record."""
-
-
-def error_from(exc: BaseException, rank: int | None, where: str) -> ErrorRecord:
-    """An `ErrorRecord` of `exc` (Ray's wrapper unwrapped: the actor's own exception class and text)."""
-    cause = getattr(exc, "cause", None) or exc
-    return ErrorRecord(
-        where=where,
-        rank=rank,
-        type=type(cause).__name__,
-        message=str(cause)[:4000],
-        traceback="".join(traceback.format_exception(exc))[-8000:],
-    )
 
 
 def oracle_into(failures: list[OracleFailure], check: str, fn: Callable[[], Any], sync: int | None = None) -> Any:
@@ -153,45 +139,30 @@ class ScenarioSession:
         return None
 
     def get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
-        """ray.get every ref (`get_oracle`); a rank's exception is also recorded as that rank's crash, then
-        ScenarioFailed is raised."""
+        """ray.get every ref (`harness.watch.wait_watched`: a timeout is a DEADLOCK, an engine gone meanwhile is
+        recorded, each raising ScenarioFailed); a rank's exception is recorded as that rank's crash, ranks whose
+        process died first (`rank_failures`), then ScenarioFailed is raised."""
         try:
-            return self.get_oracle(refs, timeout, what)
+            return self._wait(refs, timeout, what)
         except ray.exceptions.RayError as e:
-            failed = self.rank_errors(refs)
-            if failed and rank_logs.lost_a_peer(failed[0]):
-                # A peer died mid-collective: its own error (why it died) resolves once Ray has seen the death.
-                pending = [ref for ref in refs if not ray.wait([ref], timeout=0)[0]]
-                if pending:
-                    ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_WAIT_S)
-                failed = self.rank_errors(refs)
-            deaths = [err for err in failed if err.type == "ActorDiedError"]
-            others = [err for err in failed if err.type != "ActorDiedError"][:1]
-            self.record.errors.extend(deaths + others or [error_from(e, None, "trainer")])
+            deaths, others = rank_failures(refs, self.pool.log_path, self.trace_dir)
+            self.record.errors.extend(deaths + others[:1] or [error_from(e, None, "trainer")])
             raise ScenarioFailed(what) from e
 
-    def rank_errors(self, refs: list[Any]) -> list[ErrorRecord]:
-        """The error of every rank whose call (`refs[i]` is rank i's) has finished by raising, in rank order (one
-        still running has not failed); a rank whose process died carries the cause its own log gives
-        (`rank_logs.with_death_cause`)."""
-        out = []
-        for i, ref in enumerate(refs):
-            if not ray.wait([ref], timeout=0)[0]:
-                continue
-            try:
-                ray.get(ref, timeout=1)
-            except Exception as inner:
-                error = error_from(inner, i, "trainer")
-                if isinstance(inner, ray.exceptions.ActorDiedError):
-                    path = self.pool.log_path(i)
-                    error = rank_logs.with_death_cause(error, rank_logs.read_tail(path), path)
-                out.append(error)
-        return out
-
     def get_oracle(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
-        """ray.get every ref (`harness.watch.wait_watched`): a timeout is a DEADLOCK and an engine gone
-        meanwhile is recorded, each then raising ScenarioFailed; an exception in the actor is raised as it
-        is (for `oracle` to record), not recorded as the rank's crash."""
+        """`get` for one of the harness's oracles run on the ranks: an exception in the actor is raised as it is
+        (for `oracle` to record), not recorded as the rank's crash; but a rank whose process died meanwhile is
+        (the trainer is gone, whatever it ran), and ScenarioFailed is raised."""
+        try:
+            return self._wait(refs, timeout, what)
+        except ray.exceptions.RayError:
+            deaths, others = rank_failures(refs, self.pool.log_path, self.trace_dir)
+            if not deaths:
+                raise
+            self.record.errors.extend(deaths + others[:1])
+            raise ScenarioFailed(what) from None
+
+    def _wait(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         try:
             return wait_watched(refs, timeout, what, self.watch if self.watches else None)
         except ray.exceptions.GetTimeoutError:

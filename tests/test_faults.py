@@ -45,6 +45,7 @@ ENDS_RANKS = {
     "pp_barrier_in_chunk_loop",
     "handoff_one_element_more",
     "stage_export_segfaults",
+    "bridge_export_segfaults",
 }
 
 
@@ -339,6 +340,9 @@ MESSAGE_SAYS = {
     "handoff_one_element_more": "raised ActorDiedError: the rank's process died: gloo::EnforceNotMet: [enforce fail at",
     # the rank that died and why, not the sender's "Connection reset by peer" that followed
     "stage_export_segfaults": "rank 1 (trainer) raised ActorDiedError: the rank's process died: SIGSEGV received "
+    "(Python was in string_at, ctypes/__init__.py:",
+    # a rank that died while an oracle ran in it is the trainer's crash, not "oracle could not run"
+    "bridge_export_segfaults": "rank 1 (trainer) raised ActorDiedError: the rank's process died: SIGSEGV received "
     "(Python was in string_at, ctypes/__init__.py:",
     "drop_last_chunk": "/update_weights calls with 200",
     "chunk_index_not_reset": "calls answered 200 carry chunk indexes [",

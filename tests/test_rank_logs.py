@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from harness.rank_logs import death_cause, demangle, lost_a_peer, read_tail, with_death_cause
+from harness.rank_logs import death_cause, demangle, lost_a_peer, ray_exit_detail, read_tail, with_death_cause
 from harness.record import ErrorRecord
 
 # The two ranks of a gloo group: rank 1 sends 65 bytes, rank 0 posts a receive of 64.
@@ -135,18 +135,79 @@ def test_the_cause_leads_the_rank_error_and_ray_words_follow(tmp_path: Path) -> 
     assert err.type == "ActorDiedError" and err.rank == 0
 
 
-def test_without_a_cause_the_message_says_what_leaves_none_and_where_the_log_is(tmp_path: Path) -> None:
+# Ray's `ActorDiedError` text (Ray 2.x), as the driver gets it for three ways a worker ends.
+RAY_ABRUPT = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: TrainerWorker\nThe actor is dead because "
+    "its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with "
+    "a connection error code 2. End of file. Some common causes include: (1) the process was killed by the OOM killer"
+)
+RAY_EXIT_3 = (
+    "The actor died unexpectedly before finishing this task.\nThe actor is dead because its worker process has died. "
+    "Worker exit type: INTENDED_USER_EXIT Worker exit detail: Worker exits with an exit code 3."
+)
+RAY_SIGTERM = (
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker "
+    "exits with an exit code 1. The process receives a SIGTERM."
+)
+
+
+def test_ray_exit_detail_is_kept_only_where_ray_knows_how_the_worker_ended() -> None:
+    assert ray_exit_detail(RAY_EXIT_3) == "Worker exits with an exit code 3."
+    assert ray_exit_detail(RAY_SIGTERM) == "Worker exits with an exit code 1. The process receives a SIGTERM."
+    assert ray_exit_detail(RAY_ABRUPT) is None  # a connection that closed: not how
+    assert ray_exit_detail("The actor died unexpectedly before finishing this task.") is None
+
+
+def test_without_a_cause_an_abrupt_end_says_what_leaves_none_and_where_the_log_is(tmp_path: Path) -> None:
     log = tmp_path / "worker-2.err"
     log.write_text("ordinary output\n")
-    err = with_death_cause(_died(), read_tail(str(log)), str(log))
+    err = with_death_cause(_died(RAY_ABRUPT), read_tail(str(log)), str(log), phase="sync 0: exporting (gather)")
     first, rest = err.message.split("\n", 1)
     assert first == (
-        "the rank's process died without a fatal report in its log (killed by SIGKILL, the kernel's OOM killer "
-        f"among them, or it called os._exit; its log: {log})"
+        "the rank's process died without a fatal report in its log (it ended abruptly: killed by SIGKILL, the "
+        "kernel's OOM killer among them, or it called os._exit; its last phase: sync 0: exporting (gather); "
+        f"its log: {log})"
     )
-    assert rest == "The actor died unexpectedly before finishing this task."
+    assert rest == RAY_ABRUPT
     unread = with_death_cause(_died(), read_tail(None), None)
     assert "; its log could not be read)\n" in unread.message and unread.traceback == "tb"
+
+
+def test_without_a_cause_an_exit_ray_saw_is_given_as_ray_says_it(tmp_path: Path) -> None:
+    err = with_death_cause(_died(RAY_SIGTERM), "", None, phase="sync 1: handing its tensors to the sender")
+    assert err.message.split("\n", 1)[0] == (
+        "the rank's process ended without a fatal report in its log (Ray: Worker exits with an exit code 1. The "
+        "process receives a SIGTERM.; its last phase: sync 1: handing its tensors to the sender; its log could not "
+        "be read)"
+    )
+
+
+def test_the_last_phase_follows_a_cause() -> None:
+    err = with_death_cause(_died(), RAY_WORKER_LOG, None, phase="sync 0: collecting chunk 0 of 2")
+    assert err.message.split("\n", 1)[0].endswith(
+        "transport/sync.py:113); its last phase: sync 0: collecting chunk 0 of 2"
+    )
+
+
+def test_a_gloo_abort_names_the_thread_in_the_collective_not_the_main_thread_waiting_on_it() -> None:
+    # A collective run from a worker thread while the main thread joins it; gloo's own thread aborts.
+    log = (
+        "Unhandled exception: N4gloo13EnforceNotMetE. what(): [enforce fail at pair.cc:456] 32768 vs 16384.\n"
+        "Fatal Python error: Aborted\n\n"
+        "Thread 0x00007f4c33f6f6c0 (most recent call first):\n"
+        '  File "/venv/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", line 4100 in '
+        "all_gather_single\n"
+        '  File "/work/repo/reference_impl/trainer/params.py", line 163 in <lambda>\n\n'
+        "Thread 0x00007f4f36327b80 (most recent call first):\n"
+        '  File "/root/.pyenv/versions/3.12.1/lib/python3.12/threading.py", line 1167 in _wait_for_tstate_lock\n'
+        '  File "/work/repo/reference_impl/trainer/params.py", line 164 in _gather_stacked\n'
+    )
+    cause = death_cause(log)
+    assert cause is not None
+    assert cause.endswith(
+        "(Python was in all_gather_single, distributed/distributed_c10d.py:4100, called from <lambda>, "
+        "trainer/params.py:163)"
+    ), cause
 
 
 def test_read_tail_reads_only_the_end(tmp_path: Path) -> None:

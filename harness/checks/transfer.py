@@ -29,7 +29,7 @@ from harness.checks.base import (
     status_text,
 )
 from harness.checks.names import check_names
-from harness.record import ErrorRecord, HttpCall, RunRecord, SyncRecord
+from harness.record import DIED, ErrorRecord, HttpCall, RunRecord, SyncRecord
 
 
 def check_config(record: RunRecord) -> CheckResult:
@@ -136,7 +136,10 @@ def check_crash(record: RunRecord) -> CheckResult:
         return passed(name, verdict)
     first = crashes[0]
     text = first_line(first.message) or "<no message>"
-    return failed(name, verdict, f"{error_origin(first)} raised {first.type}: {text}{more(len(crashes) - 1)}")
+    # other ranks whose process died too: named, not counted among the peers' follow-on errors
+    died = sorted({e.rank for e in crashes[1:] if e.type == DIED and e.rank is not None and e.rank != first.rank})
+    also = f"; rank {', '.join(map(str, died))} died too" if died else ""
+    return failed(name, verdict, f"{error_origin(first)} raised {first.type}: {text}{also}{more(len(crashes) - 1)}")
 
 
 def check_http_status(record: RunRecord) -> CheckResult:

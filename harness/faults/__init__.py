@@ -260,6 +260,13 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.stage_export_segfaults,
         ),
         Fault(
+            "bridge_export_segfaults",
+            "the bridge export segfaults on the last PP stage; in a raw scenario only the cross-mode oracle runs it",
+            "CRASH",
+            {"model": "qwen3", "pp": 2, **_SMALL},
+            trainer=trainer.bridge_export_segfaults,
+        ),
+        Fault(
             "engine_dies_after_rejected_chunk",
             "a lm_head sent to a tied engine, which answers the rejection and then dies",
             "CRASH",

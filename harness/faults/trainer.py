@@ -391,6 +391,25 @@ def stage_export_segfaults() -> None:
     seams.replace("convert", make)
 
 
+def bridge_export_segfaults() -> None:
+    """Megatron-Bridge's export dies in native code on the last PP stage (rank 1 at PP 2) before it yields
+    anything, as an extension kernel's segfault would. In a raw scenario only the second export path (the
+    cross-mode oracle, after the last sync) runs it: the rank dies while the harness's oracle runs in it."""
+    import ctypes
+
+    import torch.distributed as dist
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def export(export_mode, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if export_mode == "bridge" and dist.get_rank() == 1:
+                ctypes.string_at(0)  # reads address 0: SIGSEGV
+            return orig(export_mode, *args, **kwargs)
+
+        return export
+
+    seams.replace("export", make)
+
+
 def second_init_from_pp_stage() -> None:
     """The first rank of the last PP stage also believes it talks to the engine and joins it through its
     own /init_weight_transfer_engine (every stage leader "initialises the update group"): the engine joins

@@ -89,6 +89,20 @@ def test_engine_died_is_a_crash(record: RunRecord) -> None:
     assert verdict_of(record) == ("CRASH", "engine raised SegmentationFault: engine exited -11")
 
 
+def test_a_second_rank_that_died_is_named_not_counted_among_the_follow_on_errors(record: RunRecord) -> None:
+    record.syncs[-1].finished = False
+    record.errors += [
+        ErrorRecord(
+            where="trainer", rank=2, type="ActorDiedError", message="the rank's process died: SIGSEGV received"
+        ),
+        ErrorRecord(where="trainer", rank=3, type="ActorDiedError", message="the rank's process died without ..."),
+        ErrorRecord(where="trainer", rank=0, type="RuntimeError", message="Connection reset by peer"),
+    ]
+    assert check_crash(record).message == (
+        "rank 2 (trainer) raised ActorDiedError: the rank's process died: SIGSEGV received; rank 3 died too (+2 more)"
+    )
+
+
 def test_http_non_200_quotes_the_engines_reason(record: RunRecord) -> None:
     record.http[2].status = 503
     record.http[2].rejections = [rejection("/update_weights", "other", "Service Unavailable")]
