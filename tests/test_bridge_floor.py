@@ -26,3 +26,27 @@ def test_view_split_takes_each_groups_query_heads_then_its_k_and_v() -> None:
 def test_view_split_refuses_a_weight_that_does_not_fit_the_heads() -> None:
     with pytest.raises(ValueError, match="does not fit 4 heads in 2 groups"):
         view_split_qkv(torch.zeros(12, 3), num_heads=4, num_query_groups=2, head_dim=2)
+
+
+def test_header_shapes_read_each_tensors_shape_and_dtype_as_stored(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from harness.scale.bridge_floor import header_shapes
+
+    save_file(
+        {"a.weight": torch.zeros(3, 5, dtype=torch.bfloat16), "b": torch.ones(7, dtype=torch.int64)},
+        tmp_path / "m-1.safetensors",
+    )
+    save_file({"c": torch.zeros(2, 2, 2)}, tmp_path / "m-2.safetensors")
+    assert header_shapes(tmp_path) == {
+        "a.weight": ((3, 5), torch.bfloat16),
+        "b": ((7,), torch.int64),
+        "c": ((2, 2, 2), torch.float32),
+    }
+
+
+def test_header_shapes_refuse_a_folder_without_safetensors(tmp_path) -> None:
+    from harness.scale.bridge_floor import header_shapes
+
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors file"):
+        header_shapes(tmp_path)

@@ -13,15 +13,15 @@ sync loop does (and dropping it):
   the shards, a copy of every gathered byte), `param_mapping.split_qkv_weights` (the fused QKV split, by
   advanced indexing), `remove_non_pickleables` (a copy of the model's config that every QKV mapping
   makes on every export, two or three levels deep) and `SafeTensorsStateSource.load_tensors` (reads of
-  the HF checkpoint: none, since the export runs through a bridge built from the HF config,
-  `export.bridge.exporting_bridge`; the checkpoint's bridge loaded each stacked expert tensor, only for
-  its shape); each export's all-gathers are counted;
+  the HF checkpoint: the grouped expert export loads each stacked expert tensor, only for its shape);
+  each export's all-gathers are counted;
 - `floor`: the same export with library internals replaced in this process only, as the library could
   do them: `MegatronParamMapping.gather_from_tp_ranks` gathers into one tensor kept per mapping from sync
   to sync (`all_gather_into_tensor`, as the raw export does) and returns its slices, and
   `gather_from_ep_ranks` likewise for the EP gather (still one collective per expert weight, as in the
   raw export); the QKV split takes strided views (`view_split_qkv`); the config copy is made once per
-  config and kept. The library's `cat` of the slices stays.
+  config and kept; and the checkpoint answers from its safetensors headers (`header_state`: tensors on
+  the meta device, shape and dtype only). The library's `cat` of the slices stays.
   Its tensors must equal the library's and the raw export's bit for bit (checked on the first repeat).
 Seconds are medians of the steady repeats (the first, which allocates, is left out).
 """
@@ -34,6 +34,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,6 +69,63 @@ def view_split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int, hea
         grouped[:, per_group].reshape(-1, hidden),
         grouped[:, per_group + 1].reshape(-1, hidden),
     )
+
+
+# safetensors header dtype names (the format's spec, `safetensors` README "Format") -> torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def header_shapes(checkpoint: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor in the `*.safetensors` files of `checkpoint`, read from the
+    files' headers only (no tensor data is read).
+
+    Raises:
+        FileNotFoundError: `checkpoint` holds no `*.safetensors` file.
+        KeyError: a header names a dtype outside `SAFETENSORS_DTYPES`.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {checkpoint}")
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                part = f.get_slice(key)
+                out[key] = (tuple(part.get_shape()), SAFETENSORS_DTYPES[part.get_dtype()])
+    return out
+
+
+def header_state(checkpoint: Path) -> Any:
+    """A Megatron-Bridge `StateDict` over `checkpoint` whose tensors are meta tensors of the stored shape
+    and dtype (`header_shapes`): what the library's export needs from the checkpoint (key lists, the
+    shape of a stacked expert tensor) without reading its data. Reading a value from it fails (meta
+    tensors hold none), so an export that needed the checkpoint's values would stop, not pass.
+    """
+    from megatron.bridge.models.hf_pretrained.state import StateDict, StateSource
+
+    shapes = header_shapes(checkpoint)
+
+    class HeaderSource(StateSource):
+        def get_all_keys(self) -> list[str]:
+            return sorted(shapes)
+
+        def load_tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
+            return {k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta") for k in keys if k in shapes}
+
+    return StateDict(HeaderSource())
 
 
 def _rank(
@@ -163,6 +221,8 @@ def _rank(
     layout = init_model_parallel(tp, 1, ep)
     model = build_model(checkpoint, spec.model_type, tp, 1, dtype, ep=ep)
     config = stream.convert_config(spec, checkpoint)
+    pretrained = model.bridge.hf_pretrained
+    library_state, headers = pretrained.state, header_state(checkpoint)
 
     def counted(f: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -187,6 +247,7 @@ def _rank(
             pm.MegatronParamMapping.gather_from_ep_ranks = one_tensor_ep_gather if floor else library["ep_gather"]
             pm.split_qkv_weights = view_split if floor else timed("split_qkv", library["split"])
             pm.remove_non_pickleables = kept_copy if floor else timed("config_copy", library["config_copy"])
+            pretrained._state_dict_accessor = headers if floor else library_state
             spent.update(dict.fromkeys(PARTS, 0.0))
             calls["collectives"] = 0
             torch.distributed.barrier()

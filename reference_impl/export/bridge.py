@@ -26,8 +26,7 @@ Here, with the library's own API:
    every expert weight over EP, one collective per weight, gate and up apart, into every EP rank.
    Stacked experts (`is_grouped_export`: the library stacks all E experts of a layer, counting them
    with Megatron's global EP size) keep the library's EP gather;
-5. `export_hf_weights(model, cpu=..., conversion_tasks=tasks, merge_adapter_weights=False)`, called on a
-   bridge built from the model's HF config alone (`exporting_bridge`), on every
+5. `export_hf_weights(model, cpu=..., conversion_tasks=tasks, merge_adapter_weights=False)` on every
    rank of the stage (no LoRA adapters here; merging them would all-gather adapter facts over PP on
    every call), once for the stage's shared tasks and once for this rank's own experts. Tensors stay
    where the model lives (`cpu` is true only without CUDA), as the raw mode's do: the hand-off below
@@ -136,28 +135,6 @@ def stage_tasks(model: TrainerModel, layout: RankLayout) -> StageTasks:
     return result
 
 
-def exporting_bridge(model: TrainerModel) -> Any:
-    """The `AutoBridge` the exports run through: one built from the model's HF config alone
-    (`AutoBridge.from_hf_config`), made on first use and kept in `model.export_cache`.
-
-    The checkpoint's bridge (`model.bridge`, which built and loaded the model) converts alike, but its grouped
-    expert export reads a whole tensor from the checkpoint for every stacked expert tensor, on every rank and
-    every export, only to learn its shape: Megatron-Bridge 0.6.2 `_accumulate_grouped_export` looks up
-    `hf_state_dict[group_key].shape` in `hf_pretrained.state` (`SafeTensorsStateSource.load_tensors`, no
-    cache) to decide whether to transpose. That is 12 reads per export for the CPU matrix's Qwen3-VL-MoE and
-    58 GB per export and rank for Qwen3-VL-30B-A3B (48 layers x 1.2 GB). A bridge without a checkpoint has no
-    state, and the library then transposes the stacked experts from Megatron's [E, out, in] to the HF layout
-    [E, in, out] unconditionally, which is what this trainer's experts need (`trainer.model`: the local
-    spec's SequentialMLP, `moe_grouped_gemm=False`). Every other mapping reads nothing from the checkpoint.
-    """
-    bridge = model.export_cache.get("exporting_bridge")
-    if bridge is None:
-        from megatron.bridge import AutoBridge
-
-        bridge = model.export_cache["exporting_bridge"] = AutoBridge.from_hf_config(model.bridge.hf_pretrained.config)
-    return bridge
-
-
 def iter_bridge(
     model: TrainerModel, layout: RankLayout, phases: dict[str, float]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -179,9 +156,8 @@ def iter_bridge(
     exports = [(tasks.shared, layout.is_stage_leader)]
     if tasks.own_experts:
         exports.append((tasks.own_experts, layout.leads_its_experts))
-    bridge = exporting_bridge(model)
     for conversion_tasks, keep in exports:
-        produced = bridge.export_hf_weights(
+        produced = model.bridge.export_hf_weights(
             model.chunks,
             cpu=on_host,
             show_progress=False,
