@@ -344,6 +344,7 @@ MESSAGE_SAYS = {
     # a rank that died while an oracle ran in it is the trainer's crash, not "oracle could not run"
     "bridge_export_segfaults": "rank 1 (trainer) raised ActorDiedError: the rank's process died: SIGSEGV received "
     "(Python was in string_at, ctypes/__init__.py:",
+    "bridge_built_from_config": "engine cannot place name 'lm_head.weight'",
     "drop_last_chunk": "/update_weights calls with 200",
     "chunk_index_not_reset": "calls answered 200 carry chunk indexes [",
     "plan_skips_an_index": "the sender's record has chunk indexes [0, 1, 2, ..., 19, 21], not 0 to 20 once each",

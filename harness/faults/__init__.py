@@ -267,6 +267,13 @@ FAULTS: dict[str, Fault] = {
             trainer=trainer.bridge_export_segfaults,
         ),
         Fault(
+            "bridge_built_from_config",
+            "the bridge mode exports through an AutoBridge built from the HF config alone (tied embeddings)",
+            "NAME_ERROR",
+            {"model": "qwen3", "export_mode": "bridge", **_SMALL},
+            trainer=trainer.bridge_built_from_config,
+        ),
+        Fault(
             "engine_dies_after_rejected_chunk",
             "a lm_head sent to a tied engine, which answers the rejection and then dies",
             "CRASH",

@@ -410,6 +410,30 @@ def bridge_export_segfaults() -> None:
     seams.replace("export", make)
 
 
+def bridge_built_from_config() -> None:
+    """The bridge mode exports through an `AutoBridge` built from the HF config alone
+    (`AutoBridge.from_hf_config`), as a trainer without the checkpoint's path at hand would build it.
+    Megatron-Bridge 0.6.2 decides from the checkpoint's key list whether a model with tied embeddings also
+    gets `lm_head.weight`; a config-only bridge has no key list and always emits it, a name the tied
+    checkpoint does not have."""
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def export(export_mode, model, layout, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if export_mode == "bridge" and not model.export_cache.get("fault_config_bridge"):
+                from megatron.bridge import AutoBridge
+
+                from reference_impl.export.bridge import stage_tasks
+
+                stage_tasks(model, layout)  # the conversion tasks, as before (every rank of the export calls it)
+                model.bridge = AutoBridge.from_hf_config(model.bridge.hf_pretrained.config)
+                model.export_cache["fault_config_bridge"] = True
+            return orig(export_mode, model, layout, *args, **kwargs)
+
+        return export
+
+    seams.replace("export", make)
+
+
 def second_init_from_pp_stage() -> None:
     """The first rank of the last PP stage also believes it talks to the engine and joins it through its
     own /init_weight_transfer_engine (every stage leader "initialises the update group"): the engine joins
