@@ -4,9 +4,9 @@ On every trainer rank, while its export runs (`export.stream.export` produces te
 1. the sender (global rank 0) opens one session (`/start_weight_update`), then consumes its export and hands
    each chunk of its own tensors to its send thread as soon as the tensor after it was produced (the
    plan's greedy rule over the sender's tensors, which come first in the plan): gather and convert of the
-   next chunks overlap with the wire of the earlier ones; the send thread takes one chunk at a time, in plan
-   order, so a channel's buffer is rewritten only after the engine acknowledged the chunk before, and with
-   `QUEUE_DEPTH` chunks unanswered the export waits, so the sender holds a few chunks, never its stage;
+   next chunks overlap with the wire of the earlier ones (up to `QUEUE_DEPTH` chunks unanswered: a sender
+   holds a few chunks, never its stage); the send thread takes one chunk at a time, in plan order, so a
+   channel's buffer is rewritten only after the engine acknowledged the chunk before;
 2. all ranks exchange their tensor metadata (one `all_gather_object`) and compute the same chunk plan (the
    sender checks that it begins with the chunks it already queued);
 3. per remaining chunk: owners other than the sender hand their tensors to it point to point (each rank
@@ -48,10 +48,7 @@ from reference_impl.transport.progress import Progress
 
 SENDER = SENDER_RANK
 SEND_THREAD = "sync-send"  # the send thread's name prefix (its progress lines begin with it)
-# Chunks the sender holds unanswered at most: one on the wire and one ready behind it. A chunk more waits
-# in `_SendThread.put` (the export pauses), so the sender holds a few chunks, not what its export ran ahead
-# of a slower wire (up to its whole stage).
-QUEUE_DEPTH = 2
+QUEUE_DEPTH = 2  # chunks the sender holds unanswered (one on the wire, one ready) before its export waits
 
 
 class Channel(Protocol):
@@ -220,8 +217,7 @@ class _SendThread:
         self.stopped: str | None = None  # why the chunks still queued are not sent
 
     def put(self, chunk: Chunk, tensors: list[torch.Tensor]) -> None:
-        """Queue one collected chunk (its `update_info` is made now, in plan order), once fewer than
-        `QUEUE_DEPTH` chunks queued before it are still unanswered (it waits for the oldest one meanwhile)."""
+        """Queue one collected chunk (`update_info` made now, in plan order); waits while `QUEUE_DEPTH` are out."""
         unanswered = [future for _, future in self.queued if not future.done()]
         if len(unanswered) >= QUEUE_DEPTH:
             wait(unanswered[: len(unanswered) - QUEUE_DEPTH + 1])
