@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.faults import FAULTS, engine, trainer
+from harness.faults import FAULTS, deaths, engine, trainer
 from reference_impl import seams
 
 
@@ -87,7 +87,8 @@ def test_a_snapshot_sees_a_replacement_until_it_is_undone() -> None:
 def test_trainer_seams_are_the_ones_trainer_faults_replace() -> None:
     """`TRAINER_SEAMS` (what a trainer rank compares after a fault) holds every seam a trainer fault replaces,
     and none an engine fault replaces."""
-    for module, side in ((trainer, set(seams.TRAINER_SEAMS)), (engine, set(seams.SEAMS) - set(seams.TRAINER_SEAMS))):
+    trainer_side, engine_side = set(seams.TRAINER_SEAMS), set(seams.SEAMS) - set(seams.TRAINER_SEAMS)
+    for module, side in ((trainer, trainer_side), (deaths, trainer_side), (engine, engine_side)):
         tree = ast.parse(Path(inspect.getfile(module)).read_text())
         called = {node.args[0].value for node in ast.walk(tree) if _is_replace_call(node)}
         assert called and called <= side, (module.__name__, sorted(called - side))
@@ -97,7 +98,7 @@ def test_every_fault_is_applied_from_its_side() -> None:
     for fault in FAULTS.values():
         assert fault.trainer is not None or fault.engine is not None, fault.name
         if fault.trainer is not None:
-            assert fault.trainer.__module__ == "harness.faults.trainer", fault.name
+            assert fault.trainer.__module__ in ("harness.faults.trainer", "harness.faults.deaths"), fault.name
         if fault.engine is not None:
             assert fault.engine.__module__ == "harness.faults.engine", fault.name
             assert fault.hook == f"harness.faults.engine:{fault.engine.__name__}"

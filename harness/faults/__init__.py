@@ -4,7 +4,8 @@ Faults are test equipment and live only here. Each is a small documented change 
 processes of ONE scenario only (never in normal runs), always through the named seams of the system
 under test (`reference_impl.seams`):
 
-- trainer side (`faults.trainer`): a function the runner calls in every trainer rank's process
+- trainer side (`faults.trainer`; `faults.deaths`, those that kill a rank's process below Python): a
+  function the runner calls in every trainer rank's process
   (`TrainerWorker.run_in_process`); after a scenario that ran through or recovered cleanly from a failed
   sync (`harness.outcome.in_step`), the runner undoes it (`seams.restore_all`) and keeps those processes
   only when their seams run what they ran at their start and no shared-memory segment appeared since the
@@ -23,15 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.faults import engine, trainer
+from harness.faults import deaths, engine, trainer
 
 
 @dataclass(frozen=True)
 class Fault:
     """One fault: what bug it reproduces, how it is injected, and the verdict it must produce.
 
-    `trainer` is applied in every trainer rank's process (a function of `faults.trainer`), `engine` is the
-    hook the engine loads at start or restart (a function of `faults.engine`); a fault has one or both.
+    `trainer` is applied in every trainer rank's process (a function of `faults.trainer` or `faults.deaths`),
+    `engine` is the hook the engine loads at start or restart (a function of `faults.engine`); a fault has
+    one or both.
     """
 
     name: str
@@ -250,21 +252,21 @@ FAULTS: dict[str, Fault] = {
             "a PP stage hands the sender each tensor one element longer than planned: gloo aborts the sender",
             "CRASH",
             {"model": "qwen3", "pp": 2, **_SMALL},
-            trainer=trainer.handoff_one_element_more,
+            trainer=deaths.handoff_one_element_more,
         ),
         Fault(
             "stage_export_segfaults",
             "the last PP stage segfaults in its export while the sender waits on it in a collective",
             "CRASH",
             {"model": "qwen3", "pp": 2, **_SMALL},
-            trainer=trainer.stage_export_segfaults,
+            trainer=deaths.stage_export_segfaults,
         ),
         Fault(
             "bridge_export_segfaults",
             "the bridge export segfaults on the last PP stage; in a raw scenario only the cross-mode oracle runs it",
             "CRASH",
             {"model": "qwen3", "pp": 2, **_SMALL},
-            trainer=trainer.bridge_export_segfaults,
+            trainer=deaths.bridge_export_segfaults,
         ),
         Fault(
             "bridge_built_from_config",

@@ -354,62 +354,6 @@ def planner_key_error() -> None:
     seams.replace("plan_chunks", make)
 
 
-def handoff_one_element_more() -> None:
-    """A PP stage hands the sender each of its tensors with one element more than the plan declared (a
-    tensor padded after the plan was made, as a vocabulary padded to a multiple): the sender posts a
-    receive of the planned size, and gloo aborts the sender's process inside its transport thread (an
-    uncaught C++ exception, "Received data size doesn't match expected size"), below anything Python could
-    catch."""
-
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def hand_off(plan, named, rank):  # type: ignore[no-untyped-def]
-            padded = {n: torch.cat([t.detach().reshape(-1), t.detach().reshape(-1)[:1]]) for n, t in named.items()}
-            orig(plan, padded, rank)
-
-        return hand_off
-
-    seams.replace("hand_off", make)
-
-
-def stage_export_segfaults() -> None:
-    """The last PP stage (rank 1 at PP 2) dies in native code as its export converts its first tensor (a
-    segfault, as a faulty extension kernel's): its process ends below Python, while the sender, waiting for
-    every rank's tensor metadata, fails with gloo's "Connection reset by peer", which names neither the dead
-    rank nor why it died."""
-    import ctypes
-
-    import torch.distributed as dist
-
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def convert(*args, **kwargs):  # type: ignore[no-untyped-def]
-            if dist.get_rank() == 1:
-                ctypes.string_at(0)  # reads address 0: SIGSEGV
-            return orig(*args, **kwargs)
-
-        return convert
-
-    seams.replace("convert", make)
-
-
-def bridge_export_segfaults() -> None:
-    """Megatron-Bridge's export dies in native code on the last PP stage (rank 1 at PP 2) before it yields
-    anything, as an extension kernel's segfault would. In a raw scenario only the second export path (the
-    cross-mode oracle, after the last sync) runs it: the rank dies while the harness's oracle runs in it."""
-    import ctypes
-
-    import torch.distributed as dist
-
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def export(export_mode, *args, **kwargs):  # type: ignore[no-untyped-def]
-            if export_mode == "bridge" and dist.get_rank() == 1:
-                ctypes.string_at(0)  # reads address 0: SIGSEGV
-            return orig(export_mode, *args, **kwargs)
-
-        return export
-
-    seams.replace("export", make)
-
-
 def bridge_built_from_config() -> None:
     """The bridge mode exports through an `AutoBridge` built from the HF config alone
     (`AutoBridge.from_hf_config`), as a trainer without the checkpoint's path at hand would build it.
