@@ -8,7 +8,7 @@ from dummy weights), ``steady_s`` the median over the finished syncs >= 1 but th
 compares against), ``steady_reported_s`` the median the trainer's own timer gives (a row where it falls well
 short is named in summary.md: `harness.timers`), and each phase column (``gather_s`` ...) the median of that
 phase, as the trainer times it, over the same syncs. ``steady_gbps`` is ``bytes_per_sync / steady_s / 1e9``.
-``bound_s`` is the same-run bound of the last sync (``bound_gather_s + bound_wire_s``: the bare all-gathers,
+``bound_s`` is the same-run bound of the last sync (``bound_gather_s + bound_wire_s``: the bare gathers,
 hand-offs and chunk transfers of the same bytes over the same groups, `reference_impl.transport.bound`) and
 ``bound_max_s`` the same sum of the slowest repeats (the bound's own noise; NaN in records without them), and
 ``efficiency`` is ``bound_s / steady_s`` (1.0: the reference path costs what its bare collectives cost; NaN

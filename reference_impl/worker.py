@@ -241,7 +241,7 @@ class TrainerWorker:
         assert self.model is not None and self.layout is not None
         if not self.last_plan:
             raise RuntimeError("measure_bound needs a finished sync of this scenario: call sync() first")
-        self.progress.at("bound: bare all-gathers, hand-offs and chunk transfers of the last sync's sizes")
+        self.progress.at("bound: bare gathers, hand-offs and chunk transfers of the last sync's sizes")
         num_experts = self.convert_config.num_experts
         ep_gathers = model_family(self.model.model_type).raw.ep_gathers_experts
         gathers = [

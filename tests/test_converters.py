@@ -88,7 +88,7 @@ def test_tp_gather_layout_matches_concatenation(
     shape: tuple[int, ...], dim: int, stride: int, tp: int, kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # tp_gather's one buffer and strided copy give what concatenating the blocks in rank order gives
-    # (combine_shards: block j of every rank before block j + 1); the all-gather hands rank r's shard. With
+    # (combine_shards: block j of every rank before block j + 1); the exchange hands rank r's shard. With
     # kept buffers, a second export of other values writes the same memory and is right again.
     n = torch.Size(shape).numel()
     buffers = params.GatherBuffers() if kept else None
@@ -99,11 +99,15 @@ def test_tp_gather_layout_matches_concatenation(
             torch.arange(base + r * 1000, base + r * 1000 + n, dtype=torch.float32).view(shape) for r in range(tp)
         ]
 
-        def all_gather_single(out: torch.Tensor, t: torch.Tensor, group: object = None, shards=shards) -> None:  # type: ignore[no-untyped-def]
-            assert out.dim() == t.dim() == 1 and torch.equal(t, shards[0].view(-1))  # gloo's flat form
-            out.copy_(torch.cat([sh.view(-1) for sh in shards]))
+        def exchange(flat: torch.Tensor, parts: torch.Tensor, group: object, to_first: bool, shards=shards) -> bool:  # type: ignore[no-untyped-def]
+            # group rank 0's part of the host's point-to-point exchange: every other rank's row
+            assert parts.shape == (tp, n) and torch.equal(flat, shards[0].view(-1))  # the flat form
+            for r in range(1, tp):
+                parts[r].copy_(shards[r].view(-1))
+            return True
 
-        monkeypatch.setattr(params.dist, "all_gather_single", all_gather_single)
+        monkeypatch.setattr(params, "_exchange", exchange)
+        monkeypatch.setattr(params.dist, "get_rank", lambda group=None: 0)
         param = torch.nn.Parameter(shards[0].clone(), requires_grad=False)
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride  # type: ignore[attr-defined]
         full = params.tp_gather(param, None, tp, buffers, "w")
@@ -137,34 +141,60 @@ GLOO_LAYOUTS = [((6, 4), 0, 1), ((6, 4), 0, 2), ((6, 4), 1, 1), ((4, 6, 2), 1, 3
 
 
 def _gather_rank(rank: int, port: int, failures: Any) -> None:
-    """One TP rank of a real gloo group: tp_gather / tp_shards / ep_gather of bf16 shards, checked against
-    concatenating them (`combine_shards`)."""
+    """One of three ranks of a real gloo group: tp_gather / tp_shards / ep_gather of bf16 shards over the
+    world and over the group of ranks 1 and 2 (rank 1 its first), checked against concatenating them
+    (`combine_shards`)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    pair = dist.new_group([1, 2])
     try:
         for shape, dim, stride in GLOO_LAYOUTS:
             n = torch.Size(shape).numel()
-            shards = [torch.arange(r * 1000, r * 1000 + n, dtype=torch.bfloat16).view(shape) for r in range(2)]
+            shards = [torch.arange(r * 1000, r * 1000 + n, dtype=torch.bfloat16).view(shape) for r in range(3)]
             param = torch.nn.Parameter(shards[rank].clone(), requires_grad=False)
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride  # type: ignore[attr-defined]
             for buffers in (None, params.GatherBuffers()):
-                if not torch.equal(params.tp_gather(param, None, 2, buffers, "w"), combine_shards(shards, dim, stride)):
+                if not torch.equal(params.tp_gather(param, None, 3, buffers, "w"), combine_shards(shards, dim, stride)):
                     failures.put(f"rank {rank}: tp_gather {shape} dim {dim} stride {stride} buffers {buffers}")
             gathered = {
-                "tp_shards": params.tp_shards(param, None, 2),
-                "ep_gather": params.ep_gather(shards[rank], None, 2),
-                "ep_gather into kept buffers": params.ep_gather(shards[rank], None, 2, params.GatherBuffers(), "w"),
+                "tp_shards": (params.tp_shards(param, None, 3), shards if rank == 0 else []),
+                "ep_gather": (params.ep_gather(shards[rank], None, 3), shards),
+                "ep_gather into kept buffers": (
+                    params.ep_gather(shards[rank], None, 3, params.GatherBuffers(), "w"),
+                    shards,
+                ),
             }
-            for what, got in gathered.items():
-                if [torch.equal(a, b) for a, b in zip(got, shards, strict=True)] != [True, True]:
+            if rank > 0:  # the group of ranks 1 and 2: rank 1 (its first) gathers what rank 2 sends it
+                for buffers in (None, params.GatherBuffers()):
+                    if rank == 1:
+                        full = params.tp_gather(param, pair, 2, buffers, "w", to_first=True)
+                        if not torch.equal(full, combine_shards(shards[1:], dim, stride)):
+                            failures.put(f"rank 1: tp_gather to the first of a subgroup {shape} buffers {buffers}")
+                    elif params.tp_shards(param, pair, 2, buffers) != []:
+                        failures.put("rank 2: tp_shards gave shards on a rank that only sends")
+                gathered["tp_shards of a subgroup"] = (
+                    params.tp_shards(param, pair, 2),
+                    shards[1:] if rank == 1 else [],
+                )
+            for what, (got, expected) in gathered.items():
+                if len(got) != len(expected) or not all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)):
                     failures.put(f"rank {rank}: {what} {shape}")
+        if rank == 2:  # only a group's first rank gathers to itself
+            try:
+                params.tp_gather(param, pair, 2, None, "w", to_first=True)
+                failures.put("rank 2: tp_gather(to_first=True) did not refuse a rank that is not its group's first")
+            except RuntimeError:
+                pass
+        elif rank == 1:
+            params.tp_shards(param, pair, 2)  # the shard rank 2 sent
     finally:
         dist.destroy_process_group()
 
 
 def test_gathers_over_a_real_gloo_group() -> None:
-    # The collective's own shape rules (gloo takes the flat form) and the layouts, on two real processes.
+    # The point-to-point exchange and the layouts, on three real processes: over the world (every rank gets the
+    # full tensor) and over a group of two of them (only its first rank does; the other only sends).
     import torch.multiprocessing as mp
 
     from reference_impl.engine.process import free_port
@@ -172,12 +202,12 @@ def test_gathers_over_a_real_gloo_group() -> None:
     ctx = mp.get_context("spawn")
     failures = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_gather_rank, args=(r, port, failures)) for r in range(2)]
+    procs = [ctx.Process(target=_gather_rank, args=(r, port, failures)) for r in range(3)]
     for proc in procs:
         proc.start()
     for proc in procs:
         proc.join(timeout=120)
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert [proc.exitcode for proc in procs] == [0, 0, 0]
     assert failures.empty(), failures.get()
 
 

@@ -3,7 +3,7 @@
 Two trainer ranks (TP x EP on two ranks, PP 1; gloo on 127.0.0.1, one thread each) build one model from
 its seeded checkpoint and run three exports in turn, `repeats` times each, consuming every tensor as the
 sync loop does (and dropping it):
-- `raw`: the raw export (`export.stream`), its TP and EP all-gathers into buffers kept between syncs
+- `raw`: the raw export (`export.stream`), its TP gathers and EP all-gathers into buffers kept between syncs
   (no EP gather for a family whose HF checkpoint names each expert apart: each EP rank exports its own
   experts, which a sync then hands to the sender; this tool drops them, so no hand-off is timed);
 - `bridge`: Megatron-Bridge's export as the harness runs it (`export.bridge`). Inside it, rank 0 times
@@ -17,7 +17,8 @@ sync loop does (and dropping it):
   each export's all-gathers are counted;
 - `floor`: the same export with library internals replaced in this process only, as the library could
   do them: `MegatronParamMapping.gather_from_tp_ranks` gathers into one tensor kept per mapping from sync
-  to sync (`all_gather_into_tensor`, as the raw export does) and returns its slices, and
+  to sync (`all_gather_into_tensor`; the raw export gathers into kept tensors too, point to point on a
+  host) and returns its slices, and
   `gather_from_ep_ranks` likewise for the EP gather (still one collective per expert weight, as in the
   raw export); the QKV split takes strided views (`view_split_qkv`); the config copy is made once per
   config and kept; and the checkpoint answers from its safetensors headers (`header_state`: tensors on

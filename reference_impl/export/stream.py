@@ -2,8 +2,8 @@
 
 Both return the HF (name, tensor) pairs this rank *owns* for sending, in a deterministic order, and
 the seconds spent per phase:
-- raw: every rank walks its parameters (global names), all TP ranks all-gather each sharded one,
-  and TP rank 0 of each PP stage converts and owns its stage's dense tensors by the family's raw rule
+- raw: every rank walks its parameters (global names), the TP ranks gather each sharded one to TP
+  rank 0, and TP rank 0 of each PP stage converts and owns its stage's dense tensors by the family's raw rule
   table (`models/families/<model_type>.py`, applied by `models.raw_rules.convert`); routed experts are
   owned by each EP rank's expert leader, or all-gathered over EP to EP 0 where the family fuses them
   (`iter_raw`).
@@ -97,8 +97,9 @@ def iter_raw(
     `buffers`: where the gathers write, kept from one export to the next (`trainer.params.GatherBuffers`:
     the tensors produced are valid until this rank's next export with the same buffers); None: new memory.
 
-    Dense parameters: all TP ranks all-gather, the stage leader (TP 0, DP 0) combines the shards, converts
-    and owns them (the other TP ranks only take part in the all-gather). Expert parameters: the expert-TP
+    Dense parameters: the TP ranks gather each one to their group's first rank (`tp_gather` / `tp_shards`
+    with `to_first`: on a host the others only send their shard); the stage leader (TP 0, DP 0) combines the
+    shards, converts and owns them. Expert parameters: the expert-TP
     ranks all-gather each local expert; then, for a family without a post pass, each EP rank's expert
     leader (ETP 0, EDP 0) converts and owns its own experts (global names), which the sync hands to the
     sender point to point; for a family with one (`FamilyTable.ep_gathers_experts`), the EP ranks
@@ -124,8 +125,8 @@ def iter_raw(
                 full_tensors = [(with_expert_id(name, r * local_experts + k), t) for r, t in enumerate(per_rank)]
                 mine = layout.is_expert_leader
         elif layout.is_stage_leader:
-            full_tensors, mine = [(name, tp_gather(p, groups.tp, layout.tp, buffers, name))], True
-        else:  # its shard goes to the leader's all-gather; nothing to combine here
+            full_tensors, mine = [(name, tp_gather(p, groups.tp, layout.tp, buffers, name, to_first=True))], True
+        else:  # its shard goes to its TP group's first rank; nothing to combine here
             tp_shards(p, groups.tp, layout.tp, buffers)
             full_tensors, mine = [], False
         t1 = time.perf_counter()

@@ -147,16 +147,58 @@ def kept_gather_buffers(on_gpu: bool) -> GatherBuffers | None:
     return None if on_gpu else GatherBuffers()
 
 
+# The tag of the export's point-to-point gathers on a host (`_exchange`): the sync's hand-off to the sender
+# uses tag 0 on the default group, so a gather's message can never be taken by a hand-off's receive.
+GATHER_TAG = 1
+
+
+def _exchange(flat: torch.Tensor, parts: torch.Tensor, group: dist.ProcessGroup | None, to_first: bool) -> bool:
+    """The communication of a gather on a host (gloo): `flat` is this rank's contribution, `parts` [size, n]
+    the rows to fill (row r = group rank r's), this rank's own row excepted. Every rank sends `flat` straight
+    from its memory and receives straight into `parts` (point to point, all at once). gloo's all-gather
+    would receive into a flat tensor of its own and copy that out (`AsyncAllgatherWork` in torch's
+    `ProcessGroupGloo.cpp`): a fresh allocation the size of the full tensor, its pages faulted by the
+    receive, and one more pass over every byte, per parameter and sync (on a 2-core host, 0.8-0.95 s
+    against 0.5 s for Qwen3-0.6B's TP 2 shards). `to_first`: only the group's first rank receives (the
+    others send it their row and receive nothing). Returns whether this rank received."""
+    me, size = dist.get_rank(group), parts.shape[0]
+    receives = not to_first or me == 0
+    ops = []
+    for peer in range(size):
+        if peer == me:
+            continue
+        if not to_first or peer == 0:
+            ops.append(dist.P2POp(dist.isend, flat, group=group, tag=GATHER_TAG, group_peer=peer))
+        if receives:
+            ops.append(dist.P2POp(dist.irecv, parts[peer], group=group, tag=GATHER_TAG, group_peer=peer))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return receives
+
+
 def _gather_stacked(
-    t: torch.Tensor, group: dist.ProcessGroup | None, size: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """One all-gather of `t` from every rank of `group` into one buffer of shape [size, *t.shape] (entry r =
-    rank r's tensor): `all_gather_single` writes each rank's bytes in place, with no per-rank output tensors
-    to allocate and no concatenation after it. `out`: a flat buffer of size * t.numel() elements of t's
-    dtype to gather into (default: a new one)."""
+    t: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    size: int,
+    out: torch.Tensor | None = None,
+    to_first: bool = False,
+) -> torch.Tensor | None:
+    """`t` from every rank of `group` into one buffer of shape [size, *t.shape] (entry r = group rank r's
+    tensor), every byte written where it stays: no per-rank output tensors and no concatenation after it.
+    `out`: a flat buffer of size * t.numel() elements of t's dtype to gather into (default: a new one).
+    On a GPU one `all_gather_into_tensor` (NCCL writes in place); on a host the point-to-point exchange of
+    `_exchange`. `to_first`: only the group's first rank needs the result; on a host the others only send,
+    and get None (on a GPU every rank takes part in the all-gather and gets it)."""
+    flat = t.contiguous().view(-1)
     if out is None:
-        out = torch.empty(size * t.numel(), dtype=t.dtype, device=t.device)
-    dist.all_gather_single(out, t.contiguous().view(-1), group=group)  # gloo takes the flat (concatenated) form
+        out = torch.empty(size * flat.numel(), dtype=t.dtype, device=t.device)
+    if flat.is_cuda:
+        dist.all_gather_into_tensor(out, flat, group=group)
+        return out.view(size, *t.shape)
+    parts = out.view(size, flat.numel())
+    if not _exchange(flat, parts, group, to_first):
+        return None
+    parts[dist.get_rank(group)].copy_(flat)
     return out.view(size, *t.shape)
 
 
@@ -166,17 +208,23 @@ def tp_gather(
     tp_size: int,
     buffers: GatherBuffers | None = None,
     key: str = "",
+    to_first: bool = False,
 ) -> torch.Tensor:
     """The full (unsharded) tensor of a TP-sharded parameter; replicated ones are returned as they are.
 
-    Every TP rank of the group must call this for the same parameters in the same order (all-gather).
+    Every TP rank of the group must call this for the same parameters in the same order (all-gather), or,
+    with `to_first`, the group's first rank calls this and the others `tp_shards` (only the first one needs
+    the full tensor: the stage leader).
     Shapes: shard [n/tp, ...] (partition_dim 0) -> full [n, ...]; stride s splits each shard into s
     blocks along partition_dim and concatenates block j of every rank before block j+1 (what
     `combine_shards` spells out). One all-gather into one buffer; partition_dim 0 with stride 1 (column-
     parallel weights, the vocab-parallel embedding) is that buffer as it is, other layouts take one
     strided copy of it. With `buffers`, the full tensor is a view of the buffer kept under (`key`, "tp"),
-    which the next export that gathers `key` overwrites (`GatherBuffers`); without, new memory. Raises what
-    `torch.distributed` raises when a rank of the group does not take part.
+    which the next export that gathers `key` overwrites (`GatherBuffers`); without, new memory.
+
+    Raises:
+        RuntimeError: from `torch.distributed` when a rank of the group does not take part; with `to_first`,
+            when this rank is not its group's first.
     """
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
@@ -185,7 +233,11 @@ def tp_gather(
     numel, dtype = shard.numel() * tp_size, shard.dtype
     as_is = dim == 0 and stride == 1
     kept = buffers.kept((key, "tp"), numel, dtype) if buffers is not None else None
-    stacked = _gather_stacked(shard, tp_group, tp_size, kept if as_is else _scratch(buffers, numel, dtype))
+    stacked = _gather_stacked(shard, tp_group, tp_size, kept if as_is else _scratch(buffers, numel, dtype), to_first)
+    if stacked is None:
+        raise RuntimeError(
+            f"tp_gather(to_first=True) of {key or 'a parameter'} on a rank that is not its TP group's first"
+        )
     pre, post = shard.shape[:dim], shard.shape[dim + 1 :]
     full_shape = (*pre, shard.shape[dim] * tp_size, *post)
     if as_is:
@@ -206,15 +258,17 @@ def _scratch(buffers: GatherBuffers | None, numel: int, dtype: torch.dtype) -> t
 def tp_shards(
     param: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int, buffers: GatherBuffers | None = None
 ) -> list[torch.Tensor]:
-    """Every TP rank's shard of a TP-sharded parameter, in rank order (the all-gather of `tp_gather`,
-    without combining them: what a TP rank that does not own the full tensor runs); [] for a replicated
-    parameter or TP 1 (nothing to gather). The shards are views of one buffer: with `buffers`, its scratch
-    buffer (valid until the next gather that uses it)."""
+    """A TP rank's part in gathering a TP-sharded parameter for a rank that does not own it (a stage
+    leader's TP peers, and the TP groups of other DP replicas): every shard, in rank order, on the group's
+    first rank; [] on the others, which only send theirs on a host (on a GPU they take part in the
+    all-gather: `_gather_stacked`); [] for a replicated parameter or TP 1 (nothing to gather). The shards
+    are views of one buffer: with `buffers`, its scratch buffer (valid until the next gather that uses it)."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return []
     shard = param.detach()
     out = _scratch(buffers, shard.numel() * tp_size, shard.dtype)
-    return list(_gather_stacked(shard, tp_group, tp_size, out).unbind(0))
+    stacked = _gather_stacked(shard, tp_group, tp_size, out, to_first=True)
+    return [] if stacked is None else list(stacked.unbind(0))
 
 
 def combine_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:

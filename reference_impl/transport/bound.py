@@ -4,12 +4,13 @@ Measured after a scenario's syncs, in the same processes, on the same groups and
 as the last sync, with nothing of the reference path (no conversion, packing, HTTP per chunk, checksum
 or load):
 
-- gather (every trainer rank, collectively): one bare `all_gather_single` per sharded parameter over the
-  group the export gathers it on (TP for dense parameters; expert-TP for routed experts, then EP where the
-  family's export gathers experts over EP, `FamilyTable.ep_gathers_experts`: the shards of
-  `export.stream.export_raw`, the same for both export modes), into buffers allocated beforehand; then
-  the bytes each non-sender owner holds in the plan, sent point to point to the sender in plan order
-  (the hand-off of `transport.sync`).
+- gather (every trainer rank, collectively): per sharded parameter, the bytes the export moves for it
+  over the group it gathers it on (TP for dense parameters, to the group's first rank; expert-TP for
+  routed experts, then EP where the family's export gathers experts over EP,
+  `FamilyTable.ep_gathers_experts`, to every rank of the group: the shards of `export.stream.export_raw`,
+  the same for both export modes), sent and received point to point into buffers allocated beforehand
+  on a host (one bare `all_gather_single` on a GPU, as the export); then the bytes each non-sender owner
+  holds in the plan, sent point to point to the sender in plan order (the hand-off of `transport.sync`).
 - wire (the sender): non-colocate, one bare broadcast of each chunk's size over the transfer group the
   channel uses (the engines take them in POST /transfer_probe, `engine/embedded/server.py`); colocate on
   CPU, one copy of each chunk's size into the channel's own shared-memory segment. vLLM and the CUDA
@@ -41,21 +42,24 @@ from reference_impl.transport.sync import SENDER, Channel
 
 @dataclass(frozen=True)
 class GatherStep:
-    """One bare all-gather: this rank's contribution in bytes, over the group of `size` ranks."""
+    """One bare gather: this rank's contribution in bytes, over the group of `size` ranks; `to_first`: only
+    the group's first rank receives (`trainer.params.tp_gather`'s `to_first`), else every rank does."""
 
     nbytes: int
     group: dist.ProcessGroup | None
     size: int
+    to_first: bool = False
 
 
 def gather_steps(
     model: TrainerModel, layout: RankLayout, num_experts: int, ep_gathers_experts: bool
 ) -> list[GatherStep]:
-    """The all-gathers the export runs on this rank, in its order: per TP-sharded dense parameter one over
-    the TP group (shard bytes); per routed expert parameter one over the expert-TP group when it is sharded
-    there, then, if `ep_gathers_experts`, one over the EP group (the expert's full bytes; otherwise each EP
-    rank's experts reach the sender by the hand-off). Replicated parameters gather nothing. Every rank of a
-    group lists the same steps in the same order (the export's collective schedule)."""
+    """The gathers the export runs on this rank, in its order: per TP-sharded dense parameter one over
+    the TP group to its first rank (shard bytes); per routed expert parameter one over the expert-TP group
+    when it is sharded there, then, if `ep_gathers_experts`, one over the EP group (the expert's full
+    bytes; otherwise each EP rank's experts reach the sender by the hand-off), both to every rank of the
+    group. Replicated parameters gather nothing. Every rank of a group lists the same steps in the same
+    order (the export's collective schedule)."""
     groups = gather_groups(layout)
     local_experts = num_experts // layout.ep if num_experts else 0
     steps: list[GatherStep] = []
@@ -69,17 +73,33 @@ def gather_steps(
             if layout.ep > 1 and ep_gathers_experts:
                 steps.append(GatherStep(nbytes, groups.ep, layout.ep))
         elif sharded and layout.tp > 1:
-            steps.append(GatherStep(nbytes, groups.tp, layout.tp))
+            steps.append(GatherStep(nbytes, groups.tp, layout.tp, to_first=True))
     return steps
 
 
-def _bare_gathers(steps: Sequence[GatherStep]) -> None:
+def _bare_gathers(steps: Sequence[GatherStep], on_gpu: bool) -> None:
     if not steps:
         return
-    src = torch.empty(max(s.nbytes for s in steps), dtype=torch.uint8)
-    out = torch.empty(max(s.nbytes * s.size for s in steps), dtype=torch.uint8)
-    for s in steps:  # the collective the export runs (`trainer.params`), into one buffer
-        dist.all_gather_single(out[: s.nbytes * s.size], src[: s.nbytes], group=s.group)
+    device = torch.cuda.current_device() if on_gpu else "cpu"
+    src = torch.empty(max(s.nbytes for s in steps), dtype=torch.uint8, device=device)
+    out = torch.empty(max(s.nbytes * s.size for s in steps), dtype=torch.uint8, device=device)
+    for s in steps:  # what the export moves (`trainer.params`), into one buffer
+        if on_gpu:
+            dist.all_gather_single(out[: s.nbytes * s.size], src[: s.nbytes], group=s.group)
+            continue
+        me, parts = dist.get_rank(s.group), out[: s.nbytes * s.size].view(s.size, s.nbytes)
+        ops = [
+            dist.P2POp(op, buf, group=s.group, group_peer=peer)
+            for peer in range(s.size)
+            if peer != me
+            for op, buf, moves in (
+                (dist.isend, src[: s.nbytes], not s.to_first or peer == 0),
+                (dist.irecv, parts[peer], not s.to_first or me == 0),
+            )
+            if moves
+        ]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
 
 
 def _bare_hand_off(plan: Sequence[Chunk], rank: int) -> None:
@@ -114,7 +134,7 @@ def gather_bound(
     if world_size > 1:
         dist.barrier()
     t0 = time.perf_counter()
-    _bare_gathers(steps)
+    _bare_gathers(steps, on_gpu=dist.get_backend() == "nccl")  # the default group: NCCL where CUDA is
     _bare_hand_off(plan, rank)
     return time.perf_counter() - t0
 
