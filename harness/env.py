@@ -101,8 +101,11 @@ def now_iso() -> str:
 
 
 def collect_env(calibrate: bool = False, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Versions, host, devices and the run's start (commit, command line, ``started_at``) as plain data;
-    with `calibrate`, also the host's micro-benchmark (``calibration``, `harness.calibrate`, ~1-3 s)."""
+    """Versions, host, devices, the run's start (commit, command line, ``started_at``) and what its same-run
+    bounds measure (``bound_version``: `reference_impl.transport.bound.BOUND_VERSION`) as plain data; with
+    `calibrate`, also the host's micro-benchmark (``calibration``, `harness.calibrate`, ~1-3 s)."""
+    from reference_impl.transport.bound import BOUND_VERSION
+
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "python_executable": sys.executable,
@@ -116,6 +119,7 @@ def collect_env(calibrate: bool = False, argv: Sequence[str] | None = None) -> d
         "git": git_state(),
         "command": command_line(argv),
         "started_at": now_iso(),
+        "bound_version": BOUND_VERSION,
     }
     if calibrate:
         from harness.calibrate import calibrate as measure

@@ -61,6 +61,7 @@ from harness.report_measure import (
     band_spreads,
     bound_host_ratios,
     bound_spread,
+    bounds_comparable,
     finite,
     measure,
     sync_spread,
@@ -264,7 +265,7 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
     baseline's missing ones."""
     rows: list[dict[str, Any]] = []
     b_tab, r_tab = baseline.table, run.table
-    host_ratios = bound_host_ratios(b_tab, r_tab)
+    host_ratios = bound_host_ratios(b_tab, r_tab) if bounds_comparable(baseline.env, run.env) else {}
     for sid in r_tab.index:
         r = r_tab.loc[sid].to_dict()
         row = _blank(sid)

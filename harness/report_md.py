@@ -11,7 +11,14 @@ from typing import Any
 import pandas as pd
 
 from harness.report import Report, compared_nothing
-from harness.report_measure import FENCE_MADS, FENCE_MIN_ROWS, MEASURE_RAW, placement_name
+from harness.report_measure import (
+    FENCE_MADS,
+    FENCE_MIN_ROWS,
+    MEASURE_RAW,
+    bound_version,
+    bounds_comparable,
+    placement_name,
+)
 from harness.results import markdown_table
 
 LONG_LIST = 12  # longer lists of scenarios go into a collapsed block
@@ -114,9 +121,17 @@ def _method(report: Report) -> list[str]:
             "run time divided by that, instead of by the calibration measured once at each run's start.",
         ]
     if MEASURE_RAW in measures.index:
+        why = "at least one run has no host calibration in env.json"
+        if not bounds_comparable(report.baseline.env, report.run.env):
+            why = (
+                f"the same-run bounds measured other steps in the run (bound version "
+                f"{bound_version(report.run.env)}) than in the baseline ({bound_version(report.baseline.env)}), so "
+                "neither efficiency nor the bounds' host speed compares them (make a new baseline with this code to "
+                "compare them again)"
+            )
         lines += [
             "",
-            f"Raw seconds: at least one run has no host calibration in env.json, so the times are compared "
+            f"Raw seconds: {why}; the times are compared "
             f"as they are, divided by the median run/baseline ratio of those rows ({report.median_raw_ratio:.2f}x): "
             "a uniformly slower host is absorbed, and a row is flagged when it is far from that median.",
         ]

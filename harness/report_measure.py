@@ -29,6 +29,18 @@ MIN_JUDGED_EFFICIENCY = 0.02
 MEASURE_BOUNDS = "host speed from the same-run bounds"  # + " (non-colocate)" or " (colocate)"
 
 
+def bound_version(env: Mapping[str, Any]) -> int:
+    """What a run's same-run bounds measured (env.json ``bound_version``,
+    `reference_impl.transport.bound.BOUND_VERSION`); 1 for a run from before the field was written."""
+    return int(env.get("bound_version") or 1)
+
+
+def bounds_comparable(base_env: Mapping[str, Any], run_env: Mapping[str, Any]) -> bool:
+    """Whether both runs' bounds measured the same steps (`bound_version`): if not, neither efficiency nor the
+    bounds' host speed says anything about the code under test (the bound moved, not the sync)."""
+    return bound_version(base_env) == bound_version(run_env)
+
+
 def finite(value: Any) -> float | None:
     """`value` as a float where it is a finite number above 0, else None (a missing or empty cell, NaN)."""
     try:
@@ -153,12 +165,18 @@ def measure(
     host_ratios: Mapping[bool, float] | None = None,
 ) -> tuple[str, float | None, float | None, str]:
     """What is compared for one scenario, both runs' values of it (larger = slower) and why efficiency was
-    set aside ("" where it was not): 1 / efficiency, unless the row's own bound cannot stand for its host
+    set aside ("" where it was not). Where the two runs' bounds measured other steps (`bounds_comparable`),
+    raw steady seconds (the report divides them by the rows' median ratio): neither efficiency nor
+    `host_ratios` says anything then, and the start-of-run calibration alone misjudged a host (a run whose
+    calibration read 1.40-1.55x its baseline's while its syncs took the same seconds or more showed 52 of
+    90 rows slower). Else 1 / efficiency, unless the row's own bound cannot stand for its host
     (`bound_departure`, whose reason is returned); else steady seconds, the run's divided by how much slower
     its host moved bytes (`host_ratios`, from `bound_host_ratios`: the other rows' same-run bounds of this
     placement); else steady seconds x calibration GB/s (the same calibration in both); else raw steady
     seconds."""
     eff_b, eff_r = finite(base.get("efficiency")), finite(run.get("efficiency"))
+    if not bounds_comparable(base_env, run_env):
+        return MEASURE_RAW, finite(base.get("steady_s")), finite(run.get("steady_s")), ""
     departed = bound_departure(base, run, host_ratios) if eff_b and eff_r else ""
     if eff_b and eff_r and not departed:
         return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r, ""

@@ -459,3 +459,28 @@ def test_a_row_whose_own_bound_departed_from_its_hosts_is_judged_by_the_other_ro
     tiny = rows_by_id(compare(load_run(run), load_run(base)))[ids[3]]
     assert tiny["measure"] == f"{MEASURE_BOUNDS} (non-colocate)" and tiny["change"] == "unchanged"
     assert tiny["note"].startswith("its bound is 0.2 % of its sync in one run (under 2 %)")
+
+
+def test_runs_whose_bounds_measured_other_steps_are_compared_by_raw_seconds(tmp_path: Path) -> None:
+    """A baseline made before the bound changed what it measures (env.json without ``bound_version``, or another
+    one): the run's bounds of TP rows fell 4x with the steps they time, so by efficiency every TP row read 4x
+    slower, and by the other rows' bounds the host read 4x faster. Neither is used: raw seconds over the rows'
+    median ratio, which absorbs the slower host and still flags the row that did get slower."""
+    base_table, run_table = make_table(BASE_TIMES), make_table([1.2 * t for t in BASE_TIMES])
+    for table, bound in ((base_table, 1.0), (run_table, 0.25)):
+        table["bound_s"] = [bound * t / 2 for t in BASE_TIMES]
+        table["efficiency"] = table["bound_s"] / table["steady_s"]
+    run_table.loc[3, "steady_s"] *= 2.0
+    base = write_folder(tmp_path / "base", base_table, make_env())  # no bound_version: 1
+    run = write_folder(tmp_path / "run", run_table, make_env(bound_version=2))
+    report = compare(load_run(run), load_run(base))
+    rows = rows_by_id(report)
+    assert set(report.rows["measure"]) == {MEASURE_RAW} and report.host_ratios == {}
+    assert report.median_raw_ratio == pytest.approx(1.2)
+    assert [rows[sid]["change"] for sid in IDS].count("regression") == 1 and rows[IDS[3]]["change"] == "regression"
+    md = _markdown(report)
+    assert "measured other steps in the run (bound version 2) than in the baseline (1)" in md
+    assert "| bound_version" in md  # listed with the environment differences
+    # the same version in both: efficiency again (every row 4x "slower" against the smaller bound)
+    same = write_folder(tmp_path / "same", base_table, make_env(bound_version=2))
+    assert set(compare(load_run(run), load_run(same)).rows["measure"]) == {MEASURE_EFFICIENCY}

@@ -39,6 +39,12 @@ from reference_impl.transport.plan import Chunk
 from reference_impl.transport.replicas import ReplicaClient, engines_of
 from reference_impl.transport.sync import SENDER, Channel
 
+# What the bound measures, as a number a run writes into env.json (`harness.env`): two runs whose bounds
+# measured other steps cannot be compared by efficiency or by their bounds (`harness.report`). Raised when
+# the steps change: 1, gloo's all-gather of every sharded parameter to every rank of its group; 2, on a
+# host the bytes the export moves point to point, a dense parameter only to its TP group's first rank.
+BOUND_VERSION = 2
+
 
 @dataclass(frozen=True)
 class GatherStep:
