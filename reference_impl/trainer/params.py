@@ -217,14 +217,14 @@ def tp_gather(
     the full tensor: the stage leader).
     Shapes: shard [n/tp, ...] (partition_dim 0) -> full [n, ...]; stride s splits each shard into s
     blocks along partition_dim and concatenates block j of every rank before block j+1 (what
-    `combine_shards` spells out). One all-gather into one buffer; partition_dim 0 with stride 1 (column-
+    `combine_shards` spells out). One gather into one buffer (`_gather_stacked`); partition_dim 0 with stride 1 (column-
     parallel weights, the vocab-parallel embedding) is that buffer as it is, other layouts take one
     strided copy of it. With `buffers`, the full tensor is a view of the buffer kept under (`key`, "tp"),
     which the next export that gathers `key` overwrites (`GatherBuffers`); without, new memory.
 
     Raises:
-        RuntimeError: from `torch.distributed` when a rank of the group does not take part; with `to_first`,
-            when this rank is not its group's first.
+        RuntimeError: from `torch.distributed` when a rank of the group does not take part; with `to_first`
+            on a host, when this rank is not its group's first.
     """
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
@@ -260,8 +260,8 @@ def tp_shards(
 ) -> list[torch.Tensor]:
     """A TP rank's part in gathering a TP-sharded parameter for a rank that does not own it (a stage
     leader's TP peers, and the TP groups of other DP replicas): every shard, in rank order, on the group's
-    first rank; [] on the others, which only send theirs on a host (on a GPU they take part in the
-    all-gather: `_gather_stacked`); [] for a replicated parameter or TP 1 (nothing to gather). The shards
+    first rank; on a host [] on the others, which only send theirs (on a GPU every rank takes part in the
+    all-gather and gets every shard: `_gather_stacked`); [] for a replicated parameter or TP 1. The shards
     are views of one buffer: with `buffers`, its scratch buffer (valid until the next gather that uses it)."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return []
