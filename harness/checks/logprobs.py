@@ -4,6 +4,7 @@ budget, and a re-sync of unchanged weights leaves the engine's log-probs exactly
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,11 +23,29 @@ LOGPROB_BUDGETS: dict[str, dict[str, float]] = {
 }
 
 
+# The largest difference a comparison reports: the record is JSON, which has no infinity (pydantic writes
+# inf as null, and a null in a record read back is no number for a budget).
+WORST = sys.float_info.max
+
+
+def _abs_diff(a: float, b: float) -> float:
+    """|a - b|, with NaN (a side that computed NaN, or inf - inf) and inf as `WORST`: the worst difference,
+    never one that compares as neither larger nor smaller."""
+    d = abs(a - b)
+    return WORST if math.isnan(d) or math.isinf(d) else d
+
+
+def _exp(d: float) -> float:
+    """exp(d), `WORST` past the largest float (`math.exp` raises OverflowError from d = 709.8 on)."""
+    return math.exp(d) if d < 709.0 else WORST
+
+
 def logprob_parity(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence[float]]) -> dict[str, Any]:
     """Differences between trainer and engine log-probs of the same prompts (pure): tokens, max_abs,
     mean_abs, mean_exp_abs (mean of exp|diff|, NeMo-RL's token_mult_prob_error) and the first position where
     they differ most. Log-probs are natural-log probabilities, one list of floats per
-    prompt.
+    prompt. Weights the sync corrupted can make a difference of thousands (or NaN): exp of it, and a NaN or
+    infinite difference, read `WORST`, never an OverflowError.
 
     Raises:
         ValueError: the two sides have different prompt counts or lengths.
@@ -36,7 +55,7 @@ def logprob_parity(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence
             f"trainer and engine log-probs do not line up: {[len(a) for a in trainer]} vs {[len(b) for b in engine]}"
         )
     diffs = [
-        (abs(a - b), p, i, a, b)
+        (_abs_diff(a, b), p, i, a, b)
         for p, (ta, tb) in enumerate(zip(trainer, engine, strict=True))
         for i, (a, b) in enumerate(zip(ta, tb, strict=True))
     ]
@@ -46,8 +65,8 @@ def logprob_parity(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence
     return {
         "tokens": len(diffs),
         "max_abs": worst[0],
-        "mean_abs": sum(d[0] for d in diffs) / len(diffs),
-        "mean_exp_abs": sum(math.exp(d[0]) for d in diffs) / len(diffs),
+        "mean_abs": min(WORST, sum(d[0] / len(diffs) for d in diffs)),
+        "mean_exp_abs": min(WORST, sum(_exp(d[0]) / len(diffs) for d in diffs)),
         "first_diff": f"prompt {worst[1]} position {worst[2] + 1}: trainer {worst[3]:.6f} engine {worst[4]:.6f}",
     }
 

@@ -17,9 +17,12 @@ that ran, so a run that failed otherwise is named by that failure.
 
 from __future__ import annotations
 
+import functools
+import traceback
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
-from harness.checks.base import CheckResult
+from harness.checks.base import CheckResult, excerpt, failed
 from harness.checks.engine_state import (
     check_completions_in_session,
     check_engine_caches,
@@ -106,14 +109,32 @@ def first_failure(results: Iterable[CheckResult], verdict: str) -> CheckResult |
     return next((r for r in results if r.failed and r.verdict_on_fail == verdict), None)
 
 
+def guarded(check: Callable[[RunRecord], CheckResult], record: RunRecord) -> CheckResult:
+    """`check(record)`, or, where the check itself raised, a CRASH result naming the check and its exception:
+    a check that cannot judge a record must not end the run (every scenario after it unjudged and "not run")
+    nor let the scenario PASS. Corrupted weights once made a log-prob difference that overflowed `math.exp`
+    inside a check."""
+    try:
+        return check(record)
+    except Exception as e:  # any exception of a check is reported, never raised
+        name = check.__name__.removeprefix("check_")
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return failed(
+            name,
+            "CRASH",
+            f"the harness's check {check.__name__} raised {type(e).__name__}: {excerpt(str(e))} "
+            f"({Path(where.filename).name}:{where.lineno}); the record is kept and the other checks ran",
+        )
+
+
 def judge(record: RunRecord) -> tuple[str, list[CheckResult]]:
-    """Run every check on the record (on every engine's view of it, `judge_engines`); return the overall
-    verdict and all results."""
+    """Run every check on the record (on every engine's view of it, `judge_engines`), each `guarded`; return
+    the overall verdict and all results."""
     if record.engine_count <= 1:
-        results = [check(record) for check in CHECKS]
+        results = [guarded(check, record) for check in CHECKS]
     else:
         views = [record.engine_view(i) for i in range(record.engine_count)]
-        results = [judge_engines(check, views) for check in CHECKS]
+        results = [judge_engines(functools.partial(guarded, check), views) for check in CHECKS]
     return overall_verdict(results), results
 
 

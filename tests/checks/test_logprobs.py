@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 
@@ -28,6 +29,26 @@ def test_logprob_parity_numbers_by_hand() -> None:
     assert got["first_diff"] == "prompt 0 position 1: trainer -1.000000 engine -1.500000"
     with pytest.raises(ValueError, match="do not line up"):
         logprob_parity([[-1.0]], [[-1.0, -2.0]])
+
+
+def test_logprob_parity_of_corrupted_weights_is_infinite_not_an_overflow() -> None:
+    # A gather that left its own shard's bytes uninitialised gave the engine log-probs thousands below the
+    # trainer's: exp(|diff|) overflowed math.exp inside the check and the run ended without a verdict.
+    got = logprob_parity([[-1.0, -2.0]], [[-1.0, -2500.0]])
+    assert got["max_abs"] == 2498.0 and got["mean_exp_abs"] == sys.float_info.max / 2  # (1 + WORST) / 2: finite
+    assert "position 2" in got["first_diff"]
+    nan = logprob_parity([[-1.0, -2.0]], [[float("nan"), -2.0]])  # NaN: the worst difference, not ignored
+    assert nan["max_abs"] == sys.float_info.max and "position 1" in nan["first_diff"]
+    inf = logprob_parity([[-1.0, -2.0]], [[-1.0, -math.inf]])
+    assert inf["max_abs"] == inf["mean_exp_abs"] * 2 == sys.float_info.max and "position 2" in inf["first_diff"]
+
+
+def test_a_record_with_the_worst_difference_reads_back_and_fails(record: RunRecord) -> None:
+    record.syncs[1].logprobs = logprob_parity([[-1.0, -2.0]], [[-1.0, -2500.0]]) | {"temperature": 0.7}
+    back = RunRecord.model_validate_json(record.model_dump_json())
+    assert back.syncs[1].logprobs["mean_exp_abs"] == sys.float_info.max / 2  # a number, not JSON's null for inf
+    result = check_logprobs(back)
+    assert result.failed and result.verdict_on_fail == "PARITY_FAIL" and "max |diff| 2.5e+03" in result.message
 
 
 def test_budgets_by_dtype() -> None:

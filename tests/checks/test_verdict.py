@@ -80,3 +80,22 @@ def test_expectation_met_uses_scenario_expect(record: RunRecord) -> None:
     assert expectation_met(record, "CHUNK_MISMATCH")
     record.scenario.expect = "PASS"
     assert expectation_met(record, "PASS")
+
+
+def test_a_check_that_raises_is_a_crash_naming_it_and_the_other_checks_still_judge(
+    record: RunRecord, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A check that cannot judge a record once ended the whole run (OverflowError in a log-prob check): every
+    # scenario after it went unjudged. Now it is this scenario's CRASH, and the other checks' results stand.
+    from harness.checks import verdict
+
+    def check_boom(rec: RunRecord) -> CheckResult:
+        raise OverflowError("math range error")
+
+    monkeypatch.setattr(verdict, "CHECKS", (*verdict.CHECKS, check_boom))
+    got, results = judge(record)
+    assert got == "CRASH" and len(results) == 27
+    crash = first_failure(results, "CRASH")
+    assert crash is not None and crash.name == "boom"
+    assert "check_boom raised OverflowError: math range error (test_verdict.py:" in crash.message
+    assert all(r.ok for r in results if r.name != "boom")
