@@ -18,7 +18,9 @@ Scenarios are matched by id. Per scenario:
   start (env.json ``calibration``, `harness.calibrate`: GB/s of a gloo broadcast for non-colocated
   rows, of a memcpy for colocated ones: the way each placement moves its bytes); else raw seconds,
   divided by the median run/baseline ratio over all such rows (a uniformly slower host moves the
-  median, not the rows), which the report says. Each row says which it used.
+  median, not the rows), which the report says. Each row says which it used. Where the two runs' bounds
+  measured other steps (env.json ``bound_version``, `bounds_comparable`), every row is compared by raw
+  seconds: neither efficiency nor the bounds' host speed then says anything about the code under test.
 - **Noise**: run/baseline ratio r is flagged only outside a band b: slower when r > b, faster when
   r < 1/b, with b = max(threshold (1.25), each run's per-sync spread (slowest over fastest steady sync,
   ``steady_max_s / steady_min_s``; a table without those columns contributes nothing), the fence). A row
