@@ -146,14 +146,15 @@ def _picked(ids: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_soak_command_at_12_syncs_in_both_placements(tmp_path: Path) -> None:
-    """`nox -s soak`'s command at 12 syncs in both placements: both pass with 13 samples each (12 syncs and the
-    re-sync), every rank and the engine in the table, and no growth past its allowance. In warm processes
-    (`--reuse-processes`, as the matrix runs): a fresh rank still grows by a few MiB over syncs 6-12 (its
-    allocator, the export's first buffers), near the noise floor a 12-sync soak judges; the other default
-    scenarios (PP 2, EP 2) run at 200 syncs in `nox -s soak` only."""
+def test_soak_command_at_12_syncs_in_both_placements_each_in_processes_of_its_own(tmp_path: Path) -> None:
+    """`nox -s soak`'s command as it runs by default, at 12 syncs in both placements: both pass with 13 samples
+    each (12 syncs and the re-sync), every rank and the engine in the table, no growth past its allowance, and
+    no rank or engine serves both scenarios (a reused rank carries what the scenario before it left: a leak
+    injected into the raw EP export also read as RESOURCE_LEAK of the bridge scenario after it). A fresh rank
+    grows by about 3.5 MiB over syncs 6-12 (its allocator, the export's first buffers), under the 4 MiB noise
+    floor a 12-sync soak judges; the other default scenarios (PP 2, EP 2) run at 200 syncs in `nox -s soak` only."""
     ids = DEFAULT_SCENARIOS[:2]
-    records, out = _soak(tmp_path, "s", "--syncs", "12", "--reuse-processes", *_picked(ids))
+    records, out = _soak(tmp_path, "s", "--syncs", "12", *_picked(ids))
     assert sorted(r.scenario_id for r in records) == sorted(f"{i}/soak12" for i in ids)
     for rec in records:
         assert rec.verdict == "PASS" and [s.sync for s in rec.resources] == list(range(13))
@@ -162,18 +163,34 @@ def test_soak_command_at_12_syncs_in_both_placements(tmp_path: Path) -> None:
         assert rec.resources[-1].shm_segments == (1 if rec.scenario.colocate else 0)
         resources = next(c for c in rec.checks if c["name"] == "resources")
         assert resources["ok"] and not resources["skipped"], resources
+    pids = [p.pid for rec in records for p in rec.resources[-1].processes.values()]
+    assert len(pids) == 4 and len(set(pids)) == 4, pids
     growth = pd.read_csv(out / "soak.csv")
     assert set(growth.process) == {"rank0", "engine", "host"} and not growth.leak.any()
     assert (out / "plots" / "resources.png").stat().st_size > 0 and (out / "soak.md").exists()
 
 
-@pytest.mark.e2e
-def test_soak_runs_each_scenario_in_processes_of_its_own(tmp_path: Path) -> None:
-    # By default no rank or engine serves two scenarios: a reused rank carries what the scenario before it left
-    # (a leak injected into the raw EP export also read as RESOURCE_LEAK of the bridge scenario after it).
-    # Three syncs: too few to judge growth, enough to see the processes.
-    ids = ("qwen3/tp1-pp1/noncolocate/raw", "qwen3/tp1-pp1/colocate/raw")
-    records, _ = _soak(tmp_path, "f", "--syncs", "3", *_picked(ids))
-    assert [r.verdict for r in records] == ["PASS", "PASS"]
-    pids = [p.pid for rec in records for p in rec.resources[-1].processes.values()]
-    assert len(pids) == 4 and len(set(pids)) == 4, pids
+@pytest.mark.parametrize("flag", [[], ["--reuse-processes"]])
+def test_soak_asks_for_processes_of_its_own_unless_told_to_reuse_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flag: list[str]
+) -> None:
+    """What `harness soak` hands the runner: fresh processes per scenario by default, warm ones with
+    `--reuse-processes` (the runner's side of both is the end-to-end test above and the matrix's reuse)."""
+    from harness import cli, soak
+
+    asked: list[bool] = []
+
+    def run_scenarios(scenarios, results_dir, run_id, ray_address, **kwargs):  # type: ignore[no-untyped-def]
+        asked.append(kwargs["fresh_processes"])
+        assert [s.id for s in scenarios] == [f"{DEFAULT_SCENARIOS[0]}/soak3"]
+        return [], tmp_path
+
+    def outputs(records, out):  # type: ignore[no-untyped-def]
+        (out / "soak.md").write_text("table")
+        return {"table": out / "soak.md", "samples": out / "resources.csv", "plot": out / "resources.png"}
+
+    monkeypatch.setattr(cli, "run_scenarios", run_scenarios)
+    monkeypatch.setattr(soak, "write_soak_outputs", outputs)
+    argv = ["soak", "--syncs", "3", "--scenario", DEFAULT_SCENARIOS[0], "--results-dir", str(tmp_path), *flag]
+    assert soak.cmd_soak(cli._parser().parse_args(argv)) == 1  # no record: nothing passed
+    assert asked == [not flag]
