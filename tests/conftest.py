@@ -57,14 +57,15 @@ EMBEDDED_PATHS = ("embedded/",)
 # worker takes the next group when it is almost done, so these go first and the short ones fill in at the end. A
 # group left out only costs time: it runs in collection order after these.
 SLOWEST_FIRST = (
-    VLLM_GROUP,  # 280
-    "test_faults.py",  # 180
-    "test_hard_kills.py",  # 105
-    EMBEDDED_GROUP,  # 80
-    "test_two_nodes.py",  # 55
-    "test_megatron_forward.py",  # 55
-    "test_e2e.py",  # 50
-    "test_soak.py",  # 40
+    VLLM_GROUP,  # 400
+    "test_faults.py",  # 350
+    "test_hard_kills.py",  # 170
+    EMBEDDED_GROUP,  # 100
+    "test_two_nodes.py",  # 100
+    "test_soak.py",  # 90
+    "test_cli_signals.py",  # 80
+    "test_megatron_forward.py",  # 75
+    "test_e2e.py",  # 60
     "hostile/test_embedded.py",  # 40
 )
 
