@@ -29,10 +29,10 @@ Scenarios are matched by id. Per scenario:
   collectives), since steady / bound moves with either: a small sync's bound is tens of microseconds and
   its repeats scatter 1.1-8x on a 2-core host (README, "Noise"). The
   fence is exp(3 x 1.4826 x MAD) of the log ratios of the rows measured the same way (when at least 6
-  are): on hosts where the same commit scatters (0.6-3.8x per scenario on one fresh machine), a row
-  is flagged only when it is far from the others, not because the host was noisy. Why a band and not
-  a rank test: a baseline table keeps medians and the spread, not every sync, and 4-5 syncs per side
-  give a rank test too little power to say more than the spread does.
+  are; else of all timed rows): on hosts where the same commit scatters (0.6-3.8x per scenario on one
+  fresh machine), a row is flagged only when it is far from the others, not because the host was noisy.
+  Why a band and not a rank test: a baseline table keeps medians and the spread, not every sync, and 4-5
+  syncs per side give a rank test too little power to say more than the spread does.
 
 Also listed: new and missing scenarios, scenarios that Ctrl-C or a signal stopped in the run or in the
 baseline (``interrupted`` in summary.csv; compared neither by verdict nor by time, and never a regression),
@@ -210,7 +210,9 @@ def fence(log_ratios: list[float], mads: float = FENCE_MADS, min_rows: int = FEN
 
 def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.DataFrame, float]:
     """Fill ``ratio``, ``band`` and ``time_change`` of rows with both values; raw-seconds rows are divided
-    by their median ratio (returned; NaN when there is none)."""
+    by their median ratio (returned; NaN when there is none). The fence of a measure shared by fewer than
+    `FENCE_MIN_ROWS` rows is that of all timed rows (`fence`): five rows judged by the bounds' host speed had
+    none, and on unchanged code one of them read 1.54x slower against a band of 1.25x."""
     out = rows.copy()
     timed = out["baseline_value"].notna() & out["run_value"].notna()
     out.loc[timed, "ratio"] = out.loc[timed, "run_value"] / out.loc[timed, "baseline_value"]
@@ -218,9 +220,13 @@ def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.Da
     median_raw = float(out.loc[raw, "ratio"].median()) if raw.any() else math.nan
     if raw.any():
         out.loc[raw, "ratio"] = out.loc[raw, "ratio"] / median_raw
+    # A measure too few rows share for a fence of their own borrows the scatter of every timed row: each ratio
+    # is already what the host cannot explain, so the report's rows together say how far one row of this pair of
+    # runs strays on unchanged code.
+    pooled = fence([math.log(r) for r in out.loc[timed, "ratio"]])
     for name in out.loc[timed, "measure"].unique():
         group = timed & (out["measure"] == name)
-        wide = fence([math.log(r) for r in out.loc[group, "ratio"]])
+        wide = fence([math.log(r) for r in out.loc[group, "ratio"]]) if group.sum() >= FENCE_MIN_ROWS else pooled
         for idx in out.index[group]:
             band = max([threshold, wide, *band_spreads(out.loc[idx])])
             ratio = out.at[idx, "ratio"]

@@ -108,8 +108,8 @@ def _method(report: Report) -> list[str]:
         "Steady time = median of syncs >= 1. A row is compared as the measure it names (run / baseline, > 1 "
         f"slower) and flagged only outside its noise band: max({report.threshold:g}, both runs' per-sync spread "
         "(slowest / fastest steady sync; for efficiency, times the bound's slowest / fastest repeat), and, "
-        f"when at least {FENCE_MIN_ROWS} rows share a measure, "
-        f"exp({FENCE_MADS:g} × 1.4826 × MAD) of their log ratios). Rows measured:",
+        f"exp({FENCE_MADS:g} × 1.4826 × MAD) of the log ratios of the rows that share its measure, or of all "
+        f"timed rows where fewer than {FENCE_MIN_ROWS} share it). Rows measured:",
         "",
     ]
     lines += [f"- {name}: {count}" for name, count in measures.items()]

@@ -484,3 +484,36 @@ def test_runs_whose_bounds_measured_other_steps_are_compared_by_raw_seconds(tmp_
     # the same version in both: efficiency again (every row 4x "slower" against the smaller bound)
     same = write_folder(tmp_path / "same", base_table, make_env(bound_version=2))
     assert set(compare(load_run(run), load_run(same)).rows["measure"]) == {MEASURE_EFFICIENCY}
+
+
+def test_a_measure_too_few_rows_share_takes_the_fence_of_all_timed_rows(tmp_path: Path) -> None:
+    """Two rows without a bound (as vLLM rows) are judged by the host speed the 8 bounded rows give: too few for a
+    fence of their own. Where the other rows scatter 0.7-1.4x on unchanged code, one of the two moving 1.5x is
+    within the scatter of all 10 rows; where the others did not move, the same 1.5x is a regression."""
+    ids = [f"m{i}/tp1-pp1/noncolocate/raw" for i in range(10)]
+    times = [0.01 * (i + 1) for i in range(10)]
+    moved = [0.7, 0.8, 0.9, 1.0, 1.0, 1.1, 1.25, 1.4, 1.5, 1.0]
+
+    def folder(name: str, factors: list[float]) -> Path:
+        table = make_table([t * f for t, f in zip(times, factors, strict=True)], ids=ids)
+        table["bound_s"] = [t / 2 if i < 8 else math.nan for i, t in enumerate(times)]
+        table["efficiency"] = table["bound_s"] / table["steady_s"]
+        return write_folder(tmp_path / name, table, make_env())
+
+    base = folder("base", [1.0] * 10)
+    rows = rows_by_id(compare(load_run(folder("scattered", moved)), load_run(base)))
+    logs = [math.log(f) for f in moved]
+    mid = statistics.median(logs)
+    all_rows = math.exp(3 * 1.4826 * statistics.median(abs(x - mid) for x in logs))
+    assert all_rows > 1.5  # hand-computed from the ten ratios: 0.7-1.5x scatter
+    vllm_like = rows[ids[8]]
+    assert vllm_like["measure"] == f"{MEASURE_BOUNDS} (non-colocate)" and vllm_like["ratio"] == pytest.approx(1.5)
+    assert vllm_like["band"] == pytest.approx(all_rows) and vllm_like["change"] == "unchanged"
+    eight = [math.log(f) for f in moved[:8]]
+    mid8 = statistics.median(eight)
+    own = math.exp(3 * 1.4826 * statistics.median(abs(x - mid8) for x in eight))
+    assert rows[ids[0]]["measure"] == MEASURE_EFFICIENCY and rows[ids[0]]["band"] == pytest.approx(own)
+
+    still = [1.0] * 8 + [1.5, 1.0]
+    rows = rows_by_id(compare(load_run(folder("still", still)), load_run(base)))
+    assert rows[ids[8]]["band"] == pytest.approx(1.25) and rows[ids[8]]["change"] == "regression"
