@@ -29,8 +29,9 @@ Scenarios are matched by id. Per scenario:
   collectives), since steady / bound moves with either: a small sync's bound is tens of microseconds and
   its repeats scatter 1.1-8x on a 2-core host (README, "Noise"). The
   fence is exp(3 x 1.4826 x MAD) of the log ratios of the rows measured the same way (when at least 6
-  are; else of all timed rows): on hosts where the same commit scatters (0.6-3.8x per scenario on one
-  fresh machine), a row is flagged only when it is far from the others, not because the host was noisy.
+  are; else of all timed rows), times how far their median sits off 1 (at most the threshold; `fence`):
+  on hosts where the same commit scatters (0.6-3.8x per scenario on one fresh machine), a row is flagged
+  only when it is far from the others, not because the host was noisy.
   Why a band and not a rank test: a baseline table keeps medians and the spread, not every sync, and 4-5
   syncs per side give a rank test too little power to say more than the spread does.
 
@@ -199,13 +200,24 @@ def verdict_change(base_ok: bool, run_ok: bool, base_verdict: str, run_verdict: 
     return "changed" if base_verdict != run_verdict else "same"
 
 
-def fence(log_ratios: list[float], mads: float = FENCE_MADS, min_rows: int = FENCE_MIN_ROWS) -> float:
-    """exp(mads x 1.4826 x MAD) of `log_ratios`; 1.0 (no widening) for fewer than `min_rows` values."""
+def fence(
+    log_ratios: list[float], mads: float = FENCE_MADS, min_rows: int = FENCE_MIN_ROWS, most_off: float = THRESHOLD
+) -> float:
+    """How far from 1 a row's ratio strays on unchanged code, from the rows' log ratios `log_ratios`:
+    exp(mads x 1.4826 x MAD) (their scatter about their median), times how far their median sits off 1, at
+    most `most_off`; 1.0 (no widening) for fewer than `min_rows` values.
+
+    The median sits off 1 where the host measure does not scale as the syncs do: in one fresh-clone matrix on
+    unchanged code the bounds moved bytes 1.8x faster than in the baseline while the syncs ran about 1.6x
+    faster, so the efficiency rows' median was 1.14 and the colocated rows judged by the bounds' host speed
+    1.13; two of those, 1.69x and 1.72x, lay within their rows' scatter of 1.65x about that median, not
+    about 1. An offset beyond `most_off` (the smallest ratio ever flagged) is not the host's: a whole group
+    of rows that got 1.5x slower is still flagged when they scatter less than 1.5 / 1.25."""
     if len(log_ratios) < min_rows:
         return 1.0
     mid = statistics.median(log_ratios)
     mad = statistics.median(abs(x - mid) for x in log_ratios)
-    return math.exp(mads * MAD_SIGMA * mad)
+    return math.exp(mads * MAD_SIGMA * mad) * min(math.exp(abs(mid)), most_off)
 
 
 def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.DataFrame, float]:
@@ -223,10 +235,11 @@ def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.Da
     # A measure too few rows share for a fence of their own borrows the scatter of every timed row: each ratio
     # is already what the host cannot explain, so the report's rows together say how far one row of this pair of
     # runs strays on unchanged code.
-    pooled = fence([math.log(r) for r in out.loc[timed, "ratio"]])
+    pooled = fence([math.log(r) for r in out.loc[timed, "ratio"]], most_off=threshold)
     for name in out.loc[timed, "measure"].unique():
         group = timed & (out["measure"] == name)
-        wide = fence([math.log(r) for r in out.loc[group, "ratio"]]) if group.sum() >= FENCE_MIN_ROWS else pooled
+        own = [math.log(r) for r in out.loc[group, "ratio"]]
+        wide = fence(own, most_off=threshold) if len(own) >= FENCE_MIN_ROWS else pooled
         for idx in out.index[group]:
             band = max([threshold, wide, *band_spreads(out.loc[idx])])
             ratio = out.at[idx, "ratio"]

@@ -109,7 +109,8 @@ def _method(report: Report) -> list[str]:
         f"slower) and flagged only outside its noise band: max({report.threshold:g}, both runs' per-sync spread "
         "(slowest / fastest steady sync; for efficiency, times the bound's slowest / fastest repeat), and, "
         f"exp({FENCE_MADS:g} × 1.4826 × MAD) of the log ratios of the rows that share its measure, or of all "
-        f"timed rows where fewer than {FENCE_MIN_ROWS} share it). Rows measured:",
+        f"timed rows where fewer than {FENCE_MIN_ROWS} share it, times how far their median sits off 1, at most "
+        f"{report.threshold:g}x). Rows measured:",
         "",
     ]
     lines += [f"- {name}: {count}" for name, count in measures.items()]

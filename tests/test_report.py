@@ -193,9 +193,19 @@ def test_fence_widens_the_band_by_the_rows_scatter() -> None:
     logs = [math.log(r) for r in (0.6, 0.8, 1.0, 1.3, 1.7, 2.2, 3.0, 3.8)]
     mid = statistics.median(logs)
     mad = statistics.median([abs(x - mid) for x in logs])
-    assert fence(logs) == pytest.approx(math.exp(3 * 1.4826 * mad))
-    assert fence(logs) > 3.0  # a host that scatters 0.6-3.8x flags nothing within that
+    # their median, 1.49x, sits off 1 by more than the threshold: the fence widens by 1.25x of it
+    assert mid == pytest.approx(math.log(1.49), abs=0.01)
+    assert fence(logs) == pytest.approx(math.exp(3 * 1.4826 * mad) * 1.25)
+    assert fence(logs) > 3.8  # a host that scatters 0.6-3.8x flags nothing within that
     assert fence([0.0] * 7 + [math.log(2.0)]) == 1.0  # one row off, the rest identical: no widening
+    # rows centred off 1 by less than the threshold: the fence is their scatter about that centre
+    off = [math.log(1.13 * r) for r in (0.8, 0.9, 1.0, 1.0, 1.1, 1.25)]
+    mid = statistics.median(off)
+    mad = statistics.median([abs(x - mid) for x in off])
+    assert fence(off) == pytest.approx(math.exp(3 * 1.4826 * mad) * 1.13)
+    # a group that all got 1.5x slower, scattering 1.0-1.1x about that: its fence does not take the 1.5x in
+    slowed = [math.log(1.5 * r) for r in (0.95, 1.0, 1.0, 1.0, 1.05, 1.1)]
+    assert fence(slowed) < 1.5
 
 
 def test_new_and_missing_scenarios_are_listed(tmp_path: Path) -> None:
@@ -517,3 +527,34 @@ def test_a_measure_too_few_rows_share_takes_the_fence_of_all_timed_rows(tmp_path
     still = [1.0] * 8 + [1.5, 1.0]
     rows = rows_by_id(compare(load_run(folder("still", still)), load_run(base)))
     assert rows[ids[8]]["band"] == pytest.approx(1.25) and rows[ids[8]]["change"] == "regression"
+
+
+def test_rows_centred_off_1_by_the_host_are_judged_about_their_centre_and_a_whole_slower_group_still_shows(
+    tmp_path: Path,
+) -> None:
+    """Eight rows by efficiency whose median moved 1.15x on unchanged code (the bounds sped up more than the
+    syncs) and scatter about it: the one at 1.64x lies within that scatter about 1.15, not about 1. Eight rows
+    that all got 1.5x slower, scattering 0.95-1.1x about that, are all flagged."""
+    ids = [f"m{i}/tp1-pp1/noncolocate/raw" for i in range(8)]
+    times = [0.01 * (i + 1) for i in range(8)]
+
+    def folder(name: str, factors: list[float]) -> Path:
+        table = make_table([t * f for t, f in zip(times, factors, strict=True)], ids=ids)
+        table["bound_s"] = [t / 2 for t in times]
+        table["efficiency"] = table["bound_s"] / table["steady_s"]
+        return write_folder(tmp_path / name, table, make_env())
+
+    base = folder("base", [1.0] * 8)
+    moved = [1.13 * f for f in (0.85, 0.9, 1.0, 1.0, 1.05, 1.1, 1.2, 1.45)]
+    rows = rows_by_id(compare(load_run(folder("offset", moved)), load_run(base)))
+    logs = [math.log(f) for f in moved]
+    mid = statistics.median(logs)
+    scatter = math.exp(3 * 1.4826 * statistics.median(abs(x - mid) for x in logs))
+    assert scatter < moved[7] < scatter * math.exp(mid)  # 1.56 < 1.64 < 1.81
+    assert rows[ids[7]]["ratio"] == pytest.approx(moved[7]) and rows[ids[7]]["change"] == "unchanged"
+    assert rows[ids[7]]["band"] == pytest.approx(scatter * math.exp(mid))
+
+    slowed = [1.5 * f for f in (0.95, 1.0, 1.0, 1.0, 1.05, 1.1, 1.0, 1.0)]
+    rows = rows_by_id(compare(load_run(folder("slowed", slowed)), load_run(base)))
+    assert {rows[sid]["change"] for sid in ids} == {"regression"}
+    assert all(rows[sid]["band"] == pytest.approx(1.25 * 1.0) for sid in ids)  # scatter 1.0 (MAD 0) x 1.25
