@@ -366,6 +366,19 @@ def compared_nothing(report: Report) -> bool:
     return bool(len(report.baseline.table)) and not rows["change"].isin(COMPARED).any()
 
 
+SENSITIVITY_FACTORS = (1.5, 2.0, 3.0)
+
+
+def sensitivity(rows: pd.DataFrame, factors: tuple[float, ...] = SENSITIVITY_FACTORS) -> dict[float, int]:
+    """For each factor f, how many timed rows (both runs timed them) would have been flagged slower had that row
+    alone run f times slower than it did: those whose ``band`` / ``ratio`` is under f. The others' ratios
+    and the fences they set are taken as they are; measured against that by slowing each of 90 rows in turn
+    in two real runs, it is within 5 rows of what `compare` then flags (`tests/test_report_noise.py`)."""
+    timed = rows[rows["ratio"].notna() & rows["band"].notna()]
+    headroom = timed["band"] / timed["ratio"]
+    return {f: int((headroom < f).sum()) for f in factors}
+
+
 def exit_status(report: Report) -> int:
     """1 when any scenario regressed (verdict or time), or when the run compared nothing (`compared_nothing`: a run
     interrupted before its first scenario exited 0 against every baseline); else 0."""

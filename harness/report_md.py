@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.report import Report, compared_nothing
+from harness.report import Report, compared_nothing, sensitivity
 from harness.report_measure import (
     FENCE_MADS,
     FENCE_MIN_ROWS,
@@ -135,6 +135,14 @@ def _method(report: Report) -> list[str]:
             f"Raw seconds: {why}; the times are compared "
             f"as they are, divided by the median run/baseline ratio of those rows ({report.median_raw_ratio:.2f}x): "
             "a uniformly slower host is absorbed, and a row is flagged when it is far from that median.",
+        ]
+    timed = int(rows["ratio"].notna().sum())
+    if timed:
+        caught = ", ".join(f"{f:g}x in {n}" for f, n in sensitivity(rows).items())
+        lines += [
+            "",
+            f"What this comparison could catch, of its {timed} timed rows (those whose band over their ratio is "
+            f"under the factor): one row alone running slower than it did would have been flagged at {caught}.",
         ]
     no_spread = rows["baseline_spread"].isna() & rows["ratio"].notna()
     if no_spread.any():

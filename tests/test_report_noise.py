@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import RunTables, compare, load_baseline, load_run
+from harness.report import RunTables, compare, load_baseline, load_run, sensitivity
+from harness.report_md import report_markdown
 
 RUNS = Path(__file__).parent / "data" / "report_runs"
 
@@ -59,6 +60,12 @@ def test_one_row_twice_as_slow_is_flagged_in_most_rows(baseline: RunTables, name
         if compare(slowed(run, sid, 2.0), baseline).rows.set_index("scenario").at[sid, "change"] == "regression"
     ]
     assert len(flagged) >= 50, f"{len(flagged)} of {len(run.table)} flagged"
+    # what the report says it could catch, from its own bands, against what slowing each row in turn did
+    report = compare(run, baseline)
+    stated = sensitivity(report.rows)[2.0]
+    assert abs(stated - len(flagged)) <= 5, (stated, len(flagged))
+    md = report_markdown(report)
+    assert "of its 90 timed rows" in md and f", 2x in {stated}, " in md
 
 
 def test_a_real_per_chunk_delay_is_flagged(baseline: RunTables) -> None:
