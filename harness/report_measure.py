@@ -123,7 +123,39 @@ def bound_host_ratios(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FEN
     return {colocate: statistics.median(v) for colocate, v in ratios.items() if len(v) >= min_rows}
 
 
-def bound_departure(base: Mapping[str, Any], run: Mapping[str, Any], host_ratios: Mapping[bool, float] | None) -> str:
+def mad_fence(log_values: list[float], mads: float = FENCE_MADS, min_rows: int = FENCE_MIN_ROWS) -> float:
+    """exp(mads x 1.4826 x MAD) of `log_values` (how far one of them strays from their median); 1.0 for fewer
+    than `min_rows` values."""
+    if len(log_values) < min_rows:
+        return 1.0
+    mid = statistics.median(log_values)
+    return math.exp(mads * MAD_SIGMA * statistics.median(abs(x - mid) for x in log_values))
+
+
+def bound_scatter(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FENCE_MIN_ROWS) -> dict[bool, float]:
+    """Per placement, how far one row's run / baseline ``bound_s`` strays from the others' on unchanged code:
+    `mad_fence` of their logs over the rows both tables bound whose efficiency is at least
+    `MIN_JUDGED_EFFICIENCY` in both (the rows judged by it). Bounds of different sizes scale differently
+    between hosts: in three fresh-clone matrices of unchanged code the colocated full-size rows' bounds (a
+    1.19 GB memcpy) moved 0.71-0.80x while the median of the colocated rows' moved 0.47-0.54x, and these
+    fences were 1.8-3.1x. Placements with fewer than `min_rows` such rows are left out."""
+    if "bound_s" not in base or "bound_s" not in run or "efficiency" not in base or "efficiency" not in run:
+        return {}
+    logs: dict[bool, list[float]] = {False: [], True: []}
+    for sid in base.index.intersection(run.index):
+        b, r = finite(base.at[sid, "bound_s"]), finite(run.at[sid, "bound_s"])
+        eff = min(finite(base.at[sid, "efficiency"]) or 0.0, finite(run.at[sid, "efficiency"]) or 0.0)
+        if b and r and eff >= MIN_JUDGED_EFFICIENCY:
+            logs[colocated(run.at[sid, "colocate"])].append(math.log(r / b))
+    return {colocate: mad_fence(v) for colocate, v in logs.items() if len(v) >= min_rows}
+
+
+def bound_departure(
+    base: Mapping[str, Any],
+    run: Mapping[str, Any],
+    host_ratios: Mapping[bool, float] | None,
+    bound_fences: Mapping[bool, float] | None = None,
+) -> str:
     """Why a row's own bound cannot stand for its host, or "" (and never without a host ratio to judge by
     instead). Its bound is under `MIN_JUDGED_EFFICIENCY` of its sync in either run: the sync is fixed costs
     its bound does not time, and a bound of microseconds scatters several-fold (a colocated qwen3 row's
@@ -133,7 +165,8 @@ def bound_departure(base: Mapping[str, Any], run: Mapping[str, Any], host_ratios
     other rows' bounds; with those rows judged by the latter, a 2x slowdown of one row was flagged in 57 and
     66 of 90 rows instead of 18 and 24 (`tests/test_report_noise.py`). Or its run / baseline ``bound_s``
     departs from its placement's host ratio (`bound_host_ratios`, the other rows' bounds) by more than
-    max(`THRESHOLD`, the product of both runs' bound spreads). Its bound then timed other work (the reference path moved
+    max(`THRESHOLD`, the product of both runs' bound spreads, how far the judged rows' bounds stray on
+    unchanged code: `bound_fences`, from `bound_scatter`). Its bound then timed other work (the reference path moved
     other bytes: when each EP rank began exporting its own experts, the qwen3-moe EP 2 bounds fell 2.5x
     with no EP all-gather left to time) or scattered (two dense rows' bounds of a few ms fell 2.3-2.5x
     between runs while the placement's median moved 0.91x and their steady seconds 0.80-0.90x, which read "2x
@@ -150,7 +183,7 @@ def bound_departure(base: Mapping[str, Any], run: Mapping[str, Any], host_ratios
             "judged by steady time over the host's speed, not efficiency"
         )
     spreads = [s for s in (bound_spread(base), bound_spread(run)) if not math.isnan(s)]
-    band = max(THRESHOLD, math.prod(spreads))
+    band = max(THRESHOLD, math.prod(spreads), (bound_fences or {}).get(colocate, 1.0))
     departure = r / b / host
     if 1 / band <= departure <= band:
         return ""
@@ -166,6 +199,7 @@ def measure(
     base_env: Mapping[str, Any],
     run_env: Mapping[str, Any],
     host_ratios: Mapping[bool, float] | None = None,
+    bound_fences: Mapping[bool, float] | None = None,
 ) -> tuple[str, float | None, float | None, str]:
     """What is compared for one scenario, both runs' values of it (larger = slower) and why efficiency was
     set aside ("" where it was not). Where the two runs' bounds measured other steps (`bounds_comparable`),
@@ -180,7 +214,7 @@ def measure(
     eff_b, eff_r = finite(base.get("efficiency")), finite(run.get("efficiency"))
     if not bounds_comparable(base_env, run_env):
         return MEASURE_RAW, finite(base.get("steady_s")), finite(run.get("steady_s")), ""
-    departed = bound_departure(base, run, host_ratios) if eff_b and eff_r else ""
+    departed = bound_departure(base, run, host_ratios, bound_fences) if eff_b and eff_r else ""
     if eff_b and eff_r and not departed:
         return MEASURE_EFFICIENCY, 1 / eff_b, 1 / eff_r, ""
     t_b, t_r = finite(base.get("steady_s")), finite(run.get("steady_s"))
