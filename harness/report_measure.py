@@ -137,7 +137,7 @@ def bound_scatter(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FENCE_M
     `mad_fence` of their logs over the rows both tables bound whose efficiency is at least
     `MIN_JUDGED_EFFICIENCY` in both (the rows judged by it). Bounds of different sizes scale differently
     between hosts: in three fresh-clone matrices of unchanged code the colocated full-size rows' bounds (a
-    1.19 GB memcpy) moved 0.71-0.80x while the median of the colocated rows' moved 0.47-0.54x, and these
+    1.19 GB memcpy) moved 0.59-0.80x while the median of the colocated rows' moved 0.47-0.54x, and these
     fences were 1.8-3.1x. Placements with fewer than `min_rows` such rows are left out."""
     if "bound_s" not in base or "bound_s" not in run or "efficiency" not in base or "efficiency" not in run:
         return {}
@@ -162,8 +162,7 @@ def bound_departure(
     best memcpy took 183 us in one run and 28 us in the next, its steady time 0.026 and 0.024 s: "6x
     slower" by efficiency). In two fresh-clone matrices of unchanged code against the CPU baseline, the 42-44
     rows whose bound was 2-10 % of their sync scattered 3.2-3.7x (the fence) by efficiency and 1.8x by the
-    other rows' bounds; with those rows judged by the latter, a 2x slowdown of one row was flagged in 57 and
-    66 of 90 rows instead of 18 and 24 (`tests/test_report_noise.py`). Or its run / baseline ``bound_s``
+    other rows' bounds (what the report then catches: `tests/test_report_noise.py`). Or its run / baseline ``bound_s``
     departs from its placement's host ratio (`bound_host_ratios`, the other rows' bounds) by more than
     max(`THRESHOLD`, the product of both runs' bound spreads, how far the judged rows' bounds stray on
     unchanged code: `bound_fences`, from `bound_scatter`). Its bound then timed other work (the reference path moved
