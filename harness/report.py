@@ -29,7 +29,9 @@ Scenarios are matched by id. Per scenario:
   collectives), since steady / bound moves with either: a small sync's bound is tens of microseconds and
   its repeats scatter 1.1-8x on a 2-core host (README, "Noise"). The
   fence is exp(3 x 1.4826 x MAD) of the log ratios of the rows measured the same way (when at least 6
-  are; else of all timed rows), times how far their median sits off 1 (at most the threshold; `fence`):
+  are; else of all timed rows), times how far their median sits off 1 (at most the threshold; `fence`),
+  each log ratio divided by the share of its sync the measure does not explain and the fence raised to
+  that share for the row (`unexplained_share`: 1 - efficiency for a row compared by efficiency, else 1):
   on hosts where the same commit scatters (0.6-3.8x per scenario on one fresh machine), a row is flagged
   only when it is far from the others, not because the host was noisy.
   Why a band and not a rank test: a baseline table keeps medians and the spread, not every sync, and 4-5
@@ -69,6 +71,7 @@ from harness.report_measure import (
     mad_fence,
     measure,
     sync_spread,
+    unexplained_share,
 )
 
 # env.json keys never listed as differences: they differ on every run (report.md shows them per run) or
@@ -224,7 +227,13 @@ def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.Da
     """Fill ``ratio``, ``band`` and ``time_change`` of rows with both values; raw-seconds rows are divided
     by their median ratio (returned; NaN when there is none). The fence of a measure shared by fewer than
     `FENCE_MIN_ROWS` rows is that of all timed rows (`fence`): five rows judged by the bounds' host speed had
-    none, and on unchanged code one of them read 1.54x slower against a band of 1.25x."""
+    none, and on unchanged code one of them read 1.54x slower against a band of 1.25x.
+
+    Each row's log ratio is divided by its share of time the host measure does not explain
+    (`unexplained_share`) before the fence is taken, and the fence is raised to that share for the row: a
+    row whose bound is 82 % of its sync strays a fifth as far as one whose bound is 10 %. Without that, the
+    efficiency rows' one fence (3.16x, set by the rows of 10-30 % efficiency) hid a loader that widened every
+    bf16 tensor to float32: the two full-size raw rows (82 % and 59 %) read 2.75x and 2.77x."""
     out = rows.copy()
     timed = out["baseline_value"].notna() & out["run_value"].notna()
     out.loc[timed, "ratio"] = out.loc[timed, "run_value"] / out.loc[timed, "baseline_value"]
@@ -235,13 +244,15 @@ def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.Da
     # A measure too few rows share for a fence of their own borrows the scatter of every timed row: each ratio
     # is already what the host cannot explain, so the report's rows together say how far one row of this pair of
     # runs strays on unchanged code.
-    pooled = fence([math.log(r) for r in out.loc[timed, "ratio"]], most_off=threshold)
+    weight = {idx: unexplained_share(out.loc[idx]) for idx in out.index[timed]}
+    scaled = {idx: math.log(out.at[idx, "ratio"]) / weight[idx] for idx in weight}
+    pooled = fence(list(scaled.values()), most_off=threshold)
     for name in out.loc[timed, "measure"].unique():
         group = timed & (out["measure"] == name)
-        own = [math.log(r) for r in out.loc[group, "ratio"]]
+        own = [scaled[idx] for idx in out.index[group]]
         wide = fence(own, most_off=threshold) if len(own) >= FENCE_MIN_ROWS else pooled
         for idx in out.index[group]:
-            band = max([threshold, wide, *band_spreads(out.loc[idx])])
+            band = max([threshold, wide ** weight[idx], *band_spreads(out.loc[idx])])
             ratio = out.at[idx, "ratio"]
             out.at[idx, "band"] = band
             out.at[idx, "time_change"] = "slower" if ratio > band else "faster" if ratio < 1 / band else "within noise"
@@ -377,7 +388,7 @@ def sensitivity(rows: pd.DataFrame, factors: tuple[float, ...] = SENSITIVITY_FAC
     and the fences they set are taken as they are, and so is the row's measure, though a row made slower
     can fall under the efficiency cut-off (`report_measure.MIN_JUDGED_EFFICIENCY`) and be judged by the
     host speed instead, with a band of its own. Slowing each of 90 rows 2x in turn in four real runs,
-    `compare` flagged 1 fewer, 1 more, 16 more and 4 more rows than this says (`tests/test_report_noise.py`)."""
+    `compare` flagged 1, 2, 16 and 5 more rows than this says (`tests/test_report_noise.py`)."""
     timed = rows[rows["ratio"].notna() & rows["band"].notna()]
     headroom = timed["band"] / timed["ratio"]
     return {f: int((headroom < f).sum()) for f in factors}

@@ -29,6 +29,23 @@ MIN_JUDGED_EFFICIENCY = 0.10
 MEASURE_BOUNDS = "host speed from the same-run bounds"  # + " (non-colocate)" or " (colocate)"
 
 
+MIN_UNEXPLAINED = 0.05  # the least share `unexplained_share` gives a row
+
+
+def unexplained_share(row: Mapping[str, Any]) -> float:
+    """The share of a report row's sync its measure does not explain, in (0, 1]: 1 - the baseline's efficiency
+    (1 / ``baseline_value``) for a row compared by efficiency, at least `MIN_UNEXPLAINED`; 1 for the others.
+
+    With a sync of bound part B and the rest U, efficiency ratio r = (1 + q X) / (1 + q), q = U/B from the
+    baseline, X how much more the rest moved between hosts than the bound did: log r is about
+    (1 - efficiency) log X. So unchanged code strays from 1 in proportion to this share, while a slowdown
+    of the sync moves r by its whole factor. In four fresh-clone matrices the full-size raw rows (efficiency
+    0.59-0.82) read 0.92-1.11x while the rows of 10-15 % efficiency strayed 2.3x (their fence)."""
+    if row["measure"] != MEASURE_EFFICIENCY:
+        return 1.0
+    return max(MIN_UNEXPLAINED, 1.0 - 1.0 / float(row["baseline_value"]))
+
+
 def bound_version(env: Mapping[str, Any]) -> int:
     """What a run's same-run bounds measured (env.json ``bound_version``,
     `reference_impl.transport.bound.BOUND_VERSION`); 1 for a run from before the field was written."""

@@ -512,16 +512,19 @@ def test_a_measure_too_few_rows_share_takes_the_fence_of_all_timed_rows(tmp_path
 
     base = folder("base", [1.0] * 10)
     rows = rows_by_id(compare(load_run(folder("scattered", moved)), load_run(base)))
-    logs = [math.log(f) for f in moved]
+    # the eight bounded rows' bound is half their sync: half of it is what their efficiency does not explain,
+    # so their log ratios count double in the scatter, and their own band is the fence to the power 0.5
+    share = [0.5] * 8 + [1.0] * 2
+    logs = [math.log(f) / w for f, w in zip(moved, share, strict=True)]
     mid = statistics.median(logs)
     all_rows = math.exp(3 * 1.4826 * statistics.median(abs(x - mid) for x in logs))
-    assert all_rows > 1.5  # hand-computed from the ten ratios: 0.7-1.5x scatter
+    assert mid == 0.0 and all_rows > 1.5  # hand-computed from the ten ratios: 0.7-1.5x scatter
     vllm_like = rows[ids[8]]
     assert vllm_like["measure"] == f"{MEASURE_BOUNDS} (non-colocate)" and vllm_like["ratio"] == pytest.approx(1.5)
     assert vllm_like["band"] == pytest.approx(all_rows) and vllm_like["change"] == "unchanged"
-    eight = [math.log(f) for f in moved[:8]]
+    eight = logs[:8]
     mid8 = statistics.median(eight)
-    own = math.exp(3 * 1.4826 * statistics.median(abs(x - mid8) for x in eight))
+    own = math.exp(3 * 1.4826 * statistics.median(abs(x - mid8) for x in eight)) ** 0.5
     assert rows[ids[0]]["measure"] == MEASURE_EFFICIENCY and rows[ids[0]]["band"] == pytest.approx(own)
 
     still = [1.0] * 8 + [1.5, 1.0]
@@ -547,14 +550,44 @@ def test_rows_centred_off_1_by_the_host_are_judged_about_their_centre_and_a_whol
     base = folder("base", [1.0] * 8)
     moved = [1.13 * f for f in (0.85, 0.9, 1.0, 1.0, 1.05, 1.1, 1.2, 1.45)]
     rows = rows_by_id(compare(load_run(folder("offset", moved)), load_run(base)))
-    logs = [math.log(f) for f in moved]
+    # every bound is half its sync: the log ratios count double (`unexplained_share` 0.5), the fence is taken
+    # of those and raised to 0.5 for each row; their median, 1.34x, is past the 1.25x cap
+    logs = [2 * math.log(f) for f in moved]
     mid = statistics.median(logs)
     scatter = math.exp(3 * 1.4826 * statistics.median(abs(x - mid) for x in logs))
-    assert scatter < moved[7] < scatter * math.exp(mid)  # 1.56 < 1.64 < 1.81
+    assert math.exp(mid) > 1.25
+    assert scatter**0.5 < moved[7] < (scatter * 1.25) ** 0.5  # 1.56 < 1.64 < 1.75
     assert rows[ids[7]]["ratio"] == pytest.approx(moved[7]) and rows[ids[7]]["change"] == "unchanged"
-    assert rows[ids[7]]["band"] == pytest.approx(scatter * math.exp(mid))
+    assert rows[ids[7]]["band"] == pytest.approx((scatter * 1.25) ** 0.5)
 
     slowed = [1.5 * f for f in (0.95, 1.0, 1.0, 1.0, 1.05, 1.1, 1.0, 1.0)]
     rows = rows_by_id(compare(load_run(folder("slowed", slowed)), load_run(base)))
     assert {rows[sid]["change"] for sid in ids} == {"regression"}
-    assert all(rows[sid]["band"] == pytest.approx(1.25 * 1.0) for sid in ids)  # scatter 1.0 (MAD 0) x 1.25
+    # scatter 1.0 (MAD 0) x the 1.25 cap, to the power 0.5: under the 1.25 threshold, which is the band
+    assert all(rows[sid]["band"] == pytest.approx(1.25) for sid in ids)
+
+
+def test_a_row_whose_bound_explains_most_of_its_sync_gets_a_narrower_fence(tmp_path: Path) -> None:
+    """Seven rows whose bound is 25 % of their sync scatter 0.6-1.6x on unchanged code, as small rows do
+    between hosts; an eighth whose bound is 80 % of its sync got 1.6x slower. Its log ratio is divided by
+    0.2 (1 - efficiency) in the scatter and its band is the fence to the power 0.2: flagged. One of the
+    small rows at 1.6x is not."""
+    ids = [f"m{i}/tp1-pp1/noncolocate/raw" for i in range(8)]
+    times = [0.01 * (i + 1) for i in range(8)]
+    shares = [0.25] * 7 + [0.8]  # bound / sync in the baseline
+
+    def folder(name: str, factors: list[float]) -> Path:
+        table = make_table([t * f for t, f in zip(times, factors, strict=True)], ids=ids, spread=None)
+        table["bound_s"] = [t * s for t, s in zip(times, shares, strict=True)]
+        table["efficiency"] = table["bound_s"] / table["steady_s"]
+        return write_folder(tmp_path / name, table, make_env())
+
+    moved = [0.6, 0.8, 0.9, 1.0, 1.1, 1.25, 1.6, 1.6]
+    rows = rows_by_id(compare(load_run(folder("run", moved)), load_run(folder("base", [1.0] * 8))))
+    logs = [math.log(f) / (1 - s) for f, s in zip(moved, shares, strict=True)]
+    mid = statistics.median(logs)
+    scatter = math.exp(3 * 1.4826 * statistics.median(abs(x - mid) for x in logs)) * min(math.exp(abs(mid)), 1.25)
+    big, small = rows[ids[7]], rows[ids[6]]
+    assert big["measure"] == small["measure"] == MEASURE_EFFICIENCY
+    assert big["band"] == pytest.approx(max(1.25, scatter**0.2)) and big["change"] == "regression"
+    assert small["band"] == pytest.approx(scatter**0.75) and small["band"] > 1.6 and small["change"] == "unchanged"
