@@ -110,7 +110,9 @@ def _method(report: Report) -> list[str]:
         "(slowest / fastest steady sync; for efficiency, times the bound's slowest / fastest repeat), and, "
         f"exp({FENCE_MADS:g} × 1.4826 × MAD) of the log ratios of the rows that share its measure, or of all "
         f"timed rows where fewer than {FENCE_MIN_ROWS} share it, times how far their median sits off 1, at most "
-        f"{report.threshold:g}x). Rows measured:",
+        f"{report.threshold:g}x; each log ratio divided by the share of its sync the measure does not explain, "
+        "1 - efficiency for a row compared by efficiency, else 1, and the fence raised to that share for the "
+        "row). Rows measured:",
         "",
     ]
     lines += [f"- {name}: {count}" for name, count in measures.items()]
