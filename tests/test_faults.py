@@ -69,11 +69,11 @@ def _run_order() -> list[str]:
 ORDER = _run_order()
 
 
-# Python multiprocessing's named semaphores (spawn and forkserver contexts): no scenario left one in quiet runs, and
-# any Python program on the host may make one. One that its maker's death left unheld read as this test's
-# scenario's leftover while harness runs outside this test session shared the host (a 32-byte `sem.mp-0a1gicq8`, 20 s old, after
-# `no_prefix_cache_reset`); the scenario's own segments are judged by the resources check and by `shm.present`
-# above, whatever their names.
+# Python multiprocessing's named semaphores (spawn and forkserver contexts): no scenario left one in quiet
+# runs, and any Python program on the host may make one. One that its maker's death left unheld read as this
+# test's scenario's leftover while harness runs outside this test session shared the host (a 32-byte
+# `sem.mp-0a1gicq8`, 20 s old, after `no_prefix_cache_reset`). The scenario's own segments are judged by the
+# resources check and by `shm.present` above, whatever their names.
 FOREIGN_PREFIXES = ("sem.mp-",)
 
 
