@@ -241,11 +241,11 @@ def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.Da
     median_raw = float(out.loc[raw, "ratio"].median()) if raw.any() else math.nan
     if raw.any():
         out.loc[raw, "ratio"] = out.loc[raw, "ratio"] / median_raw
+    weight = {idx: unexplained_share(out.loc[idx]) for idx in out.index[timed]}
+    scaled = {idx: math.log(out.at[idx, "ratio"]) / weight[idx] for idx in weight}
     # A measure too few rows share for a fence of their own borrows the scatter of every timed row: each ratio
     # is already what the host cannot explain, so the report's rows together say how far one row of this pair of
     # runs strays on unchanged code.
-    weight = {idx: unexplained_share(out.loc[idx]) for idx in out.index[timed]}
-    scaled = {idx: math.log(out.at[idx, "ratio"]) / weight[idx] for idx in weight}
     pooled = fence(list(scaled.values()), most_off=threshold)
     for name in out.loc[timed, "measure"].unique():
         group = timed & (out["measure"] == name)

@@ -129,15 +129,27 @@ def bound_host_ratios(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FEN
     start-of-run calibration does not move every row: a run whose gloo calibration read 2.04 GB/s against
     its baseline's 3.20 (0.64x) while its syncs took the same seconds showed 28 of 56 rows "2x faster".
     """
-    if "bound_s" not in base or "bound_s" not in run:
-        return {}
-    both = base.index.intersection(run.index)
+    ratios = _bound_ratios(base, run)
+    return {colocate: statistics.median(v) for colocate, v in ratios.items() if len(v) >= min_rows}
+
+
+def _bound_ratios(base: pd.DataFrame, run: pd.DataFrame, least_efficiency: float = 0.0) -> dict[bool, list[float]]:
+    """Per placement, run ``bound_s`` / baseline ``bound_s`` of the scenarios both tables bound (tables indexed by
+    scenario id), only those whose efficiency is at least `least_efficiency` in both where it is above 0;
+    empty lists where a table lacks a column this needs."""
     ratios: dict[bool, list[float]] = {False: [], True: []}
-    for sid in both:
+    needs = ["bound_s"] + (["efficiency"] if least_efficiency > 0 else [])
+    if any(col not in table for col in needs for table in (base, run)):
+        return ratios
+    for sid in base.index.intersection(run.index):
         b, r = finite(base.at[sid, "bound_s"]), finite(run.at[sid, "bound_s"])
+        if least_efficiency > 0:
+            eff = min(finite(base.at[sid, "efficiency"]) or 0.0, finite(run.at[sid, "efficiency"]) or 0.0)
+            if eff < least_efficiency:
+                continue
         if b and r:
             ratios[colocated(run.at[sid, "colocate"])].append(r / b)
-    return {colocate: statistics.median(v) for colocate, v in ratios.items() if len(v) >= min_rows}
+    return ratios
 
 
 def mad_fence(log_values: list[float], mads: float = FENCE_MADS, min_rows: int = FENCE_MIN_ROWS) -> float:
@@ -156,15 +168,8 @@ def bound_scatter(base: pd.DataFrame, run: pd.DataFrame, min_rows: int = FENCE_M
     between hosts: in three fresh-clone matrices of unchanged code the colocated full-size rows' bounds (a
     1.19 GB memcpy) moved 0.59-0.80x while the median of the colocated rows' moved 0.47-0.54x, and these
     fences were 1.8-3.1x. Placements with fewer than `min_rows` such rows are left out."""
-    if "bound_s" not in base or "bound_s" not in run or "efficiency" not in base or "efficiency" not in run:
-        return {}
-    logs: dict[bool, list[float]] = {False: [], True: []}
-    for sid in base.index.intersection(run.index):
-        b, r = finite(base.at[sid, "bound_s"]), finite(run.at[sid, "bound_s"])
-        eff = min(finite(base.at[sid, "efficiency"]) or 0.0, finite(run.at[sid, "efficiency"]) or 0.0)
-        if b and r and eff >= MIN_JUDGED_EFFICIENCY:
-            logs[colocated(run.at[sid, "colocate"])].append(math.log(r / b))
-    return {colocate: mad_fence(v) for colocate, v in logs.items() if len(v) >= min_rows}
+    ratios = _bound_ratios(base, run, MIN_JUDGED_EFFICIENCY)
+    return {c: mad_fence([math.log(x) for x in v]) for c, v in ratios.items() if len(v) >= min_rows}
 
 
 def bound_departure(
