@@ -5,12 +5,15 @@
     python -m harness list (--matrix cpu | --faults) [--filter EXPR]
     python -m harness faults [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
     python -m harness report --run results/<run-id> --baseline results/baselines/cpu [--threshold 1.25]
+    python -m harness baseline --add results/<run-id>... --to results/baselines/cpu
     python -m harness soak [--scenario ID]... [--syncs N] [--matrix cpu] [--results-dir DIR] [--run-id ID]
                            [--ray-address ADDR]
 
 `run` exits 0 when every scenario's verdict is the one it expects (PASS unless it says `expect:`),
 1 otherwise, 2 on bad arguments; with `--baseline DIR` it also writes the regression report at the end
-and exits 1 when that finds a regression. `report` (`harness.report`) exits 1 on a regression.
+and exits 1 when that finds a regression. `report` (`harness.report`) exits 1 on a regression. `baseline`
+copies runs' tables into a baseline of several runs (`harness.baseline`), which a report reads as their
+per-scenario medians.
 `faults` runs every registered fault injection (`harness/faults/`)
 and writes `faults.md` / `faults.csv` (fault, scenario, expected, got, caught); it exits 0 when every
 fault was caught with its expected verdict. An interrupted command exits 143 after SIGTERM and ends by
@@ -95,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--run", type=Path, required=True, help="the run's folder, results/<run-id>")
     rep.add_argument("--baseline", type=Path, required=True, help="the baseline's folder, e.g. results/baselines/cpu")
     rep.add_argument("--threshold", type=float, default=1.25, help="the smallest time ratio ever flagged (1.25)")
+    base = sub.add_parser("baseline", help="add runs to a baseline of several runs (results/baselines/<name>/runs/)")
+    base.add_argument("--add", type=Path, nargs="+", required=True, help="run folders, results/<run-id>")
+    base.add_argument("--to", type=Path, required=True, help="the baseline's folder, e.g. results/baselines/cpu")
     return ap
 
 
@@ -218,6 +224,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_baseline(args: argparse.Namespace) -> int:
+    """Copy each `--add` run's tables into `--to`/runs/<run-id>/, then print what the baseline now combines.
+    Every run is checked before any is copied (a folder without summary.csv, another bound version)."""
+    from harness.baseline import add_run
+    from harness.report import load_baseline, load_run
+
+    for run in args.add:
+        load_run(run)  # raises before anything is copied
+    for run in args.add:
+        print(f"added {add_run(run, args.to)}")
+    combined = load_baseline(args.to)
+    print(f"{args.to}: {combined.env.get('runs', 1)} runs, {len(combined.table)} scenarios (per-scenario medians)")
+    return 0
+
+
 def _fault_scenarios() -> list[Scenario]:
     """Every registered fault's scenarios (`harness.faults.fault_scenarios`, expanded)."""
     from harness.faults import fault_scenarios
@@ -252,7 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "filter", None) is not None:
         args.filter = " ".join(args.filter)
     try:
-        commands = {"run": cmd_run, "list": cmd_list, "faults": cmd_faults, "report": cmd_report, "soak": cmd_soak}
+        commands = {
+            "run": cmd_run,
+            "list": cmd_list,
+            "faults": cmd_faults,
+            "report": cmd_report,
+            "soak": cmd_soak,
+            "baseline": cmd_baseline,
+        }
         return commands[args.cmd](args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -27,7 +27,9 @@ Scenarios are matched by id. Per scenario:
   compared by efficiency also carries the noise of its bound: each run's spread is then the per-sync
   spread times the bound's (``bound_max_s / bound_s``, slowest over fastest repeat of the bare
   collectives), since steady / bound moves with either: a small sync's bound is tens of microseconds and
-  its repeats scatter 1.1-8x on a 2-core host (README, "Noise"). The
+  its repeats scatter 1.1-8x on a 2-core host (README, "Noise"). A baseline of several runs
+  (`harness.baseline`) gives its medians, and its side of the band is how far its runs differed: the
+  highest over the lowest of their values of the row's measure (efficiency, or host-scaled seconds). The
   fence is exp(3 x 1.4826 x MAD) of the log ratios of the rows measured the same way (when at least 6
   are; else of all timed rows), times how far their median sits off 1 (at most the threshold; `fence`),
   each log ratio divided by the share of its sync the measure does not explain and the fence raised to
@@ -56,10 +58,19 @@ from typing import Any
 
 import pandas as pd
 
+from harness.baseline import (
+    RUNS_SPREAD_EFFICIENCY,
+    RUNS_SPREAD_S,
+    combine_envs,
+    combine_tables,
+    is_multi_run,
+    run_folders,
+)
 from harness.markdown import flag
 from harness.report_measure import (
     FENCE_MADS,
     FENCE_MIN_ROWS,
+    MEASURE_EFFICIENCY,
     MEASURE_RAW,
     THRESHOLD,
     band_spreads,
@@ -92,7 +103,7 @@ COLUMNS: tuple[str, ...] = (
     "run_value",
     "ratio",  # run / baseline of the measure (> 1: slower); raw seconds: over the median ratio
     "band",
-    "baseline_spread",
+    "baseline_spread",  # per-sync spread; of a baseline of several runs: its runs' spread of the row's measure
     "run_spread",
     "baseline_bound_spread",  # bound_max_s / bound_s: efficiency rows' band also carries it
     "run_bound_spread",
@@ -183,13 +194,22 @@ def load_run(path: Path | str) -> RunTables:
 
 
 def load_baseline(path: Path | str) -> RunTables:
-    """`load_run` for a baseline: one that holds no scenario (a run interrupted before its first) would compare
-    nothing and pass every run.
+    """`load_run` for a baseline: one run's folder, or a folder of several runs (`path`/runs/<run-id>/, read as
+    one table of per-scenario medians: `harness.baseline.combine_tables`). One that holds no scenario (a run
+    interrupted before its first) would compare nothing and pass every run.
 
     Raises:
-        FileNotFoundError, ValueError: as `load_run`; ValueError also where its table has no row.
+        FileNotFoundError, ValueError: as `load_run`; ValueError also where its table has no row, where a
+            folder of runs also holds a summary.csv or holds no run, or where its runs measured their bounds
+            differently (`harness.baseline.combine_envs`).
     """
-    baseline = load_run(path)
+    folder = Path(path)
+    if is_multi_run(folder):
+        runs = [load_run(p) for p in run_folders(folder)]
+        table = combine_tables([r.table for r in runs])
+        baseline = RunTables(name=folder.name, path=folder, table=table, env=combine_envs([r.env for r in runs]))
+    else:
+        baseline = load_run(folder)
     if not len(baseline.table):
         raise ValueError(f"baseline {baseline.path} holds no scenario: pass a run that ran some")
     return baseline
@@ -322,6 +342,9 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
         if row["verdict_change"] in ("regressed", "changed") and not r["expect_met"]:
             row["note"] = str(r.get("message") or "")
         name, vb, vr, departed = measure(b, r, baseline.env, run.env, host_ratios, bound_fences)
+        if (finite(b.get("runs")) or 0) >= 2:  # a baseline of several runs: its noise is how far they differed
+            col = RUNS_SPREAD_EFFICIENCY if name == MEASURE_EFFICIENCY else RUNS_SPREAD_S
+            row.update(baseline_spread=finite(b.get(col)) or math.nan, baseline_bound_spread=math.nan)
         if b["expect_met"] and r["expect_met"] and vb and vr:
             row.update(measure=name, baseline_value=vb, run_value=vr)
             row["note"] = row["note"] or departed

@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.report import Report, compared_nothing, sensitivity
+from harness.report import Report, RunTables, compared_nothing, sensitivity
 from harness.report_measure import (
     FENCE_MADS,
     FENCE_MIN_ROWS,
@@ -107,7 +107,8 @@ def _method(report: Report) -> list[str]:
     lines = [
         "Steady time = median of syncs >= 1. A row is compared as the measure it names (run / baseline, > 1 "
         f"slower) and flagged only outside its noise band: max({report.threshold:g}, both runs' per-sync spread "
-        "(slowest / fastest steady sync; for efficiency, times the bound's slowest / fastest repeat), and, "
+        "(slowest / fastest steady sync; for efficiency, times the bound's slowest / fastest repeat; for a "
+        "baseline of several runs, the highest / lowest of its runs' values of the measure), and, "
         f"exp({FENCE_MADS:g} × 1.4826 × MAD) of the log ratios of the rows that share its measure, or of all "
         f"timed rows where fewer than {FENCE_MIN_ROWS} share it, times how far their median sits off 1, at most "
         f"{report.threshold:g}x; each log ratio divided by the share of its sync the measure does not explain, "
@@ -153,6 +154,16 @@ def _method(report: Report) -> list[str]:
     return lines
 
 
+def _baseline_runs(base: RunTables) -> str:
+    """The header's words on a baseline of several runs (how many, their commits); "" for one run's."""
+    runs = base.env.get("runs")
+    if not isinstance(runs, int) or runs < 2:
+        return ""
+    commits = (base.env.get("git") or {}).get("commit") or []
+    shown = ", ".join(str(c)[:7] for c in (commits if isinstance(commits, list) else [commits]))
+    return f", the per-scenario medians of its {runs} runs (commits {shown}; each row's baseline spread is theirs)"
+
+
 def report_markdown(report: Report, plot: Path | None = None) -> str:
     """report.md: a one-line verdict, then Regressions, Improvements, Unchanged (counts), other verdict
     changes, New, Missing, Interrupted (when any), Environment differences, Host calibration, How rows are judged."""
@@ -166,7 +177,7 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
     lines = [
         "# Regression report",
         "",
-        f"Run `{run.name}` (`{run.path}`) against baseline `{base.name}` (`{base.path}`).",
+        f"Run `{run.name}` (`{run.path}`) against baseline `{base.name}` (`{base.path}`)" + _baseline_runs(base) + ".",
         "",
         f"**{_count(counts['regression'], 'regression')}**, {_count(counts['improvement'], 'improvement')}, "
         f"{counts['unchanged']} unchanged, {_count(counts['changed'], 'other verdict change')}, "
