@@ -5,7 +5,8 @@ what it catches, both measured, not assumed.
 (`summary.csv`, `env.json`): ``baseline``, the committed CPU baseline of c22dbc8; ``run_a`` to ``run_e``,
 five fresh-clone matrices of code whose sync path is the baseline's (hosts whose bounds moved bytes about
 1.9x faster than the baseline's while their syncs ran about 1.6x faster; ``run_e`` ran after the last rule
-was set); the report of the code before these rules flagged 2, 0, 2, 0 and 0 of their rows slower. ``run_paced``,
+was set); the report of the code before these rules flagged 2, 0, 2, 0 and 0 of their rows slower. ``run_f``, a
+sixth, against which the one-run baseline flagged one row (2.25x against a band of 2.17x). ``run_paced``,
 the 15 TP 1 PP 1 rows of a run with a 15 ms sleep added after every answered chunk in the sender's send
 thread (`reference_impl/transport/sync.py`), every row still PASS; ``run_widened``, a whole matrix whose
 embedded engine's loader widened every received floating-point tensor to float32 before copying it into its
@@ -20,12 +21,21 @@ from pathlib import Path
 
 import pytest
 
+from harness.baseline import combine_envs, combine_tables
 from harness.report import RunTables, compare, load_baseline, load_run, sensitivity
 from harness.report_md import report_markdown
 from harness.report_measure import MEASURE_EFFICIENCY
 
 RUNS = Path(__file__).parent / "data" / "report_runs"
 UNCHANGED = ("run_a", "run_b", "run_c", "run_d", "run_e")  # fresh-clone matrices of the baseline's sync path
+CLEAN = ("baseline", *UNCHANGED, "run_f")  # every run of that sync path
+
+
+def several(names: tuple[str, ...] | list[str]) -> RunTables:
+    """A baseline of several runs (`harness.baseline`) from the kept runs `names`."""
+    runs = [load_run(RUNS / name) for name in names]
+    table = combine_tables([r.table for r in runs])
+    return RunTables(name="+".join(names), path=RUNS, table=table, env=combine_envs([r.env for r in runs]))
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +114,39 @@ def test_a_loader_that_copies_every_byte_once_more_is_flagged_on_the_full_size_r
     regressions = set(rows.index[rows["change"] == "regression"])
     assert regressions == {"qwen3-0.6b/tp2-pp1/noncolocate/raw", "qwen3-0.6b/tp2-pp1/colocate/raw"}
     assert all(rows.at[sid, "measure"] == MEASURE_EFFICIENCY for sid in regressions)
+
+
+@pytest.mark.parametrize("name", CLEAN)
+def test_a_baseline_of_the_other_six_runs_flags_nothing_on_unchanged_code(name: str) -> None:
+    """Each of the seven runs of one sync path against a baseline of the other six: no row flagged. With one
+    run as the baseline, 8 of the 42 ordered pairs of these runs flagged 1-3 rows (12 in all), among them
+    run_f against the committed baseline; with three runs 17 of 140 such comparisons, five runs 4 of 42."""
+    rows = compare(load_run(RUNS / name), several([n for n in CLEAN if n != name])).rows
+    assert len(rows) == 90 and not (rows["change"] == "regression").any(), rows[rows["change"] == "regression"]
+
+
+def test_a_baseline_of_several_runs_catches_a_row_twice_as_slow_in_more_rows() -> None:
+    """Each of the 90 rows in turn made 2x slower, against a baseline of the other six runs: flagged in 80, 82,
+    78, 75 and 75 of runs a to e (390; against the one committed run 64, 65, 69, 45 and 67: 310). The baseline's
+    median carries less luck, so the rows' scatter about it, the fence, is narrower."""
+    counts = {}
+    for name in UNCHANGED:
+        run, baseline = load_run(RUNS / name), several([n for n in CLEAN if n != name])
+        counts[name] = sum(
+            compare(slowed(run, sid, 2.0), baseline).rows.set_index("scenario").at[sid, "change"] == "regression"
+            for sid in run.table.index
+        )
+    assert sum(counts.values()) >= 370 and min(counts.values()) >= 65, counts
+
+
+def test_real_bugs_against_a_baseline_of_every_clean_run() -> None:
+    """The two bugs the one-run baseline caught are caught as they were against the seven runs' medians: the
+    per-chunk delay in 13 of its 15 rows, the widening loader in exactly the two full-size raw rows."""
+    baseline = several(list(CLEAN))
+    paced = compare(load_run(RUNS / "run_paced"), baseline).rows.set_index("scenario")
+    assert (paced["change"] == "regression").sum() >= 13
+    widened = compare(load_run(RUNS / "run_widened"), baseline).rows.set_index("scenario")
+    assert set(widened.index[widened["change"] == "regression"]) == {
+        "qwen3-0.6b/tp2-pp1/noncolocate/raw",
+        "qwen3-0.6b/tp2-pp1/colocate/raw",
+    }
