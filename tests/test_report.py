@@ -12,7 +12,16 @@ import pandas as pd
 import pytest
 
 from harness.cli import main
-from harness.report import compare, env_differences, exit_status, fence, load_run, verdict_change, write_report
+from harness.report import (
+    compare,
+    env_differences,
+    exit_status,
+    fence,
+    load_baseline,
+    load_run,
+    verdict_change,
+    write_report,
+)
 from harness.report_measure import MEASURE_BOUNDS, MEASURE_EFFICIENCY, MEASURE_RAW, MIN_JUDGED_EFFICIENCY
 from harness.scenario import Scenario
 
@@ -320,10 +329,12 @@ def test_verdict_change(base_ok: bool, run_ok: bool, base_v: str, run_v: str, ex
 
 
 def test_the_committed_baseline_reads_and_matches_itself(tmp_path: Path) -> None:
-    """The committed tables compare with themselves: every row unchanged at ratio 1, measured as efficiency
-    where a row carries one, else by the host speed the other rows' same-run bounds give."""
+    """The committed baseline (a folder of runs, read as their medians) compares with itself: every row unchanged
+    at ratio 1, measured as efficiency where a row carries one, else by the host speed the other rows' same-run
+    bounds give; every row's median is over all of its runs."""
     folder = Path(__file__).resolve().parents[1] / "results" / "baselines" / "cpu"
-    baseline = load_run(folder)
+    baseline = load_baseline(folder)
+    assert baseline.env["runs"] >= 5 and (baseline.table["runs"] == baseline.env["runs"]).all()
     assert "export_mode" in baseline.table and baseline.table["expect_met"].all()
     report = compare(baseline, baseline)
     assert exit_status(report) == 0 and set(report.rows["change"]) == {"unchanged"}
