@@ -123,7 +123,7 @@ def combine_tables(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
         effs = [v for r, _ in timed if (v := finite(r.get("efficiency")))]
         row["efficiency"] = statistics.median(effs) if effs else math.nan
         steadies = [v / s[colocated(r["colocate"])] for r, s in timed if (v := finite(r.get("steady_s")))]
-        row.update(runs=len(steadies))
+        row["runs"] = len(steadies)
         row[RUNS_SPREAD_S] = _spread(steadies)
         row[RUNS_SPREAD_EFFICIENCY] = _spread(effs)
         rows.append(row)
