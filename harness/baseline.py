@@ -2,7 +2,7 @@
 
 A baseline folder is either one run's folder (`summary.csv`, `env.json`) or a folder whose `runs/` holds
 several such folders (`python -m harness baseline --add results/<id> --to results/baselines/cpu` copies
-one in). `harness.report.load_baseline` reads the second kind through `combine_runs`.
+one in). `harness.report.load_baseline` reads the second kind through `combine_tables` and `combine_envs`.
 
 Why: one run's row carries that run's luck. In six fresh-clone matrices of unchanged code against the
 one-run CPU baseline, `qwen3/tp1-pp1/colocate/bridge` read 1.47-2.28x slower in every one (its baseline
@@ -36,7 +36,7 @@ SCALED = ("steady_s", "steady_min_s", "steady_max_s", "bound_s", "bound_max_s") 
 UNSCALED = ("efficiency",)  # a ratio of one run's times
 RUNS_SPREAD_S = "runs_spread_s"  # slowest over fastest run's steady_s (host-scaled), over the runs timed
 RUNS_SPREAD_EFFICIENCY = "runs_spread_efficiency"  # highest over lowest run's efficiency
-KEPT_FILES = ("summary.csv", "summary.md", "env.json")  # what `add_run` copies: what the report and a reader need
+KEPT_FILES = ("summary.csv", "summary.md", "env.json")  # what `add_runs` copies: what the report and a reader need
 
 
 def is_multi_run(path: Path | str) -> bool:
@@ -181,32 +181,39 @@ def combine_envs(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def add_run(run_dir: Path | str, baseline_dir: Path | str) -> Path:
-    """Copy a run's `KEPT_FILES` into `baseline_dir`/runs/<run folder name>/ (the folder made a multi-run
-    baseline if it is new). Returns the new run folder.
+def add_runs(run_dirs: Sequence[Path | str], baseline_dir: Path | str) -> list[Path]:
+    """Copy each run's `KEPT_FILES` into `baseline_dir`/runs/<run folder name>/ (the folder made a baseline of
+    several runs if it is new), once every run has been checked: nothing is copied when one is refused.
+    Returns the new run folders.
 
     Raises:
-        FileNotFoundError: `run_dir` has no summary.csv.
-        ValueError: `baseline_dir` is one run's folder (has a summary.csv: move it into runs/ first), already
-            holds a run of that name, or its runs' bound version differs from this run's.
+        FileNotFoundError: a run folder has no summary.csv.
+        ValueError: a run's table is no run's (`report.load_run`); `baseline_dir` is one run's folder (has a
+            summary.csv: move it into runs/ first); a run's name is already there or given twice; or the runs'
+            bound versions differ from each other or from those already kept (`combine_envs`).
     """
     from harness.report import load_run
 
-    run = load_run(run_dir)
+    runs = [load_run(r) for r in run_dirs]
     base = Path(baseline_dir)
     if (base / "summary.csv").exists():
         raise ValueError(
             f"{base} is one run's folder: move its files into {base / RUNS_DIR}/<run-id>/ first, then add runs "
             "beside it"
         )
-    target = base / RUNS_DIR / run.path.name
-    if target.exists():
-        raise ValueError(f"{target} exists: a baseline keeps each run once (rename the run's folder to add it again)")
-    if is_multi_run(base):
-        kept = [load_run(p).env for p in run_folders(base)]
-        combine_envs([*kept, run.env])  # raises on another bound version
-    target.mkdir(parents=True)
-    for name in KEPT_FILES:
-        if (run.path / name).is_file():
-            shutil.copy2(run.path / name, target / name)
-    return target
+    names = [run.path.name for run in runs]
+    for name in names:
+        target = base / RUNS_DIR / name
+        if target.exists() or names.count(name) > 1:
+            raise ValueError(f"{target}: a baseline keeps each run once (rename a run's folder to add it again)")
+    kept = [load_run(p).env for p in run_folders(base)] if is_multi_run(base) else []
+    combine_envs([*kept, *(run.env for run in runs)])  # raises on another bound version
+    targets = []
+    for run in runs:
+        target = base / RUNS_DIR / run.path.name
+        target.mkdir(parents=True)
+        for name in KEPT_FILES:
+            if (run.path / name).is_file():
+                shutil.copy2(run.path / name, target / name)
+        targets.append(target)
+    return targets

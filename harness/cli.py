@@ -225,15 +225,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_baseline(args: argparse.Namespace) -> int:
-    """Copy each `--add` run's tables into `--to`/runs/<run-id>/, then print what the baseline now combines.
-    Every run is checked before any is copied (a folder without summary.csv, another bound version)."""
-    from harness.baseline import add_run
-    from harness.report import load_baseline, load_run
+    """Copy each `--add` run's tables into `--to`/runs/<run-id>/ (`harness.baseline.add_runs`: all are checked
+    before any is copied), then print what the baseline now combines."""
+    from harness.baseline import add_runs
+    from harness.report import load_baseline
 
-    for run in args.add:
-        load_run(run)  # raises before anything is copied
-    for run in args.add:
-        print(f"added {add_run(run, args.to)}")
+    for target in add_runs(args.add, args.to):
+        print(f"added {target}")
     combined = load_baseline(args.to)
     print(f"{args.to}: {combined.env.get('runs', 1)} runs, {len(combined.table)} scenarios (per-scenario medians)")
     return 0
