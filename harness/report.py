@@ -261,7 +261,8 @@ def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.Da
     median_raw = float(out.loc[raw, "ratio"].median()) if raw.any() else math.nan
     if raw.any():
         out.loc[raw, "ratio"] = out.loc[raw, "ratio"] / median_raw
-    weight = {idx: unexplained_share(out.loc[idx]) for idx in out.index[timed]}
+    records = out.to_dict(orient="index")  # one row's cells as a dict: .loc per row costs most of a report's time
+    weight = {idx: unexplained_share(records[idx]) for idx in out.index[timed]}
     scaled = {idx: math.log(out.at[idx, "ratio"]) / weight[idx] for idx in weight}
     # A measure too few rows share for a fence of their own borrows the scatter of every timed row: each ratio
     # is already what the host cannot explain, so the report's rows together say how far one row of this pair of
@@ -272,8 +273,8 @@ def judge_times(rows: pd.DataFrame, threshold: float = THRESHOLD) -> tuple[pd.Da
         own = [scaled[idx] for idx in out.index[group]]
         wide = fence(own, most_off=threshold) if len(own) >= FENCE_MIN_ROWS else pooled
         for idx in out.index[group]:
-            band = max([threshold, wide ** weight[idx], *band_spreads(out.loc[idx])])
-            ratio = out.at[idx, "ratio"]
+            band = max([threshold, wide ** weight[idx], *band_spreads(records[idx])])
+            ratio = records[idx]["ratio"]
             out.at[idx, "band"] = band
             out.at[idx, "time_change"] = "slower" if ratio > band else "faster" if ratio < 1 / band else "within noise"
     return out, median_raw
@@ -320,8 +321,9 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
     comparable = bounds_comparable(baseline.env, run.env)
     host_ratios = bound_host_ratios(b_tab, r_tab) if comparable else {}
     bound_fences = bound_scatter(b_tab, r_tab) if comparable else {}
+    r_rows, b_rows = r_tab.to_dict(orient="index"), b_tab.to_dict(orient="index")
     for sid in r_tab.index:
-        r = r_tab.loc[sid].to_dict()
+        r = r_rows[sid]
         row = _blank(sid)
         row.update(run_verdict=r["verdict"], run_steady_s=r.get("steady_s"), run_spread=sync_spread(r))
         row["run_bound_spread"] = bound_spread(r)
@@ -329,7 +331,7 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
             row.update(change="new", note=str(r.get("message") or "") if not r["expect_met"] else "")
             rows.append(row)
             continue
-        b = b_tab.loc[sid].to_dict()
+        b = b_rows[sid]
         row.update(baseline_verdict=b["verdict"], baseline_steady_s=b.get("steady_s"), baseline_spread=sync_spread(b))
         row["baseline_bound_spread"] = bound_spread(b)
         if r["interrupted"] or b["interrupted"]:  # stopped by hand or a signal: says nothing of the code under test
@@ -353,7 +355,7 @@ def compare(run: RunTables, baseline: RunTables, threshold: float = THRESHOLD) -
             row["note"] = row["note"] or _untimed_note(b, r)
         rows.append(row)
     for sid in b_tab.index.difference(r_tab.index, sort=False):
-        b = b_tab.loc[sid].to_dict()
+        b = b_rows[sid]
         row = _blank(sid)
         row.update(change="missing", baseline_verdict=b["verdict"], baseline_steady_s=b.get("steady_s"))
         row["baseline_spread"] = sync_spread(b)

@@ -141,14 +141,15 @@ def _bound_ratios(base: pd.DataFrame, run: pd.DataFrame, least_efficiency: float
     needs = ["bound_s"] + (["efficiency"] if least_efficiency > 0 else [])
     if any(col not in table for col in needs for table in (base, run)):
         return ratios
+    base_rows, run_rows = base[needs].to_dict(orient="index"), run[[*needs, "colocate"]].to_dict(orient="index")
     for sid in base.index.intersection(run.index):
-        b, r = finite(base.at[sid, "bound_s"]), finite(run.at[sid, "bound_s"])
+        b, r = finite(base_rows[sid]["bound_s"]), finite(run_rows[sid]["bound_s"])
         if least_efficiency > 0:
-            eff = min(finite(base.at[sid, "efficiency"]) or 0.0, finite(run.at[sid, "efficiency"]) or 0.0)
+            eff = min(finite(base_rows[sid]["efficiency"]) or 0.0, finite(run_rows[sid]["efficiency"]) or 0.0)
             if eff < least_efficiency:
                 continue
         if b and r:
-            ratios[colocated(run.at[sid, "colocate"])].append(r / b)
+            ratios[colocated(run_rows[sid]["colocate"])].append(r / b)
     return ratios
 
 
