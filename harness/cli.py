@@ -1,7 +1,7 @@
 """`python -m harness ...`: run a scenario matrix and write its results.
 
     python -m harness run --matrix cpu [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
-                          [--baseline DIR]
+                          [--baseline DIR [--no-confirm]]
     python -m harness list (--matrix cpu | --faults) [--filter EXPR]
     python -m harness faults [--filter EXPR] [--results-dir DIR] [--run-id ID] [--ray-address ADDR]
     python -m harness report --run results/<run-id> --baseline results/baselines/cpu [--threshold 1.25]
@@ -11,9 +11,10 @@
 
 `run` exits 0 when every scenario's verdict is the one it expects (PASS unless it says `expect:`),
 1 otherwise, 2 on bad arguments; with `--baseline DIR` it also writes the regression report at the end
-and exits 1 when that finds a regression. `report` (`harness.report`) exits 1 on a regression. `baseline`
-copies runs' tables into a baseline of several runs (`harness.baseline`), which a report reads as their
-per-scenario medians.
+and exits 1 when that finds a regression; the scenarios it flags slower run once more first, and only a
+slowdown both attempts show is flagged (`harness.confirm`). `report` (`harness.report`) exits 1 on a
+regression. `baseline` copies runs' tables into a baseline of several runs (`harness.baseline`), which a
+report reads as their per-scenario medians.
 `faults` runs every registered fault injection (`harness/faults/`)
 and writes `faults.md` / `faults.csv` (fault, scenario, expected, got, caught); it exits 0 when every
 fault was caught with its expected verdict. An interrupted command exits 143 after SIGTERM and ends by
@@ -93,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     sub.choices["run"].add_argument(
         "--baseline", type=Path, default=None, help="a results folder to compare with at the end (report.md)"
+    )
+    sub.choices["run"].add_argument(
+        "--no-confirm",
+        dest="confirm",
+        action="store_false",
+        help="with --baseline: do not re-run the scenarios the report flags slower (default: re-run them once, "
+        "and flag only a slowdown both attempts show)",
     )
     rep = sub.add_parser("report", help="compare a run with a baseline: report.md, report.csv, plots/regression.png")
     rep.add_argument("--run", type=Path, required=True, help="the run's folder, results/<run-id>")
@@ -198,8 +206,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     records, out = run_scenarios(scenarios, args.results_dir, args.run_id, args.ray_address)
     status = 0 if records and all(expectation_met(r, r.verdict) for r in records) else 1
     if args.baseline is not None:
-        status = max(status, _report(out, args.baseline))
+        report_status = _report(out, args.baseline)
+        if report_status and args.confirm:
+            report_status = _confirm(scenarios, out, args) or report_status
+        status = max(status, report_status)
     return status
+
+
+def _confirm(scenarios: list[Scenario], out: Path, args: argparse.Namespace) -> int | None:
+    """Run the scenarios the report flagged slower by time once more, into `out`/confirm/, and report again
+    (`harness.confirm`: each judged by its faster attempt). Returns the new report's exit status, or None when
+    no scenario was flagged by time alone (a verdict regression stands as it is)."""
+    import pandas as pd
+
+    from harness.confirm import CONFIRM_DIR, time_regressions
+
+    flagged = set(time_regressions(pd.read_csv(out / "report.csv")))
+    again = [sc for sc in scenarios if sc.id in flagged]
+    if not again:
+        return None
+    print(f"re-running {len(again)} scenario(s) the report flagged slower, to confirm: {', '.join(sorted(flagged))}")
+    run_scenarios(again, out, CONFIRM_DIR, args.ray_address)
+    return _report(out, args.baseline)
 
 
 def _report(run_dir: Path, baseline: Path) -> int:

@@ -52,7 +52,7 @@ import json
 import math
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ from harness.baseline import (
     is_multi_run,
     run_folders,
 )
+from harness.confirm import confirm_folder, faster_attempts
 from harness.markdown import flag
 from harness.report_measure import (
     FENCE_MADS,
@@ -144,6 +145,7 @@ class Report:
     median_raw_ratio: float
     threshold: float
     host_ratios: dict[bool, float] = field(default_factory=dict)  # `bound_host_ratios`, by colocate
+    attempts: pd.DataFrame | None = None  # scenarios re-run to confirm a time regression (`harness.confirm`)
 
 
 def normalise_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -427,7 +429,8 @@ def exit_status(report: Report) -> int:
 
 def write_report(run_dir: Path | str, baseline_dir: Path | str, threshold: float = THRESHOLD) -> tuple[int, Path]:
     """Compare `run_dir` with `baseline_dir`; write report.md, report.csv and plots/regression.png into
-    `run_dir`. Returns (exit status, report.md's path).
+    `run_dir`. Where `run_dir`/confirm/ holds a re-run of some of its scenarios (`harness.confirm`), each of
+    those is judged by its faster attempt. Returns (exit status, report.md's path).
 
     Raises:
         FileNotFoundError: either folder has no summary.csv.
@@ -443,7 +446,17 @@ def write_report(run_dir: Path | str, baseline_dir: Path | str, threshold: float
             f"--run and --baseline are one folder ({run_dir}): a run compared with itself says nothing, and its "
             "report.md would be overwritten; pass the run to judge and a different baseline"
         )
-    report = compare(load_run(run_dir), load_baseline(baseline_dir), threshold)
+    run, baseline = load_run(run_dir), load_baseline(baseline_dir)
+    report = compare(run, baseline, threshold)
+    rerun_dir = confirm_folder(run_dir)
+    if rerun_dir is not None:  # each re-run scenario judged by its faster attempt
+        rerun = load_run(rerun_dir)
+        measures = {
+            r["scenario"]: r["measure"] for _, r in report.rows.iterrows() if r["scenario"] in rerun.table.index
+        }
+        table, attempts = faster_attempts(run.table, rerun.table, measures)
+        report = compare(replace(run, table=table), baseline, threshold)
+        report.attempts = attempts
     out = Path(run_dir)
     report.rows.to_csv(out / "report.csv", index=False)
     plot = plot_regression(

@@ -154,6 +154,36 @@ def _method(report: Report) -> list[str]:
     return lines
 
 
+def _attempt_lines(report: Report) -> list[str]:
+    """The "Re-run to confirm" section: each scenario flagged slower at first, both attempts' values of its
+    measure (larger = slower) and which one the report judged; nothing where no scenario was re-run."""
+    attempts = report.attempts
+    if attempts is None or not len(attempts):
+        return []
+    change = report.rows.set_index("scenario")["change"]
+    rows = [
+        [
+            f"`{a['scenario']}`",
+            a["measure"],
+            _num(a["first"]),
+            _num(a["rerun"]),
+            a["kept"],
+            change.get(a["scenario"], ""),
+        ]
+        for a in attempts.to_dict(orient="records")
+    ]
+    header = ("scenario", "measured as", "first attempt", "re-run", "judged by", "now")
+    return [
+        "## Re-run to confirm",
+        "",
+        f"{len(rows)} scenarios read slower at first and ran again (`confirm/`); each is judged by its faster "
+        "attempt, so a slowdown is flagged only when both attempts show it.",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
+
+
 def _baseline_runs(base: RunTables) -> str:
     """The header's words on a baseline of several runs (how many, their commits); "" for one run's."""
     runs = base.env.get("runs")
@@ -199,6 +229,7 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
             lines += [markdown_table(CHANGE_HEADER, _change_rows(by[name])), ""]
         else:
             lines += ["None.", ""]
+    lines += _attempt_lines(report)
     unchanged = by["unchanged"]
     timed = int((unchanged["time_change"] == "within noise").sum())
     lines += [
