@@ -178,7 +178,13 @@ def combine_envs(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out["calibration"] = calibration
     out["bound_version"] = versions[0]
     out["runs"] = len(envs)
+    out["run_identities"] = [list(_identity(env)) for env in envs]  # a report names a run that is one of these
     return out
+
+
+def _identity(env: Mapping[str, Any]) -> tuple[str, str]:
+    """(commit, start time) of a run's env.json: two folders with the same are one run."""
+    return str((env.get("git") or {}).get("commit")), str(env.get("started_at"))
 
 
 def add_runs(run_dirs: Sequence[Path | str], baseline_dir: Path | str) -> list[Path]:
@@ -189,13 +195,16 @@ def add_runs(run_dirs: Sequence[Path | str], baseline_dir: Path | str) -> list[P
     Raises:
         FileNotFoundError: a run folder has no summary.csv.
         ValueError: a run's table is no run's (`report.load_run`); `baseline_dir` is one run's folder (has a
-            summary.csv: move it into runs/ first); a run's name is already there or given twice; or the runs'
-            bound versions differ from each other or from those already kept (`combine_envs`).
+            summary.csv: move it into runs/ first) or a file; a run's name is already there or given twice; a run
+            is one it holds already (same commit and start time); or the runs' bound versions differ from each
+            other or from those already kept (`combine_envs`).
     """
     from harness.report import load_run
 
-    runs = [load_run(r) for r in run_dirs]
+    runs = [load_run(Path(r).resolve()) for r in run_dirs]  # resolved: `--add .` names the run's own folder
     base = Path(baseline_dir)
+    if base.exists() and not base.is_dir():
+        raise ValueError(f"--to {base} is a file: pass a baseline's folder (made where missing)")
     if (base / "summary.csv").exists():
         raise ValueError(
             f"{base} is one run's folder: move its files into {base / RUNS_DIR}/<run-id>/ first, then add runs "
@@ -205,8 +214,14 @@ def add_runs(run_dirs: Sequence[Path | str], baseline_dir: Path | str) -> list[P
     for name in names:
         target = base / RUNS_DIR / name
         if target.exists() or names.count(name) > 1:
-            raise ValueError(f"{target}: a baseline keeps each run once (rename a run's folder to add it again)")
-    kept = [load_run(p).env for p in run_folders(base)] if is_multi_run(base) else []
+            raise ValueError(f"{target}: a baseline keeps each run once, and a run of that name is there")
+    folders = sorted(p for p in (base / RUNS_DIR).glob("*") if (p / "summary.csv").is_file())
+    kept = [load_run(p).env for p in folders]
+    seen = {_identity(env) for env in kept}
+    for run in runs:
+        if _identity(run.env) in seen:  # the same run under another name: its luck would count twice
+            raise ValueError(f"{run.path} is a run the baseline holds already (same commit and start time)")
+        seen.add(_identity(run.env))
     combine_envs([*kept, *(run.env for run in runs)])  # raises on another bound version
     targets = []
     for run in runs:

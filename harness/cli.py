@@ -93,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--run-id", default=None, help="folder name under --results-dir (default: a timestamp)")
         p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     sub.choices["run"].add_argument(
-        "--baseline", type=Path, default=None, help="a results folder to compare with at the end (report.md)"
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a run's folder, or a folder of runs (runs/<run-id>/), to compare with at the end (report.md)",
     )
     sub.choices["run"].add_argument(
         "--no-confirm",
@@ -261,7 +264,10 @@ def cmd_baseline(args: argparse.Namespace) -> int:
     for target in add_runs(args.add, args.to):
         print(f"added {target}")
     combined = load_baseline(args.to)
-    print(f"{args.to}: {combined.env.get('runs', 1)} runs, {len(combined.table)} scenarios (per-scenario medians)")
+    runs = int(combined.env.get("runs", 1))
+    print(f"{args.to}: {runs} run{'' if runs == 1 else 's'}, {len(combined.table)} scenarios (per-scenario medians)")
+    if runs < 5:
+        print(f"note: {runs} run{'' if runs == 1 else 's'}; keep five or more (README, 'A baseline of several runs')")
     return 0
 
 

@@ -21,7 +21,7 @@ import pandas as pd
 from harness.report_measure import MEASURE_EFFICIENCY, finite
 
 CONFIRM_DIR = "confirm"  # the re-run's folder inside the run's
-ATTEMPT_COLUMNS = ("scenario", "measure", "first", "rerun", "kept")
+ATTEMPT_COLUMNS = ("scenario", "measure", "first", "rerun", "kept", "rerun_verdict")
 
 
 def time_regressions(rows: pd.DataFrame) -> list[str]:
@@ -46,9 +46,11 @@ def faster_attempts(
     """The run's table with each re-run scenario's row replaced by its re-run's where that was faster by the
     scenario's measure (`measures`: scenario id -> the measure the first report judged it by) and met its
     expectation; and one row per re-run scenario (`ATTEMPT_COLUMNS`: both attempts' values, "first" or
-    "rerun" kept). Tables indexed by scenario id, as `harness.report.normalise_table` gives.
+    "rerun" kept, the re-run's verdict). Tables indexed by scenario id, as `harness.report.normalise_table`
+    gives.
 
-    A re-run that did not meet its expectation, or has no value, keeps the first attempt (its row says so)."""
+    A re-run that did not meet its expectation is kept (its verdict then regressed: a wrong result in either
+    attempt is a regression); one without a value keeps the first attempt."""
     out = run.copy()
     attempts = []
     for sid, measure in measures.items():
@@ -56,12 +58,30 @@ def faster_attempts(
             continue
         first = _value(run.loc[sid], measure)
         again = rerun.loc[sid] if sid in rerun.index else None
-        second = _value(again, measure) if again is not None and bool(again["expect_met"]) else math.nan
-        kept = "rerun" if second < first else "first"  # NaN compares False: the first attempt stays
+        failed = again is not None and not bool(again["expect_met"])
+        second = _value(again, measure) if again is not None and not failed else math.nan
+        # NaN compares False: the first attempt stays. A re-run whose verdict failed is kept: a wrong result in
+        # either attempt is a regression of the verdict, whatever the times.
+        kept = "rerun" if failed or second < first else "first"
         if kept == "rerun":
             out.loc[sid] = again.reindex(out.columns)
-        attempts.append({"scenario": sid, "measure": measure, "first": first, "rerun": second, "kept": kept})
+        verdict = str(again["verdict"]) if again is not None else "not re-run"
+        attempts.append({"scenario": sid, "measure": measure, "first": first, "rerun": second, "kept": kept,
+                         "rerun_verdict": verdict})  # fmt: skip
     return out, pd.DataFrame(attempts, columns=list(ATTEMPT_COLUMNS))
+
+
+def calm_disagreements(rows: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
+    """Report rows (`harness.report.COLUMNS`) in which a re-run scenario that now reads faster is "unchanged",
+    with a note: only slow rows get a second attempt, so judging by the faster one would turn noise that
+    disagrees with itself (2.8x slower at first, then 12x faster) into an improvement."""
+    out = rows.copy()
+    rerun = set(attempts.loc[attempts["kept"] == "rerun", "scenario"])
+    faster = out["scenario"].isin(rerun) & (out["time_change"] == "faster") & (out["change"] == "improvement")
+    out.loc[faster, "time_change"] = "within noise"
+    out.loc[faster, "change"] = "unchanged"
+    out.loc[faster, "note"] = "slower in its first attempt, faster in its re-run: the attempts disagree"
+    return out
 
 
 def confirm_folder(run_dir: Path | str) -> Path | None:

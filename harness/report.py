@@ -66,7 +66,7 @@ from harness.baseline import (
     is_multi_run,
     run_folders,
 )
-from harness.confirm import confirm_folder, faster_attempts
+from harness.confirm import calm_disagreements, confirm_folder, faster_attempts, time_regressions
 from harness.markdown import flag
 from harness.report_measure import (
     FENCE_MADS,
@@ -451,11 +451,13 @@ def write_report(run_dir: Path | str, baseline_dir: Path | str, threshold: float
     rerun_dir = confirm_folder(run_dir)
     if rerun_dir is not None:  # each re-run scenario judged by its faster attempt
         rerun = load_run(rerun_dir)
+        flagged = set(time_regressions(report.rows))  # only what the first report flagged is judged again
         measures = {
-            r["scenario"]: r["measure"] for _, r in report.rows.iterrows() if r["scenario"] in rerun.table.index
+            r["scenario"]: r["measure"] for r in report.rows.to_dict(orient="records") if r["scenario"] in flagged
         }
         table, attempts = faster_attempts(run.table, rerun.table, measures)
         report = compare(replace(run, table=table), baseline, threshold)
+        report.rows = calm_disagreements(report.rows, attempts)
         report.attempts = attempts
     out = Path(run_dir)
     report.rows.to_csv(out / "report.csv", index=False)

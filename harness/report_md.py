@@ -14,6 +14,7 @@ from harness.report import Report, RunTables, compared_nothing, sensitivity
 from harness.report_measure import (
     FENCE_MADS,
     FENCE_MIN_ROWS,
+    MEASURE_EFFICIENCY,
     MEASURE_RAW,
     bound_version,
     bounds_comparable,
@@ -154,9 +155,15 @@ def _method(report: Report) -> list[str]:
     return lines
 
 
+def _attempt(value: Any, measure: str) -> str:
+    """One attempt's value of its measure, with its unit: steady / bound for efficiency, else seconds."""
+    return f"{_num(value)} (steady / bound)" if measure == MEASURE_EFFICIENCY else f"{_num(value)} s"
+
+
 def _attempt_lines(report: Report) -> list[str]:
     """The "Re-run to confirm" section: each scenario flagged slower at first, both attempts' values of its
-    measure (larger = slower) and which one the report judged; nothing where no scenario was re-run."""
+    measure (larger = slower; seconds before any host scaling), the re-run's verdict and which attempt the
+    report judged; nothing where no scenario was re-run."""
     attempts = report.attempts
     if attempts is None or not len(attempts):
         return []
@@ -165,33 +172,40 @@ def _attempt_lines(report: Report) -> list[str]:
         [
             f"`{a['scenario']}`",
             a["measure"],
-            _num(a["first"]),
-            _num(a["rerun"]),
+            _attempt(a["first"], a["measure"]),
+            _attempt(a["rerun"], a["measure"]),
+            a["rerun_verdict"],
             a["kept"],
             change.get(a["scenario"], ""),
         ]
         for a in attempts.to_dict(orient="records")
     ]
-    header = ("scenario", "measured as", "first attempt", "re-run", "judged by", "now")
+    header = ("scenario", "measured as", "first attempt", "re-run", "re-run verdict", "judged by", "now")
     return [
         "## Re-run to confirm",
         "",
-        f"{len(rows)} scenarios read slower at first and ran again (`confirm/`); each is judged by its faster "
-        "attempt, so a slowdown is flagged only when both attempts show it.",
+        f"{_count(len(rows), 'scenario')} flagged slower at first ran again (`confirm/`). Each is judged by its "
+        "faster attempt, so a slowdown is flagged only when both attempts show it; a re-run whose verdict failed is "
+        "judged by that verdict; one that read faster than the baseline is listed unchanged (its attempts disagree).",
         "",
         markdown_table(header, rows),
         "",
     ]
 
 
-def _baseline_runs(base: RunTables) -> str:
+def _baseline_runs(base: RunTables, run_env: Mapping[str, Any]) -> str:
     """The header's words on a baseline of several runs (how many, their commits); "" for one run's."""
     runs = base.env.get("runs")
     if not isinstance(runs, int) or runs < 2:
         return ""
     commits = (base.env.get("git") or {}).get("commit") or []
     shown = ", ".join(str(c)[:7] for c in (commits if isinstance(commits, list) else [commits]))
-    return f", the per-scenario medians of its {runs} runs (commits {shown}; each row's baseline spread is theirs)"
+    note = f", the per-scenario medians of its {runs} runs (commits {shown}; each row's baseline spread is theirs)"
+    identities = base.env.get("run_identities") or []
+    mine = [str((run_env.get("git") or {}).get("commit")), str(run_env.get("started_at"))]
+    if mine in identities:
+        note += ". **The run is one of the baseline's runs**: it is compared with a median it is part of"
+    return note
 
 
 def report_markdown(report: Report, plot: Path | None = None) -> str:
@@ -207,7 +221,9 @@ def report_markdown(report: Report, plot: Path | None = None) -> str:
     lines = [
         "# Regression report",
         "",
-        f"Run `{run.name}` (`{run.path}`) against baseline `{base.name}` (`{base.path}`)" + _baseline_runs(base) + ".",
+        f"Run `{run.name}` (`{run.path}`) against baseline `{base.name}` (`{base.path}`)"
+        + _baseline_runs(base, run.env)
+        + ".",
         "",
         f"**{_count(counts['regression'], 'regression')}**, {_count(counts['improvement'], 'improvement')}, "
         f"{counts['unchanged']} unchanged, {_count(counts['changed'], 'other verdict change')}, "

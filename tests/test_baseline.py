@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from harness.baseline import RUNS_SPREAD_EFFICIENCY, RUNS_SPREAD_S, combine_envs, combine_tables, host_scales
 from harness.cli import main
-from harness.report import compare, load_baseline, load_run, normalise_table
+from harness.report import compare, load_baseline, load_run, normalise_table, write_report
 from harness.report_measure import MEASURE_EFFICIENCY
 
 # 8 rows per placement: enough for the host speed the bounds give (at least 6 rows share it).
@@ -166,7 +167,7 @@ def test_the_baseline_command_adds_runs_and_refuses_what_it_cannot_combine(
     fine = write_run(tmp_path / "2026-01-03", table(), env("3a"))
     assert main(["baseline", "--add", str(runs[0]), "--to", str(target)]) == 2
     assert main(["baseline", "--add", str(fine), str(tmp_path / "nothing"), "--to", str(target)]) == 2
-    other = write_run(tmp_path / "v1", table(), env("3a", bound_version=1))
+    other = write_run(tmp_path / "v1", table(), env("5a", bound_version=1))
     assert main(["baseline", "--add", str(fine), str(other), "--to", str(target)]) == 2
     err = capsys.readouterr().err
     assert "keeps each run once" in err and "does not exist" in err and "bound_version [2, 2, 2, 1]" in err
@@ -175,3 +176,27 @@ def test_the_baseline_command_adds_runs_and_refuses_what_it_cannot_combine(
     single = write_run(tmp_path / "single", table(), env("4a"))
     assert main(["baseline", "--add", str(runs[0]), "--to", str(single)]) == 2
     assert "move its files into" in capsys.readouterr().err
+
+
+def test_adding_a_run_by_dot_a_copy_of_a_kept_run_or_into_a_file_is_handled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--add .` names the run's own folder (it used to copy into runs/ itself and leave the baseline unreadable);
+    the same run under another name and a `--to` that is a file are refused with a line, not a traceback; a
+    report whose run is one of the baseline's says so."""
+    run = write_run(tmp_path / "2026-01-01", table(), env("1a"))
+    target = tmp_path / "base"
+    (target / "runs").mkdir(parents=True)  # an empty runs/ is a baseline to add to
+    monkeypatch.chdir(run)
+    assert main(["baseline", "--add", ".", "--to", str(target)]) == 0
+    assert [p.name for p in (target / "runs").iterdir()] == ["2026-01-01"]
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    assert main(["baseline", "--add", str(copy), "--to", str(target)]) == 2
+    (tmp_path / "file").write_text("")
+    assert main(["baseline", "--add", str(copy), "--to", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert "holds already (same commit and start time)" in err and "is a file" in err
+    write_run(target / "runs" / "2026-01-02", table(host=1.1), env("2a"))
+    assert write_report(run, target)[0] == 0
+    assert "**The run is one of the baseline's runs**" in (run / "report.md").read_text()

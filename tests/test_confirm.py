@@ -21,12 +21,9 @@ IDS = [f"qwen3/tp{tp}-pp1/{placement}/{mode}" for placement in ("noncolocate", "
 ENV = {"bound_version": 2, "calibration": {"memcpy_gbps": 4.0, "gloo_broadcast_gbps": 2.0}}
 
 
-def folder(
-    path: Path, slower: dict[str, float] | None = None, verdicts: dict[str, str] | None = None, only: str = ""
-) -> Path:
+def folder(path: Path, slower: dict[str, float] | None = None, verdicts: dict[str, str] | None = None) -> Path:
     """A run folder of 16 PASS rows, each with efficiency 0.5 and steady time 0.01 x (i + 1) s; `slower` makes a
-    row's syncs that many times longer (its bound as it was), `verdicts` gives a row another verdict; `only`
-    keeps that scenario's row alone (a re-run's table)."""
+    row's syncs that many times longer (its bound as it was), `verdicts` gives a row another verdict."""
     rows = []
     for i, sid in enumerate(IDS):
         factor = (slower or {}).get(sid, 1.0)
@@ -35,8 +32,7 @@ def folder(
         row |= {"steady_s": steady, "steady_min_s": steady, "steady_max_s": steady}
         row |= {"bound_s": 0.005 * (i + 1), "bound_max_s": 0.005 * (i + 1), "efficiency": 0.5 / factor}
         row["verdict"] = (verdicts or {}).get(sid, "PASS")
-        if not only or sid == only:
-            rows.append(row)
+        rows.append(row)
     path.mkdir(parents=True)
     pd.DataFrame(rows).to_csv(path / "summary.csv", index=False)
     (path / "env.json").write_text(json.dumps(ENV))
@@ -44,31 +40,41 @@ def folder(
 
 
 @pytest.mark.parametrize(
-    ("rerun", "verdict", "status", "kept", "now"),
+    ("rerun", "verdict", "status", "kept", "now", "ratio"),
     [
-        (1.0, "PASS", 0, "rerun", "unchanged"),  # slow by the first attempt's luck: cleared
-        (1.8, "PASS", 1, "rerun", "regression"),  # slow in both attempts: flagged by the faster one (1.8x)
-        (3.0, "PASS", 1, "first", "regression"),  # the first attempt was the faster one
-        (1.0, "CRASH", 1, "first", "regression"),  # a re-run that failed its verdict clears nothing
+        (1.0, "PASS", 0, "rerun", "unchanged", 1.0),  # slow by the first attempt's luck: cleared
+        (1.8, "PASS", 1, "rerun", "regression", 1.8),  # slow in both attempts: flagged by the faster one (1.8x)
+        (3.0, "PASS", 1, "first", "regression", 2.0),  # the first attempt was the faster one
+        (0.1, "PASS", 0, "rerun", "unchanged", 0.1),  # 2x slower, then 10x faster: no improvement, they disagree
+        (1.0, "CRASH", 1, "rerun", "regression", None),  # a re-run that failed its verdict is a verdict regression
     ],
 )
 def test_a_re_run_scenario_is_judged_by_its_faster_attempt(
-    tmp_path: Path, rerun: float, verdict: str, status: int, kept: str, now: str
+    tmp_path: Path, rerun: float, verdict: str, status: int, kept: str, now: str, ratio: float | None
 ) -> None:
-    sid = IDS[3]
+    sid, unflagged = IDS[3], IDS[5]
     base = folder(tmp_path / "base")
     run = folder(tmp_path / "run", slower={sid: 2.0})
     assert write_report(run, base)[0] == 1  # 2x slower by efficiency, against a band of 1.25x
-    folder(run / "confirm", slower={sid: rerun}, verdicts={sid: verdict}, only=sid)
+    rerun_dir = folder(run / "confirm", slower={sid: rerun, unflagged: 5.0}, verdicts={sid: verdict})
+    table = pd.read_csv(rerun_dir / "summary.csv")
+    table[table["scenario"].isin([sid, unflagged])].to_csv(rerun_dir / "summary.csv", index=False)
     got, md = write_report(run, base)
     rows = pd.read_csv(run / "report.csv").set_index("scenario")
     assert got == status and rows.at[sid, "change"] == now
-    expected_ratio = {"rerun": rerun, "first": 2.0}[kept]
-    assert rows.at[sid, "ratio"] == pytest.approx(expected_ratio)
+    if ratio is None:
+        assert rows.at[sid, "verdict_change"] == "regressed" and rows.at[sid, "run_verdict"] == "CRASH"
+    else:
+        assert rows.at[sid, "ratio"] == pytest.approx(ratio)
+    if rerun < 1:
+        assert "attempts disagree" in rows.at[sid, "note"]
+    # a row in confirm/ the first report did not flag is not judged again: it stays as it first ran
+    assert rows.at[unflagged, "change"] == "unchanged" and rows.at[unflagged, "ratio"] == pytest.approx(1.0)
     text = md.read_text()
-    section = text.split("## Re-run to confirm", 1)[-1]
+    section = text.split("## Re-run to confirm", 1)[-1].split("\n## ", 1)[0]
     line = next(x for x in section.splitlines() if x.startswith(f"| `{sid}`"))
-    assert "## Re-run to confirm" in text and [c.strip() for c in line.split("|")][5:7] == [kept, now]
+    assert [c.strip() for c in line.split("|")][5:8] == [verdict, kept, now]
+    assert f"`{unflagged}`" not in section and "1 scenario flagged slower at first ran again" in section
     assert pd.read_csv(run / "summary.csv").set_index("scenario").at[sid, "steady_s"] == pytest.approx(0.08)
 
 
