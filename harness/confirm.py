@@ -44,8 +44,8 @@ def faster_attempts(
     run: pd.DataFrame, rerun: pd.DataFrame, measures: Mapping[str, str]
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The run's table with each re-run scenario's row replaced by its re-run's where that was faster by the
-    scenario's measure (`measures`: scenario id -> the measure the first report judged it by) and met its
-    expectation; and one row per re-run scenario (`ATTEMPT_COLUMNS`: both attempts' values, "first" or
+    scenario's measure (`measures`: scenario id -> the measure the first report judged it by) or did not meet
+    its expectation; and one row per re-run scenario (`ATTEMPT_COLUMNS`: both attempts' values, "first" or
     "rerun" kept, the re-run's verdict). Tables indexed by scenario id, as `harness.report.normalise_table`
     gives.
 
