@@ -87,8 +87,8 @@ from harness.report_measure import (
 )
 
 # env.json keys never listed as differences: they differ on every run (report.md shows them per run) or
-# are shown elsewhere (calibration).
-ENV_SKIPPED = ("started_at", "ended_at", "wall_s", "command", "python_executable", "calibration")
+# are shown elsewhere (calibration; a baseline of several runs' run_identities, in the first line).
+ENV_SKIPPED = ("started_at", "ended_at", "wall_s", "command", "python_executable", "calibration", "run_identities")
 
 COLUMNS: tuple[str, ...] = (
     "scenario",

@@ -199,4 +199,5 @@ def test_adding_a_run_by_dot_a_copy_of_a_kept_run_or_into_a_file_is_handled(
     assert "holds already (same commit and start time)" in err and "is a file" in err
     write_run(target / "runs" / "2026-01-02", table(host=1.1), env("2a"))
     assert write_report(run, target)[0] == 0
-    assert "**The run is one of the baseline's runs**" in (run / "report.md").read_text()
+    md = (run / "report.md").read_text()
+    assert "**The run is one of the baseline's runs**" in md and "run_identities" not in md
