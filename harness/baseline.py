@@ -44,6 +44,11 @@ def is_multi_run(path: Path | str) -> bool:
     return (Path(path) / RUNS_DIR).is_dir()
 
 
+def _kept_runs(folder: Path) -> list[Path]:
+    """`folder`/runs/*/ that hold a summary.csv, sorted by name; [] where there is no runs/."""
+    return sorted(p for p in (folder / RUNS_DIR).glob("*") if (p / "summary.csv").is_file())
+
+
 def run_folders(path: Path | str) -> list[Path]:
     """The run folders of a multi-run baseline (`path`/runs/*/ with a summary.csv), sorted by name.
 
@@ -57,7 +62,7 @@ def run_folders(path: Path | str) -> list[Path]:
             f"{folder} has both a summary.csv and a {RUNS_DIR}/ folder: move its summary.csv and env.json into "
             f"{RUNS_DIR}/<run-id>/ (a baseline is one run's folder or a folder of runs, not both)"
         )
-    found = sorted(p for p in (folder / RUNS_DIR).iterdir() if (p / "summary.csv").is_file())
+    found = _kept_runs(folder)
     if not found:
         raise ValueError(f"{folder / RUNS_DIR} holds no run folder with a summary.csv: add one with `harness baseline`")
     return found
@@ -117,12 +122,14 @@ def combine_tables(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
             row["verdict"] = verdict
             row["expect_met"] = bool(next(r["expect_met"] for r, _ in present if str(r["verdict"]) == verdict))
         timed = [(r, s) for r, s in present if not r["interrupted"] and r["expect_met"]]
-        for col in SCALED:
-            values = [v / s[colocated(r["colocate"])] for r, s in timed if (v := finite(r.get(col)))]
+        scaled = {
+            col: [v / s[colocated(r["colocate"])] for r, s in timed if (v := finite(r.get(col)))] for col in SCALED
+        }
+        for col, values in scaled.items():
             row[col] = statistics.median(values) if values else math.nan
         effs = [v for r, _ in timed if (v := finite(r.get("efficiency")))]
         row["efficiency"] = statistics.median(effs) if effs else math.nan
-        steadies = [v / s[colocated(r["colocate"])] for r, s in timed if (v := finite(r.get("steady_s")))]
+        steadies = scaled["steady_s"]
         row["runs"] = len(steadies)
         row[RUNS_SPREAD_S] = _spread(steadies)
         row[RUNS_SPREAD_EFFICIENCY] = _spread(effs)
@@ -178,11 +185,11 @@ def combine_envs(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out["calibration"] = calibration
     out["bound_version"] = versions[0]
     out["runs"] = len(envs)
-    out["run_identities"] = [list(_identity(env)) for env in envs]  # a report names a run that is one of these
+    out["run_identities"] = [list(run_identity(env)) for env in envs]  # a report names a run that is one of these
     return out
 
 
-def _identity(env: Mapping[str, Any]) -> tuple[str, str]:
+def run_identity(env: Mapping[str, Any]) -> tuple[str, str]:
     """(commit, start time) of a run's env.json: two folders with the same are one run."""
     return str((env.get("git") or {}).get("commit")), str(env.get("started_at"))
 
@@ -215,13 +222,12 @@ def add_runs(run_dirs: Sequence[Path | str], baseline_dir: Path | str) -> list[P
         target = base / RUNS_DIR / name
         if target.exists() or names.count(name) > 1:
             raise ValueError(f"{target}: a baseline keeps each run once, and a run of that name is there")
-    folders = sorted(p for p in (base / RUNS_DIR).glob("*") if (p / "summary.csv").is_file())
-    kept = [load_run(p).env for p in folders]
-    seen = {_identity(env) for env in kept}
+    kept = [load_run(p).env for p in _kept_runs(base)]
+    seen = {run_identity(env) for env in kept}
     for run in runs:
-        if _identity(run.env) in seen:  # the same run under another name: its luck would count twice
+        if run_identity(run.env) in seen:  # the same run under another name: its luck would count twice
             raise ValueError(f"{run.path} is a run the baseline holds already (same commit and start time)")
-        seen.add(_identity(run.env))
+        seen.add(run_identity(run.env))
     combine_envs([*kept, *(run.env for run in runs)])  # raises on another bound version
     targets = []
     for run in runs:

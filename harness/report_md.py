@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness.baseline import run_identity
 from harness.report import Report, RunTables, compared_nothing, sensitivity
 from harness.report_measure import (
     FENCE_MADS,
@@ -202,8 +203,7 @@ def _baseline_runs(base: RunTables, run_env: Mapping[str, Any]) -> str:
     shown = ", ".join(str(c)[:7] for c in (commits if isinstance(commits, list) else [commits]))
     note = f", the per-scenario medians of its {runs} runs (commits {shown}; each row's baseline spread is theirs)"
     identities = base.env.get("run_identities") or []
-    mine = [str((run_env.get("git") or {}).get("commit")), str(run_env.get("started_at"))]
-    if mine in identities:
+    if list(run_identity(run_env)) in identities:
         note += ". **The run is one of the baseline's runs**: it is compared with a median it is part of"
     return note
 
